@@ -1,0 +1,26 @@
+"""layernorm: exact, fast and inspectable layer normalization and RMSNorm.
+
+Public API (SPEC §2)::
+
+    layer_norm, rms_norm, add_layer_norm, add_rms_norm     functions on torch tensors
+    LayerNorm, RMSNorm                                      drop-ins for torch's modules
+    available_backends()                                    kernel backends usable here
+    reference                                               the NumPy float64 math
+"""
+
+from . import reference
+from .backends import available_backends
+from .nn import LayerNorm, RMSNorm
+from .ops import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+
+__all__ = [
+    "LayerNorm",
+    "RMSNorm",
+    "add_layer_norm",
+    "add_rms_norm",
+    "available_backends",
+    "layer_norm",
+    "reference",
+    "rms_norm",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,90 @@
+"""A small lazy registry of kernel backends.
+
+A backend is a module under ``layernorm.backends`` imported only when first used, so
+``import layernorm`` stays fast and compiles nothing. Every backend module provides::
+
+    unavailable_reason() -> str | None
+        Why the backend cannot run on this machine at all (a missing package, no GPU),
+        or None when it can.
+    cannot_run(x) -> str | None
+        Why it cannot handle this (M, N) tensor (device, dtype), or None.
+    prefers(x) -> bool
+        True when it is the fastest correct choice for ``x``: the automatic choice takes
+        the first backend in ``AUTO_ORDER`` that is available, can run and prefers.
+    forward(x, residual, weight, bias, eps, rms) -> (y, residual_out, mean, rstd)
+    backward(dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias)
+        -> (dx, dweight, dbias)
+
+Kernels see only 2-D ``(M, N)`` tensors whose rows are contiguous (``stride(1) == 1``;
+``stride(0)`` may be anything) and 1-D ``(N,)`` parameters; the contract of each
+argument is in ``layernorm.backends.torch_``, the portable reference implementation.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+__all__ = ["AUTO_ORDER", "BACKENDS", "available_backends", "choose", "get"]
+
+#: name -> module path, in no particular order.
+BACKENDS: dict[str, str] = {
+    "torch": "layernorm.backends.torch_",
+    "numba": "layernorm.backends.numba_",
+    "triton": "layernorm.backends.triton_",
+}
+#: the automatic choice tries these in order; "torch" runs everything.
+AUTO_ORDER: tuple[str, ...] = ("triton", "numba", "torch")
+
+_modules: dict[str, ModuleType] = {}
+_unavailable: dict[str, str | None] = {}
+
+
+def _load(name: str) -> ModuleType | None:
+    if name not in _unavailable:
+        try:
+            module = importlib.import_module(BACKENDS[name])
+        except ImportError as error:  # the backend's package is not installed
+            _unavailable[name] = f"cannot import {BACKENDS[name]}: {error}"
+        else:
+            _modules[name] = module
+            _unavailable[name] = module.unavailable_reason()
+    return _modules.get(name) if _unavailable[name] is None else None
+
+
+def get(name: str) -> ModuleType:
+    """The backend module called ``name``; raises if it cannot run on this machine."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; known backends: {sorted(BACKENDS)}")
+    module = _load(name)
+    if module is None:
+        raise RuntimeError(f"backend {name!r} is not available here: {_unavailable[name]}")
+    return module
+
+
+def available_backends() -> list[str]:
+    """Names of the backends that can run on this machine (for some device)."""
+    return [name for name in BACKENDS if _load(name) is not None]
+
+
+def choose(x: torch.Tensor, backend: str | None = None) -> str:
+    """The backend to run ``x`` (an (M, N) tensor) on.
+
+    ``backend`` (or else the ``LAYERNORM_BACKEND`` environment variable) names one
+    explicitly, and an explicit choice that cannot run raises. ``None`` takes the first
+    backend in :data:`AUTO_ORDER` that can run ``x`` and prefers it, falling back quietly.
+    """
+    name = backend or os.environ.get("LAYERNORM_BACKEND") or None
+    if name is not None:
+        reason = get(name).cannot_run(x)
+        if reason is not None:
+            raise RuntimeError(f"backend {name!r} cannot run this input: {reason}")
+        return name
+    for candidate in AUTO_ORDER:
+        module = _load(candidate)
+        if module is not None and module.cannot_run(x) is None and module.prefers(x):
+            return candidate
+    return "torch"

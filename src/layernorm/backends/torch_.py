@@ -1,0 +1,124 @@
+"""Portable backend: layer norm and RMSNorm in plain torch operations, on any device.
+
+It defines the kernel contract every backend follows (see ``layernorm.backends``):
+
+- ``x``, ``residual``, ``dy``, ``dresidual_out``: ``(M, N)`` tensors of one floating dtype,
+  rows contiguous (``stride(1) == 1``), ``stride(0)`` arbitrary.
+- ``weight``, ``bias``: ``(N,)`` contiguous or ``None``; any floating dtype.
+- Arithmetic in the accumulation dtype: float64 for float64 input, else float32.
+  ``mean`` and ``rstd`` are ``(M,)`` in that dtype; ``mean`` is ``None`` for RMSNorm.
+- ``forward`` returns ``y`` (contiguous, ``x``'s dtype), ``residual_out = x + residual``
+  (``x``'s dtype, or ``None`` without a residual; the normalization reads the rounded
+  ``residual_out``), ``mean`` and ``rstd``.
+- ``backward`` gets the normalized input (``residual_out`` when there was a residual) as
+  ``x`` and returns ``dx`` (``x``'s dtype, ``+ dresidual_out`` when given) and
+  ``dweight``/``dbias`` in the accumulation dtype, or ``None`` when not asked for.
+
+Statistics are the corrected two-pass of SPEC §3. Reductions go through :func:`row_sum`
+and :func:`column_sum`, whose summation order depends only on N (and the row
+partition), never on M or the thread count: torch's own reductions split a long single
+row across threads, which would make a row's result depend on its batch.
+Trade-off: this backend makes full-size float32 temporaries; the numba and triton
+backends do not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK = 4096  # a reduction of <= 32768 elements is never split by torch's CPU reducer
+ROW_BLOCK = 1024  # fixed row partition for dweight/dbias partial sums
+
+
+def unavailable_reason() -> str | None:
+    return None
+
+
+def cannot_run(x: torch.Tensor) -> str | None:
+    return None
+
+
+def prefers(x: torch.Tensor) -> bool:
+    return True
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def row_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sums each row of ``t`` (M, N) in an order that depends only on N."""
+    m, n = t.shape
+    if n <= CHUNK:
+        return t.sum(1)
+    k = n // CHUNK
+    total = t[:, : k * CHUNK].reshape(m, k, CHUNK).sum(2).sum(1)
+    return total + t[:, k * CHUNK :].sum(1) if n % CHUNK else total
+
+
+def column_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sums the rows of ``t`` (M, N) over a fixed partition into blocks of ROW_BLOCK rows."""
+    m, n = t.shape
+    k = m // ROW_BLOCK
+    partial = t[: k * ROW_BLOCK].reshape(k, ROW_BLOCK, n).sum(1)
+    rest = t[k * ROW_BLOCK :].sum(0)
+    return torch.cat([partial, rest[None]]).sum(0)
+
+
+def forward(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    acc = accumulation_dtype(x.dtype)
+    residual_out = None if residual is None else (x.to(acc) + residual.to(acc)).to(x.dtype)
+    z = (x if residual_out is None else residual_out).to(acc)
+    n = z.shape[1]
+    if rms:
+        mean = None
+        rstd = torch.rsqrt(row_sum(z * z) / n + eps)
+        u = z * rstd[:, None]
+    else:
+        m1 = row_sum(z) / n
+        d = z - m1[:, None]
+        delta = row_sum(d) / n
+        mean = m1 + delta
+        c = d - delta[:, None]
+        rstd = torch.rsqrt(row_sum(c * c) / n + eps)
+        u = c * rstd[:, None]
+    y = u if weight is None else u * weight.to(acc)
+    y = y if bias is None else y + bias.to(acc)
+    return y.to(x.dtype).contiguous(), residual_out, mean, rstd
+
+
+def backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    dresidual_out: torch.Tensor | None,
+    rms: bool,
+    need_dweight: bool,
+    need_dbias: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    acc = accumulation_dtype(x.dtype)
+    z = x.to(acc)
+    g = dy.to(acc)
+    n = z.shape[1]
+    u = (z if mean is None else z - mean[:, None]) * rstd[:, None]
+    gh = g if weight is None else g * weight.to(acc)
+    c1 = row_sum(gh * u) / n
+    if rms:
+        dx = rstd[:, None] * (gh - u * c1[:, None])
+    else:
+        c2 = row_sum(gh) / n
+        dx = rstd[:, None] * (gh - c2[:, None] - u * c1[:, None])
+    if dresidual_out is not None:
+        dx = dx + dresidual_out.to(acc)
+    dweight = column_sum(g * u) if need_dweight else None
+    dbias = column_sum(g) if need_dbias else None
+    return dx.to(x.dtype), dweight, dbias

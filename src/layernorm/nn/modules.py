@@ -1,0 +1,78 @@
+"""``LayerNorm`` and ``RMSNorm``: subclasses of torch's modules that override only ``forward``.
+
+Constructors, parameters, state_dict keys, ``reset_parameters`` and ``repr`` are torch's
+own, so checkpoints load both ways and ``isinstance(m, torch.nn.LayerNorm)`` holds.
+The attribute ``backend`` (default ``None``, the automatic choice) picks a kernel backend.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..ops import layer_norm, rms_norm
+
+__all__ = ["LayerNorm", "RMSNorm"]
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    r"""Layer normalization over the trailing ``normalized_shape`` dims, as :class:`torch.nn.LayerNorm`.
+
+    .. math::
+        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} * \gamma + \beta
+
+    computed by :func:`layernorm.layer_norm` (exact statistics, batch invariant).
+
+    Args:
+        normalized_shape: the trailing dims that form one row.
+        eps: added to the variance inside the square root. Default: ``1e-5``.
+        elementwise_affine: learn ``weight`` (ones) and ``bias`` (zeros). Default: ``True``.
+        bias: learn ``bias`` when ``elementwise_affine``. Default: ``True``.
+        device, dtype: of the parameters. Default: ``None``.
+
+    Shape:
+        - Input: ``(*, *normalized_shape)``
+        - Output: same as input
+
+    Example::
+
+        >>> m = layernorm.LayerNorm(768)
+        >>> m(torch.randn(2, 10, 768)).shape
+        torch.Size([2, 10, 768])
+    """
+
+    backend: str | None = None
+
+    def forward(self, input: Tensor) -> Tensor:
+        return layer_norm(
+            input, self.normalized_shape, self.weight, self.bias, self.eps, backend=self.backend
+        )
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    r"""RMSNorm over the trailing ``normalized_shape`` dims, as :class:`torch.nn.RMSNorm`.
+
+    .. math::
+        y = \frac{x}{\sqrt{\mathrm{E}[x^2] + \epsilon}} * \gamma
+
+    Args:
+        normalized_shape: the trailing dims that form one row.
+        eps: added inside the square root. Default: ``None``, ``torch.finfo(x.dtype).eps``.
+        elementwise_affine: learn ``weight`` (ones). Default: ``True``.
+        device, dtype: of the parameters. Default: ``None``.
+
+    Shape:
+        - Input: ``(*, *normalized_shape)``
+        - Output: same as input
+
+    Example::
+
+        >>> m = layernorm.RMSNorm([4, 8])
+        >>> m(torch.randn(3, 4, 8)).shape
+        torch.Size([3, 4, 8])
+    """
+
+    backend: str | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.normalized_shape, self.weight, self.eps, backend=self.backend)

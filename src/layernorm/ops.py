@@ -1,0 +1,405 @@
+"""Validation, flattening to rows, backend choice, autograd and custom-op registration.
+
+The only module that knows torch autograd. Data flows down once:
+validate → flatten to (M, N) → custom op (picks the backend, runs its kernel) → reshape.
+
+The two custom ops ``layernorm::forward`` and ``layernorm::backward`` are opaque to
+torch.compile (fake kernels give their shapes), so a model using them compiles with
+``fullgraph=True``. The backend is chosen inside the op, at run time, from the
+``backend`` string ("" means automatic). The autograd formula saves ``mean`` and
+``rstd`` per row (float32, or float64 for float64 input), never ``u``. A second
+derivative goes through :func:`_composite_backward`, the same formula in differentiable
+torch operations.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from . import backends
+
+__all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
+
+ShapeLike = int | Sequence[int] | torch.Size
+
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _empty(like: Tensor) -> Tensor:
+    return like.new_empty(0)
+
+
+def _kernels(x: Tensor, backend: str):
+    # Zero-size work never reaches a compiled kernel.
+    return backends.get("torch") if x.numel() == 0 else backends.get(backends.choose(x, backend or None))
+
+
+@torch.library.custom_op("layernorm::forward", mutates_args=())
+def _forward_op(
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    y, residual_out, mean, rstd = _kernels(x, backend).forward(x, residual, weight, bias, eps, rms)
+    return (
+        y,
+        _empty(x) if residual_out is None else residual_out,
+        _empty(rstd) if mean is None else mean,
+        rstd,
+    )
+
+
+@_forward_op.register_fake
+def _(x, residual, weight, bias, eps, rms, backend):
+    m, n = x.shape
+    stat = _stat_dtype(x.dtype)
+    return (
+        x.new_empty((m, n)),
+        x.new_empty((m, n) if residual is not None else (0,)),
+        x.new_empty((0,) if rms else (m,), dtype=stat),
+        x.new_empty((m,), dtype=stat),
+    )
+
+
+@torch.library.custom_op("layernorm::backward", mutates_args=())
+def _backward_op(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor | None,
+    mean: Tensor,
+    rstd: Tensor,
+    dresidual_out: Tensor | None,
+    rms: bool,
+    need_dweight: bool,
+    need_dbias: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    dx, dweight, dbias = _kernels(x, backend).backward(
+        dy, x, weight, None if rms else mean, rstd, dresidual_out, rms, need_dweight, need_dbias
+    )
+    return dx, _empty(rstd) if dweight is None else dweight, _empty(rstd) if dbias is None else dbias
+
+
+@_backward_op.register_fake
+def _(dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias, backend):
+    n = x.shape[1]
+    stat = _stat_dtype(x.dtype)
+    return (
+        x.new_empty(x.shape),
+        x.new_empty((n,) if need_dweight else (0,), dtype=stat),
+        x.new_empty((n,) if need_dbias else (0,), dtype=stat),
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, residual, weight, bias, eps, rms, backend = inputs
+    _, residual_out, mean, rstd = output
+    ctx.save_for_backward(x if residual is None else residual_out, weight, mean, rstd)
+    ctx.has_residual = residual is not None
+    ctx.has_bias = bias is not None
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.eps, ctx.rms, ctx.backend = eps, rms, backend
+
+
+def _backward(ctx, dy, dresidual_out, _dmean, _drstd):
+    z, weight, mean, rstd = ctx.saved_tensors
+    need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+    need_dweight = weight is not None and ctx.needs_input_grad[2]
+    need_dbias = ctx.has_bias and ctx.needs_input_grad[3]
+    if not ctx.has_residual or dresidual_out.numel() == 0:
+        dresidual_out = None
+    if torch.is_grad_enabled():  # create_graph=True: a differentiable formula
+        dz, dweight, dbias = _composite_backward(dy, z, weight, ctx.eps, ctx.rms, dresidual_out)
+    else:
+        dz, dweight, dbias = _backward_op(
+            dy, z, weight, mean, rstd, dresidual_out, ctx.rms, need_dweight, need_dbias, ctx.backend
+        )
+    dweight = dweight.to(weight.dtype) if need_dweight else None
+    dbias = dbias.to(ctx.bias_dtype) if need_dbias else None
+    if not need_x:
+        dz = None
+    dresidual = None
+    if ctx.has_residual and ctx.needs_input_grad[1] and dz is not None:
+        # x and residual get the same gradient; never hand one tensor to two leaves.
+        dresidual = dz.clone() if ctx.needs_input_grad[0] else dz
+    dx = dz if ctx.needs_input_grad[0] else None
+    return dx, dresidual, dweight, dbias, None, None, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _composite_backward(
+    dy: Tensor, z: Tensor, weight: Tensor | None, eps: float, rms: bool, dresidual_out: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """SPEC's backward in differentiable torch operations (statistics recomputed from z)."""
+    acc = _stat_dtype(z.dtype)
+    zf, g = z.to(acc), dy.to(acc)
+    if rms:
+        rstd = torch.rsqrt((zf * zf).mean(1, keepdim=True) + eps)
+        u = zf * rstd
+    else:
+        c = zf - zf.mean(1, keepdim=True)
+        rstd = torch.rsqrt((c * c).mean(1, keepdim=True) + eps)
+        u = c * rstd
+    gh = g if weight is None else g * weight.to(acc)
+    c1 = (gh * u).mean(1, keepdim=True)
+    dz = rstd * (gh - u * c1) if rms else rstd * (gh - gh.mean(1, keepdim=True) - u * c1)
+    if dresidual_out is not None:
+        dz = dz + dresidual_out.to(acc)
+    return dz.to(z.dtype), (g * u).sum(0), g.sum(0)
+
+
+# ---------------------------------------------------------------------------------------
+# Validation and flattening
+
+
+def _normalized_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
+    if isinstance(normalized_shape, int):
+        return (normalized_shape,)
+    shape = tuple(int(s) for s in normalized_shape)
+    if len(shape) == 0:
+        raise ValueError(
+            "Expected normalized_shape to be at least 1-dimensional, i.e., containing at "
+            f"least one element, but got normalized_shape = {list(shape)}"
+        )
+    return shape
+
+
+def _check_input(name: str, t: Tensor, shape: tuple[int, ...], op: str) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{op}: expected {name} to be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{op} expects a floating-point {name}, got {name} of dtype {t.dtype}")
+    if t.dim() < len(shape) or tuple(t.shape[t.dim() - len(shape) :]) != shape:
+        raise ValueError(
+            f"Given normalized_shape={list(shape)}, expected {name} with shape "
+            f"[*, {', '.join(map(str, shape))}], but got {name} of size {list(t.shape)}"
+        )
+
+
+def _check_param(name: str, p: Tensor | None, shape: tuple[int, ...], x: Tensor, op: str) -> None:
+    if p is None:
+        return
+    if not isinstance(p, Tensor):
+        raise TypeError(f"{op}: expected {name} to be a torch.Tensor or None, got {type(p).__name__}")
+    if tuple(p.shape) != shape:
+        raise ValueError(
+            f"Expected {name} to be of same shape as normalized_shape, but got {name} of "
+            f"shape {list(p.shape)} and normalized_shape = {list(shape)}"
+        )
+    if not p.is_floating_point():
+        raise TypeError(f"{op} expects a floating-point {name}, got {name} of dtype {p.dtype}")
+    if p.device != x.device:
+        raise RuntimeError(
+            f"Expected all tensors to be on the same device, but got input on {x.device} "
+            f"and {name} on {p.device}"
+        )
+
+
+def _check_eps(eps: float) -> float:
+    eps = float(eps)
+    if not eps >= 0:  # also rejects NaN
+        raise ValueError(f"eps must be non-negative, got eps={eps}")
+    return eps
+
+
+def _check_backend(backend: str | None) -> str:
+    if backend is not None and backend not in backends.BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; known backends: {sorted(backends.BACKENDS)}")
+    return backend or ""
+
+
+def _rows(t: Tensor, n: int) -> Tensor:
+    """Flattens ``t`` to (M, N) with contiguous rows, without a copy where it can."""
+    m = math.prod(t.shape) // n if n else math.prod(t.shape[:-1])
+    rows = t.reshape(m, n)
+    return rows if rows.stride(1) == 1 or n <= 1 else rows.contiguous()
+
+
+def _flat(p: Tensor | None, n: int) -> Tensor | None:
+    return None if p is None else p.reshape(n).contiguous()
+
+
+def _norm(
+    op: str,
+    x: Tensor,
+    residual: Tensor | None,
+    normalized_shape: ShapeLike,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+    backend: str | None,
+) -> tuple[Tensor, Tensor | None]:
+    shape = _normalized_shape(normalized_shape)
+    _check_input("input", x, shape, op)
+    if residual is not None:
+        _check_input("residual", residual, shape, op)
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(
+                f"{op}: residual must match input in shape and dtype, but got input "
+                f"{list(x.shape)} {x.dtype} and residual {list(residual.shape)} {residual.dtype}"
+            )
+        if residual.device != x.device:
+            raise RuntimeError(
+                "Expected all tensors to be on the same device, but got input on "
+                f"{x.device} and residual on {residual.device}"
+            )
+    _check_param("weight", weight, shape, x, op)
+    _check_param("bias", bias, shape, x, op)
+    eps = _check_eps(torch.finfo(x.dtype).eps if eps is None else eps)
+    name = _check_backend(backend)
+    n = math.prod(shape)
+    y, residual_out, _, _ = _forward_op(
+        _rows(x, n),
+        None if residual is None else _rows(residual, n),
+        _flat(weight, n),
+        _flat(bias, n),
+        eps,
+        rms,
+        name,
+    )
+    return y.view(x.shape), None if residual is None else residual_out.view(x.shape)
+
+
+# ---------------------------------------------------------------------------------------
+# Public functions
+
+
+def layer_norm(
+    input: Tensor,
+    normalized_shape: ShapeLike,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    backend: str | None = None,
+) -> Tensor:
+    r"""Layer normalization over the trailing ``normalized_shape`` dims of ``input``.
+
+    .. math::
+        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \odot \gamma + \beta
+
+    Mean and biased variance per row (corrected two-pass, float32-or-wider accumulation),
+    ``eps`` inside the square root; a drop-in for :func:`torch.nn.functional.layer_norm`.
+
+    Args:
+        input: tensor of shape ``(*, *normalized_shape)``, any floating dtype.
+        normalized_shape: the trailing dims that form one row (an int or a sequence).
+        weight: gain ``gamma`` of shape ``normalized_shape``. Default: ``None``.
+        bias: bias ``beta`` of shape ``normalized_shape``. Default: ``None``.
+        eps: added to the variance inside the square root, ``>= 0``. Default: ``1e-5``.
+        backend: ``"torch"``, ``"numba"`` or ``"triton"``; ``None`` picks the fastest
+            correct one (or the ``LAYERNORM_BACKEND`` environment variable's). Default: ``None``.
+
+    Returns:
+        a tensor shaped like ``input``, of its dtype.
+
+    Shape:
+        - Input: ``(*, *normalized_shape)``
+        - Output: same as input
+
+    Example::
+
+        >>> x = torch.tensor([[1.0, 2.0, 3.0]])
+        >>> layernorm.layer_norm(x, (3,), eps=1 / 3)
+        tensor([[-1.,  0.,  1.]])
+    """
+    return _norm("layer_norm", input, None, normalized_shape, weight, bias, eps, False, backend)[0]
+
+
+def rms_norm(
+    input: Tensor,
+    normalized_shape: ShapeLike,
+    weight: Tensor | None = None,
+    eps: float | None = None,
+    *,
+    backend: str | None = None,
+) -> Tensor:
+    r"""RMSNorm over the trailing ``normalized_shape`` dims: ``y = x / sqrt(mean(x²) + eps) ⊙ gamma``.
+
+    A drop-in for :func:`torch.nn.functional.rms_norm`.
+
+    Args:
+        input: tensor of shape ``(*, *normalized_shape)``, any floating dtype.
+        normalized_shape: the trailing dims that form one row.
+        weight: gain ``gamma`` of shape ``normalized_shape``. Default: ``None``.
+        eps: added inside the square root. Default: ``None``, ``torch.finfo(input.dtype).eps``.
+        backend: as in :func:`layer_norm`. Default: ``None``.
+
+    Returns:
+        a tensor shaped like ``input``, of its dtype.
+
+    Example::
+
+        >>> layernorm.rms_norm(torch.tensor([[3.0, 4.0]]), 2, eps=0.0)
+        tensor([[0.8485, 1.1314]])
+    """
+    return _norm("rms_norm", input, None, normalized_shape, weight, None, eps, True, backend)[0]
+
+
+def add_layer_norm(
+    x: Tensor,
+    residual: Tensor,
+    normalized_shape: ShapeLike,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Fused residual add and layer norm: ``residual_out = x + residual``,
+    ``y = layer_norm(residual_out)``, in one pass over memory where the backend allows.
+
+    Args:
+        x, residual: tensors of one shape ``(*, *normalized_shape)`` and one dtype.
+        normalized_shape, weight, bias, eps, backend: as in :func:`layer_norm`.
+
+    Returns:
+        ``(y, residual_out)``, both shaped like ``x``.
+
+    Example::
+
+        >>> y, h = layernorm.add_layer_norm(torch.ones(1, 3), torch.tensor([[0.0, 1.0, 2.0]]), 3)
+        >>> h
+        tensor([[1., 2., 3.]])
+    """
+    y, residual_out = _norm(
+        "add_layer_norm", x, residual, normalized_shape, weight, bias, eps, False, backend
+    )
+    return y, residual_out  # type: ignore[return-value]
+
+
+def add_rms_norm(
+    x: Tensor,
+    residual: Tensor,
+    normalized_shape: ShapeLike,
+    weight: Tensor | None = None,
+    eps: float | None = None,
+    *,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Fused residual add and RMSNorm: ``(rms_norm(x + residual), x + residual)``.
+
+    Args:
+        x, residual: tensors of one shape ``(*, *normalized_shape)`` and one dtype.
+        normalized_shape, weight, eps, backend: as in :func:`rms_norm`.
+
+    Returns:
+        ``(y, residual_out)``, both shaped like ``x``.
+    """
+    y, residual_out = _norm(
+        "add_rms_norm", x, residual, normalized_shape, weight, None, eps, True, backend
+    )
+    return y, residual_out  # type: ignore[return-value]
