@@ -37,7 +37,11 @@ def _empty(like: Tensor) -> Tensor:
 
 def _kernels(x: Tensor, backend: str):
     # Zero-size work never reaches a compiled kernel.
-    return backends.get("torch") if x.numel() == 0 else backends.get(backends.choose(x, backend or None))
+    return (
+        backends.get("torch")
+        if x.numel() == 0
+        else backends.get(backends.choose(x, backend or None))
+    )
 
 
 @torch.library.custom_op("layernorm::forward", mutates_args=())
@@ -87,7 +91,11 @@ def _backward_op(
     dx, dweight, dbias = _kernels(x, backend).backward(
         dy, x, weight, None if rms else mean, rstd, dresidual_out, rms, need_dweight, need_dbias
     )
-    return dx, _empty(rstd) if dweight is None else dweight, _empty(rstd) if dbias is None else dbias
+    return (
+        dx,
+        _empty(rstd) if dweight is None else dweight,
+        _empty(rstd) if dbias is None else dbias,
+    )
 
 
 @_backward_op.register_fake
@@ -140,7 +148,12 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _composite_backward(
-    dy: Tensor, z: Tensor, weight: Tensor | None, eps: float, rms: bool, dresidual_out: Tensor | None
+    dy: Tensor,
+    z: Tensor,
+    weight: Tensor | None,
+    eps: float,
+    rms: bool,
+    dresidual_out: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """SPEC's backward in differentiable torch operations (statistics recomputed from z)."""
     acc = _stat_dtype(z.dtype)
@@ -192,7 +205,9 @@ def _check_param(name: str, p: Tensor | None, shape: tuple[int, ...], x: Tensor,
     if p is None:
         return
     if not isinstance(p, Tensor):
-        raise TypeError(f"{op}: expected {name} to be a torch.Tensor or None, got {type(p).__name__}")
+        raise TypeError(
+            f"{op}: expected {name} to be a torch.Tensor or None, got {type(p).__name__}"
+        )
     if tuple(p.shape) != shape:
         raise ValueError(
             f"Expected {name} to be of same shape as normalized_shape, but got {name} of "
@@ -216,7 +231,9 @@ def _check_eps(eps: float) -> float:
 
 def _check_backend(backend: str | None) -> str:
     if backend is not None and backend not in backends.BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; known backends: {sorted(backends.BACKENDS)}")
+        raise ValueError(
+            f"unknown backend {backend!r}; known backends: {sorted(backends.BACKENDS)}"
+        )
     return backend or ""
 
 
