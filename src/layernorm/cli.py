@@ -1,0 +1,109 @@
+"""The ``layernorm`` command: explain, check, report, bench, experiment.
+
+Thin by design: each subcommand parses its arguments and calls the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["main"]
+
+# Subcommands that live beside the library's own modules: module -> its add_parser.
+_PLUGINS = ("layernorm.benchmark", "layernorm.experiments")
+
+
+def _numbers(text: str) -> float:
+    from .explain import parse_number
+
+    try:
+        return parse_number(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from .explain import explain, format_explanation
+
+    try:
+        e = explain(args.z, args.eps, args.gamma, args.beta)
+    except ValueError as error:
+        print(f"layernorm explain: error: {error}", file=sys.stderr)
+        return 2
+    print(format_explanation(e))
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from .checks import backends_to_check, run_checks
+
+    names = args.backend or backends_to_check()
+    results = run_checks(names, progress=sys.stderr.isatty())
+    width = max(len(r.check) for r in results)
+    bwidth = max(len(r.backend) for r in results)
+    print(f"{'check':<{width}}  {'backend':<{bwidth}}  result  measured")
+    for r in results:
+        verdict = "pass" if r.passed else "FAIL"
+        print(f"{r.check:<{width}}  {r.backend:<{bwidth}}  {verdict:<6}  {r.measured}")
+    failed = sum(not r.passed for r in results)
+    print(f"{len(results) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    path = write_report(
+        Path(args.out),
+        quick=args.quick,
+        bench=not args.no_bench,
+        experiments=not args.no_experiments,
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="layernorm", description="Exact, fast and inspectable layer normalization."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("explain", help="layer norm of one vector, step by step")
+    p.add_argument(
+        "z", nargs="+", type=_numbers, help="the vector (decimals or fractions like 1/3)"
+    )
+    p.add_argument("--eps", type=_numbers, default=1e-5, help="stabilizer (default 1e-5)")
+    p.add_argument("--gamma", nargs="+", type=_numbers, help="gain, one number per element")
+    p.add_argument("--beta", nargs="+", type=_numbers, help="bias, one number per element")
+    p.set_defaults(func=_explain)
+
+    p = sub.add_parser("check", help="verify every backend against the reference and the seeds")
+    p.add_argument("--backend", action="append", help="check only this backend (repeatable)")
+    p.set_defaults(func=_check)
+
+    p = sub.add_parser("report", help="write one self-contained HTML report")
+    p.add_argument(
+        "--out", default="layernorm-report", help="output folder (default layernorm-report)"
+    )
+    p.add_argument("--quick", action="store_true", help="small sizes: a fast smoke version")
+    p.add_argument("--no-bench", action="store_true", help="skip the benchmark section")
+    p.add_argument("--no-experiments", action="store_true", help="skip the experiments section")
+    p.set_defaults(func=_report)
+
+    for module in _PLUGINS:
+        try:  # TEMPORARY until the plugin branches land
+            importlib.import_module(module).add_parser(sub)
+        except ModuleNotFoundError as error:
+            if error.name != module:
+                raise
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))

@@ -1,0 +1,235 @@
+"""``layernorm report``: one self-contained HTML page (images inline) with the claims
+table, the math's plots, and the benchmark and experiment sections.
+
+Every plot is also written as a PNG beside ``index.html``.
+"""
+
+from __future__ import annotations
+
+import html
+import importlib
+import math
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import __version__, reference
+from ._html import img_tag, table
+from .checks import backends_to_check, run_checks
+
+__all__ = ["plot_eigenvalues", "plot_h_eps", "plot_offset_error", "write_report"]
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; max-width: 70em; margin: 2em auto; padding: 0 1em; }
+table { border-collapse: collapse; margin: 1em 0; } td, th { border: 1px solid #ccc; padding: .3em .6em; }
+th { background: #f3f3f3; } img { max-width: 100%; } .pass { color: #070; } .fail { color: #b00; }
+"""
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_h_eps(path: Path, eps_values: tuple[float, ...] = (0.01, 0.1, 1.0, 4.0)) -> Path:
+    """``h_eps(t)`` on ``(-t, 0, t)`` and its derivative, measured through the library's
+    ``layer_norm`` (dots) beside the closed form (lines), with the asymptotes ``±sqrt(3/2)``."""
+    from .ops import layer_norm
+
+    plt = _figure()
+    t = np.linspace(-6, 6, 601)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    rows = torch.tensor(np.stack([-t, 0 * t, t], axis=1))
+    for eps in eps_values:
+        (line,) = ax.plot(t, reference.h_eps(t, eps), label=f"eps = {eps:g}")
+        measured = layer_norm(rows, 3, eps=eps)[:, 2].numpy()
+        ax.plot(t[::30], measured[::30], "o", ms=3, color=line.get_color())
+        ax2.plot(
+            t, reference.h_eps_derivative(t, eps), color=line.get_color(), label=f"eps = {eps:g}"
+        )
+    for sign in (1, -1):
+        ax.axhline(sign * math.sqrt(1.5), ls="--", color="gray", lw=1)
+    ax.set(title="h_eps(t): third core coordinate of (-t, 0, t)", xlabel="t", ylabel="h_eps(t)")
+    ax2.set(title="h'_eps(t) = eps / (2t²/3 + eps)^(3/2)", xlabel="t", yscale="log")
+    ax.legend(fontsize=8)
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_eigenvalues(path: Path, d: int = 8, eps: float = 0.1) -> Path:
+    """The core Jacobian's eigenvalues, times ``sqrt(eps)``, against ``q/eps``: closed form
+    (lines) beside the eigenvalues of the computed Jacobian (dots). The Lipschitz bound is 1."""
+    plt = _figure()
+    rng = np.random.default_rng(0)
+    ratio = np.logspace(-3, 3, 41)
+    measured = []
+    for r in ratio:
+        v = rng.normal(size=d)
+        v -= v.mean()
+        v *= math.sqrt(r * eps / (v @ v / d))  # q = r * eps
+        z = v + rng.normal() * 5  # a random offset changes nothing
+        measured.append(
+            np.sort(np.linalg.eigvals(reference.jacobian(z, eps)).real) * math.sqrt(eps)
+        )
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    grid = np.logspace(-3, 3, 400)
+    ax.plot(grid, (1 + grid) ** -0.5, label="on v⊥ (and ⊥ 1): (q+eps)^-1/2")
+    ax.plot(grid, (1 + grid) ** -1.5, label="on v: eps/(q+eps)^3/2")
+    ax.axhline(1.0, ls="--", color="gray", lw=1, label="Lipschitz bound eps^-1/2")
+    for r, eig in zip(ratio, measured, strict=True):
+        ax.plot([r] * (d - 1), eig[1:], "k.", ms=3)
+        ax.plot([r], eig[0], "kx", ms=4)
+    ax.plot([], [], "k.", label="eigenvalues of the computed Jacobian")
+    ax.plot([], [], "kx", label="on 1: 0")
+    ax.set(
+        xscale="log",
+        xlabel="q / eps",
+        ylabel="eigenvalue × sqrt(eps)",
+        title=f"Jacobian spectrum, d = {d}",
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_offset_error(path: Path, names: list[str]) -> tuple[Path, list[list[str]]]:
+    """Max core error against the float64 reference on float32 rows ``N(c, 1)``, for
+    torch.nn.functional.layer_norm and each of our backends that runs on the CPU."""
+    from .ops import layer_norm
+
+    plt = _figure()
+    offsets = [0.0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6]
+    gen = torch.Generator().manual_seed(0)
+    series: dict[str, list[float]] = {"torch.nn.functional": []}
+    series.update({f"layernorm ({n})": [] for n in names})
+    for c in offsets:
+        x = (torch.randn(64, 1024, dtype=torch.float64, generator=gen) + c).float()
+        want = reference.layer_norm(x.numpy(), 1024)[0]
+        outs = {"torch.nn.functional": torch.nn.functional.layer_norm(x, (1024,))}
+        outs.update({f"layernorm ({n})": layer_norm(x, 1024, backend=n) for n in names})
+        for key, y in outs.items():
+            series[key].append(float(np.max(np.abs(y.double().numpy() - want))))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for key, errs in series.items():
+        ax.plot([max(c, 1e-1) for c in offsets], errs, "o-", label=key)
+    ax.axhline(4e-6, ls="--", color="gray", lw=1, label="contract: 4e-6")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="row offset c (0 drawn at 0.1)",
+        ylabel="max |core error|",
+        title="float32 rows N(c, 1), N = 1024: error against float64",
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    rows = [[f"{c:g}"] + [f"{series[k][i]:.1e}" for k in series] for i, c in enumerate(offsets)]
+    return path, [["offset c", *series], *rows]
+
+
+def _claims_section() -> str:
+    results = run_checks(backends_to_check())
+    rows = [[r.check, r.backend, "pass" if r.passed else "FAIL", r.measured] for r in results]
+    passed = sum(r.passed for r in results)
+    body = table(["check", "backend", "result", "measured"], rows)
+    body = body.replace("<td>pass</td>", '<td class="pass">pass</td>').replace(
+        "<td>FAIL</td>", '<td class="fail">FAIL</td>'
+    )
+    return f"<h2>Claims checked</h2><p>{passed} of {len(results)} checks pass.</p>{body}"
+
+
+def _math_section(out: Path) -> str:
+    h = plot_h_eps(out / "h_eps.png")
+    eig = plot_eigenvalues(out / "jacobian_eigenvalues.png")
+    names = [n for n in backends_to_check() if n != "triton" or not torch.cuda.is_available()]
+    offset_png, offset_rows = plot_offset_error(out / "offset_error.png", names)
+    return (
+        "<h2>The math</h2>"
+        "<p>The third core coordinate of (-t, 0, t): measured through <code>layer_norm</code> "
+        "(dots) and the closed form (lines); dashed: the asymptotes ±sqrt(3/2).</p>"
+        + img_tag(h, "h_eps")
+        + "<p>Eigenvalues of the core's Jacobian against q/eps, closed form beside the "
+        "computed Jacobian: all at most eps^-1/2, the Lipschitz bound, attained as q → 0.</p>"
+        + img_tag(eig, "Jacobian eigenvalues")
+        + "<h2>Error independent of the row offset</h2>"
+        + img_tag(offset_png, "offset error")
+        + table(offset_rows[0], offset_rows[1:])
+    )
+
+
+def _plugin_section(module: str, call: Callable[[object], str]) -> str:
+    try:
+        return call(importlib.import_module(module))
+    except Exception as error:  # a broken section must not lose the rest of the report
+        return (
+            f"<h2>{html.escape(module)}</h2><p class='fail'>failed: {html.escape(repr(error))}</p>"
+        )
+
+
+def write_report(
+    out: Path, quick: bool = False, bench: bool = True, experiments: bool = True
+) -> Path:
+    """Writes ``out/index.html`` (and the PNGs beside it) and returns its path.
+
+    Args:
+        out: the output folder (created if missing).
+        quick: small sizes everywhere, for a fast smoke version. Default: ``False``.
+        bench: include the CPU benchmark section. Default: ``True``.
+        experiments: include the experiments section; results already in
+            ``out/experiments/`` are reused, missing ones are run. Default: ``True``.
+    """
+    from tqdm.auto import tqdm
+
+    out.mkdir(parents=True, exist_ok=True)
+    sections: list[tuple[str, Callable[[], str]]] = [
+        ("claims", _claims_section),
+        ("math", lambda: _math_section(out)),
+    ]
+    if bench:
+        sections.append(
+            (
+                "benchmarks",
+                lambda: _plugin_section(
+                    "layernorm.benchmark", lambda m: m.report_section(out / "bench", quick)
+                ),
+            )
+        )
+    if experiments:
+        sections.append(
+            (
+                "experiments",
+                lambda: _plugin_section(
+                    "layernorm.experiments",
+                    lambda m: m.report_section(out / "experiments", True, quick),
+                ),
+            )
+        )
+    parts = []
+    with tqdm(sections, desc="report", unit="section") as bar:
+        for name, make in bar:
+            bar.set_postfix_str(name)
+            parts.append(make())
+    machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    page = (
+        "<!doctype html><html><head><meta charset='utf-8'><title>layernorm report</title>"
+        f"<style>{_STYLE}</style></head><body><h1>layernorm {__version__} report</h1>"
+        f"<p>{html.escape(machine)}; backends here: {html.escape(', '.join(backends_to_check()))}.</p>"
+        + "".join(parts)
+        + "</body></html>"
+    )
+    path = out / "index.html"
+    path.write_text(page, encoding="utf-8")
+    return path
