@@ -104,9 +104,9 @@ def layer_norm(
     mean = z.mean(axis=1)
     v = z - mean[:, None]
     q = (v * v).mean(axis=1)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore"):  # eps = 0: a constant row is NaN
         rstd = 1.0 / np.sqrt(q + dtype(eps))
-    u = v * rstd[:, None]
+        u = v * rstd[:, None]
     y = _affine(u, _param(weight, n, dtype), _param(bias, n, dtype))
     lead = np.shape(x)[: np.ndim(x) - len(_shape(normalized_shape))]
     return y.reshape(np.shape(x)), mean.reshape(lead), rstd.reshape(lead)
@@ -191,7 +191,7 @@ def rms_norm(
     z, n = _rows(x, normalized_shape, dtype)
     with np.errstate(divide="ignore", invalid="ignore"):
         rstd = 1.0 / np.sqrt((z * z).mean(axis=1) + dtype(eps))
-    y = _affine(z * rstd[:, None], _param(weight, n, dtype), None)
+        y = _affine(z * rstd[:, None], _param(weight, n, dtype), None)
     lead = np.shape(x)[: np.ndim(x) - len(_shape(normalized_shape))]
     return y.reshape(np.shape(x)), rstd.reshape(lead)
 
