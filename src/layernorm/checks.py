@@ -176,6 +176,11 @@ def _parity(name: str | None) -> Outcome:
             xq.double().numpy(), 1031, w.to(dtype).double(), b.to(dtype).double()
         )
         err = float(np.max(np.abs(y.double().cpu().numpy() - want)))
+        r = rms_norm(xq.to(dev), 1031, w.to(dtype).to(dev), backend=name)
+        want_r, _ = reference.rms_norm(
+            xq.double().numpy(), 1031, w.to(dtype).double(), eps=torch.finfo(dtype).eps
+        )
+        err = max(err, float(np.max(np.abs(r.double().cpu().numpy() - want_r))))
         worst[str(dtype).removeprefix("torch.")] = err
         if err > tol:
             return False, f"{dtype}: max error {err:.1e} > {tol:.0e}"
@@ -309,7 +314,12 @@ CHECKS: list[Check] = [
         _h_eps,
         False,
     ),
-    Check("parity", "matches the float64 reference (float32, float16, bfloat16)", _parity, True),
+    Check(
+        "parity",
+        "layer_norm and rms_norm match the float64 reference (float32, float16, bfloat16)",
+        _parity,
+        True,
+    ),
     Check("gradients", "dx, dweight, dbias match the closed-form backward", _gradients, True),
     Check(
         "offset independence", "core error < 4e-6 on float32 rows N(c, 1), c ≤ 1e6", _offset, True
