@@ -73,6 +73,14 @@ def test_rms_norm_parity(dtype, shape, normalized_shape):
     _ref_check(ours, theirs, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_rms_norm_default_eps_is_the_computation_dtypes_as_in_torch(dtype):
+    # torch documents finfo(x.dtype).eps but uses float32's for half inputs; we match torch
+    x = torch.full((1, 4), 0.05, dtype=dtype)
+    assert torch.equal(layernorm.rms_norm(x, 4), F.rms_norm(x, (4,)))
+    assert layernorm.rms_norm(x, 4).float().tolist() == [[1.0] * 4]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rms", [False, True])
 def test_add_norm_is_norm_of_the_rounded_sum(dtype, rms):
@@ -173,6 +181,19 @@ def test_error_independent_of_offset(c):
     assert np.abs(layernorm.layer_norm(x, 1000, backend=B).double().numpy() - want).max() < 4e-6
     if c >= 1e4:  # torch's own kernel does not have this property
         assert np.abs(F.layer_norm(x, (1000,)).double().numpy() - want).max() > 1e-4
+
+
+@pytest.mark.parametrize("c", [0.0, 1e4, 1e6])
+def test_gradient_error_independent_of_offset(c):
+    x = (torch.randn(32, 1000, dtype=torch.float64) + c).float().requires_grad_()
+    w = torch.randn(1000, requires_grad=True)
+    dy = torch.randn(32, 1000)
+    layernorm.layer_norm(x, 1000, w, backend=B).backward(dy)
+    dx, dw, _ = reference.layer_norm_backward(
+        dy.double(), x.detach().double(), 1000, w.detach().double()
+    )
+    assert np.abs(x.grad.double().numpy() - dx).max() < 2e-5 * np.abs(dx).max()
+    assert np.abs(w.grad.double().numpy() - dw).max() < 2e-5 * np.abs(dw).max()
 
 
 @given(

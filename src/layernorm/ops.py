@@ -44,8 +44,7 @@ def _kernels(x: Tensor, backend: str):
     )
 
 
-@torch.library.custom_op("layernorm::forward", mutates_args=())
-def _forward_op(
+def _forward_impl(
     x: Tensor,
     residual: Tensor | None,
     weight: Tensor | None,
@@ -63,20 +62,7 @@ def _forward_op(
     )
 
 
-@_forward_op.register_fake
-def _(x, residual, weight, bias, eps, rms, backend):
-    m, n = x.shape
-    stat = _stat_dtype(x.dtype)
-    return (
-        x.new_empty((m, n)),
-        x.new_empty((m, n) if residual is not None else (0,)),
-        x.new_empty((0,) if rms else (m,), dtype=stat),
-        x.new_empty((m,), dtype=stat),
-    )
-
-
-@torch.library.custom_op("layernorm::backward", mutates_args=())
-def _backward_op(
+def _backward_impl(
     dy: Tensor,
     x: Tensor,
     weight: Tensor | None,
@@ -95,6 +81,23 @@ def _backward_op(
         dx,
         _empty(rstd) if dweight is None else dweight,
         _empty(rstd) if dbias is None else dbias,
+    )
+
+
+# The custom ops: what torch.compile sees (opaque, with fake kernels for shapes).
+_forward_op = torch.library.custom_op("layernorm::forward", mutates_args=())(_forward_impl)
+_backward_op = torch.library.custom_op("layernorm::backward", mutates_args=())(_backward_impl)
+
+
+@_forward_op.register_fake
+def _(x, residual, weight, bias, eps, rms, backend):
+    m, n = x.shape
+    stat = _stat_dtype(x.dtype)
+    return (
+        x.new_empty((m, n)),
+        x.new_empty((m, n) if residual is not None else (0,)),
+        x.new_empty((0,) if rms else (m,), dtype=stat),
+        x.new_empty((m,), dtype=stat),
     )
 
 
@@ -124,12 +127,13 @@ def _backward(ctx, dy, dresidual_out, _dmean, _drstd):
     need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
     need_dweight = weight is not None and ctx.needs_input_grad[2]
     need_dbias = ctx.has_bias and ctx.needs_input_grad[3]
-    if not ctx.has_residual or dresidual_out.numel() == 0:
+    if not ctx.has_residual or dresidual_out is None or dresidual_out.numel() == 0:
         dresidual_out = None
     if torch.is_grad_enabled():  # create_graph=True: a differentiable formula
         dz, dweight, dbias = _composite_backward(dy, z, weight, ctx.eps, ctx.rms, dresidual_out)
     else:
-        dz, dweight, dbias = _backward_op(
+        run = _backward_op if torch.compiler.is_compiling() else _backward_impl
+        dz, dweight, dbias = run(
             dy, z, weight, mean, rstd, dresidual_out, ctx.rms, need_dweight, need_dbias, ctx.backend
         )
     dweight = dweight.to(weight.dtype) if need_dweight else None
@@ -145,6 +149,22 @@ def _backward(ctx, dy, dresidual_out, _dmean, _drstd):
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _Norm(torch.autograd.Function):
+    """The eager path: the same forward, context and backward as the custom op, without
+    the custom-op dispatch (which costs hundreds of microseconds a call)."""
+
+    # forward(ctx, ...) rather than setup_context: the latter binds the signature with
+    # inspect on every call (~50 us).
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, rms, backend):
+        output = _forward_impl(x, residual, weight, bias, eps, rms, backend)
+        _setup_context(ctx, (x, residual, weight, bias, eps, rms, backend), output)
+        ctx.mark_non_differentiable(output[2], output[3])
+        return output
+
+    backward = staticmethod(_backward)
 
 
 def _composite_backward(
@@ -163,6 +183,7 @@ def _composite_backward(
         u = zf * rstd
     else:
         c = zf - zf.mean(1, keepdim=True)
+        c = c - c.mean(1, keepdim=True)  # corrected two-pass, as in the kernels
         rstd = torch.rsqrt((c * c).mean(1, keepdim=True) + eps)
         u = c * rstd
     gh = g if weight is None else g * weight.to(acc)
@@ -175,6 +196,9 @@ def _composite_backward(
 
 # ---------------------------------------------------------------------------------------
 # Validation and flattening
+
+
+_PLAIN = (Tensor, torch.nn.Parameter, type(None))
 
 
 def _normalized_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
@@ -275,10 +299,15 @@ def _norm(
             )
     _check_param("weight", weight, shape, x, op)
     _check_param("bias", bias, shape, x, op)
-    eps = _check_eps(torch.finfo(x.dtype).eps if eps is None else eps)
+    # eps=None: the machine epsilon of the arithmetic's dtype (float32 for half inputs), as torch
+    eps = _check_eps(torch.finfo(_stat_dtype(x.dtype)).eps if eps is None else eps)
     name = _check_backend(backend)
     n = math.prod(shape)
-    y, residual_out, _, _ = _forward_op(
+    plain = all(type(t) in _PLAIN for t in (x, residual, weight, bias))
+    # The custom op under torch.compile and for tensor subclasses (DTensor dispatches on it);
+    # the cheaper autograd.Function in plain eager mode.
+    run = _Norm.apply if plain and not torch.compiler.is_compiling() else _forward_op
+    y, residual_out, _, _ = run(
         _rows(x, n),
         None if residual is None else _rows(residual, n),
         _flat(weight, n),
@@ -352,7 +381,8 @@ def rms_norm(
         input: tensor of shape ``(*, *normalized_shape)``, any floating dtype.
         normalized_shape: the trailing dims that form one row.
         weight: gain ``gamma`` of shape ``normalized_shape``. Default: ``None``.
-        eps: added inside the square root. Default: ``None``, ``torch.finfo(input.dtype).eps``.
+        eps: added inside the square root. Default: ``None``, the machine epsilon of the computation's dtype, as torch
+            uses: ``torch.finfo(torch.float32).eps`` for float16/bfloat16/float32 input.
         backend: as in :func:`layer_norm`. Default: ``None``.
 
     Returns:

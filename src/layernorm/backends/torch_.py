@@ -13,6 +13,9 @@ It defines the kernel contract every backend follows (see ``layernorm.backends``
 - ``backward`` gets the normalized input (``residual_out`` when there was a residual) as
   ``x`` and returns ``dx`` (``x``'s dtype, ``+ dresidual_out`` when given) and
   ``dweight``/``dbias`` in the accumulation dtype, or ``None`` when not asked for.
+  ``mean`` is rounded to the statistics dtype, so ``backward`` re-centers: with
+  ``d = x − mean``, ``u = (d − mean(d)) · rstd``; otherwise the gradient's error would grow
+  with the row's offset (7e−3 at offset 1e6 in float32) while the forward's does not.
 
 Statistics are the corrected two-pass of SPEC §3. Reductions go through :func:`row_sum`
 and :func:`column_sum`, whose summation order depends only on N (and the row
@@ -109,12 +112,18 @@ def backward(
     z = x.to(acc)
     g = dy.to(acc)
     n = z.shape[1]
-    u = (z if mean is None else z - mean[:, None]) * rstd[:, None]
     gh = g if weight is None else g * weight.to(acc)
-    c1 = row_sum(gh * u) / n
     if rms:
+        u = z * rstd[:, None]
+        c1 = row_sum(gh * u) / n
         dx = rstd[:, None] * (gh - u * c1[:, None])
     else:
+        # The saved mean is rounded to float32; re-centering by mean(z - mean) makes u exact
+        # to the ulp of the centered values, whatever the row's offset (as in the forward).
+        d = z - mean[:, None]
+        delta = row_sum(d) / n
+        u = (d - delta[:, None]) * rstd[:, None]
+        c1 = row_sum(gh * u) / n
         c2 = row_sum(gh) / n
         dx = rstd[:, None] * (gh - c2[:, None] - u * c1[:, None])
     if dresidual_out is not None:

@@ -57,7 +57,8 @@ class RMSNorm(torch.nn.RMSNorm):
 
     Args:
         normalized_shape: the trailing dims that form one row.
-        eps: added inside the square root. Default: ``None``, ``torch.finfo(x.dtype).eps``.
+        eps: added inside the square root. Default: ``None``, the machine epsilon of the
+            computation's dtype (float32's for half inputs), as torch uses.
         elementwise_affine: learn ``weight`` (ones). Default: ``True``.
         device, dtype: of the parameters. Default: ``None``.
 
