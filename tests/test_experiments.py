@@ -170,3 +170,17 @@ def test_report_section_runs_only_the_missing(quick_results, tmp_path):
     html = report_section(tmp_path / "r", run_missing=True, quick=True)
     assert "Not run." not in html and html.count("<img") == 4
     assert Path(tmp_path / "r" / "prenorm" / "prenorm.json").is_file()
+
+
+def test_report_section_survives_a_failing_experiment(quick_results, tmp_path, monkeypatch):
+    out, _ = quick_results
+    shutil.copytree(out, tmp_path / "r")
+    shutil.rmtree(tmp_path / "r" / "rnn")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no time steps left")
+
+    monkeypatch.setattr(MODULES["rnn"], "run", broken)
+    html = report_section(tmp_path / "r", run_missing=True, quick=True)
+    assert "<b>Failed:</b> RuntimeError: no time steps left" in html
+    assert html.count("<img") == 3

@@ -143,7 +143,8 @@ def report_section(out_dir: Path, run_missing: bool = True, quick: bool = False)
 
     Results already in ``out_dir/NAME/`` (``NAME.json`` and ``NAME.png``) are reused; a
     missing one is run (into that folder, seed 0, ``QUICK`` sizes if ``quick``) when
-    ``run_missing``, else the section says how to produce it.
+    ``run_missing``, else the section says how to produce it. An experiment that raises
+    is reported as failed, with its error, and the others still appear.
 
     Args:
         out_dir: the folder holding one subfolder per experiment.
@@ -159,10 +160,19 @@ def report_section(out_dir: Path, run_missing: bool = True, quick: bool = False)
     for name, module in MODULES.items():
         folder = Path(out_dir) / name
         result = _load(folder, name)
-        if result is None and run_missing:
-            result = module.run(folder, seed=0, progress=False, **(module.QUICK if quick else {}))
         parts.append(f"<h3>{html.escape(module.TITLE)} (<code>{name}</code>)</h3>")
         parts.append(f"<p><b>Claim.</b> {html.escape(module.CLAIM)}</p>")
+        if result is None and run_missing:
+            try:
+                result = module.run(
+                    folder, seed=0, progress=False, **(module.QUICK if quick else {})
+                )
+            except Exception as error:  # one failed experiment must not sink the report
+                parts.append(
+                    f"<p><b>Failed:</b> {html.escape(type(error).__name__)}: "
+                    f"{html.escape(str(error))}</p>"
+                )
+                continue
         if result is None:
             parts.append(
                 f"<p>Not run. Run <code>layernorm experiment {name} --out "

@@ -44,13 +44,25 @@ DEFAULTS: dict[str, Any] = {
     "lr": 1e-3,
     "test_fraction": 0.25,
 }
-QUICK: dict[str, Any] = {"batch_sizes": (1, 4, 32), "epochs": 1, "min_steps": 10, "hidden": 16}
+QUICK: dict[str, Any] = {
+    "batch_sizes": (1, 4, 32),
+    "epochs": 1,
+    "min_steps": 10,
+    "hidden": 16,
+    "test_fraction": 0.8,
+}
 NORMS = ("layer", "batch")
 
 
 def load_digits_split(test_fraction: float, seed: int) -> tuple[torch.Tensor, ...]:
     """Digits as float32 tensors ``(x_train, y_train, x_test, y_test)``, pixels scaled to [0, 1]."""
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as error:
+        raise ImportError(
+            "the batchsize experiment needs scikit-learn for its bundled digits data: "
+            "pip install 'layernorm[experiments]'"
+        ) from error
 
     digits = load_digits()
     x = torch.tensor(digits.data / 16.0, dtype=torch.float32)

@@ -191,7 +191,7 @@ def run(out: Path, seed: int = 0, progress: bool = True, **sizes: Any) -> dict:
     for key, r in runs.items():
         color, line = styles[key]
         label = key.replace("post", "Post-LN").replace("pre", "Pre-LN")
-        label = label if "warmup" in key else f"{label}, no warm-up"
+        label = label.replace("+warmup", ", warm-up") if "warmup" in key else f"{label}, no warm-up"
         ax.plot(
             moving_average(r["losses"], window),
             line,
