@@ -98,7 +98,7 @@ def test_bad_settings(tmp_path):
     with pytest.raises(TypeError, match="experiment 'prenorm' has no setting 'steps'"):
         prenorm.run(tmp_path, steps=3)
     with pytest.raises(ValueError, match="at least two depths"):
-        prenorm.run(tmp_path, layers=(4,))
+        prenorm.run(tmp_path, layers=(4, 4))
     with pytest.raises(ValueError, match="task must be one of"):
         EXPERIMENTS["warmup"](tmp_path, task="shuffle")
     with pytest.raises(ValueError, match=r"warmup must be in 1\.\.steps=10"):

@@ -13,7 +13,7 @@ cross-entropy of a fixed random (Xavier) linear read-out of the stack's output t
 ``classes`` classes against random labels, averaged over tokens (a language model's loss at
 initialization). After one backward pass, the Frobenius norms of ``∇W1`` and ``∇W2`` of
 every layer's FFN, and the RMS of the residual stream that enters the final norm, averaged
-over seeds. The trends in ``L`` are the slopes of least-squares lines in log-log axes.
+over seeds. For one seed, Post-LN and Pre-LN get the same weights, inputs and labels. The trends in ``L`` are the slopes of least-squares lines in log-log axes.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def run(out: Path, seed: int = 0, progress: bool = True, **sizes: Any) -> dict:
     """
     started = time.perf_counter()
     s = settings(NAME, DEFAULTS, sizes)
-    depths = sorted(s["layers"])
+    depths = sorted(set(s["layers"]))
     if len(depths) < 2:
         raise ValueError(f"prenorm needs at least two depths to fit a trend, got layers={depths}")
     with one_thread():
