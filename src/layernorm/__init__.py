@@ -5,12 +5,13 @@ Public API (SPEC §2)::
     layer_norm, rms_norm, add_layer_norm, add_rms_norm     functions on torch tensors
     LayerNorm, RMSNorm                                      drop-ins for torch's modules
     available_backends()                                    kernel backends usable here
+    patch(model), unpatch(model)                            put our modules into a model
     reference                                               the NumPy float64 math
 """
 
 from . import reference
 from .backends import available_backends
-from .nn import LayerNorm, RMSNorm
+from .nn import LayerNorm, RMSNorm, patch, unpatch
 from .ops import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 
 __all__ = [
@@ -20,7 +21,9 @@ __all__ = [
     "add_rms_norm",
     "available_backends",
     "layer_norm",
+    "patch",
     "reference",
     "rms_norm",
+    "unpatch",
 ]
 __version__ = "0.1.0"
