@@ -176,6 +176,50 @@ def run_dtensor(rank: int, world: int) -> dict:
     }
 
 
+def run_dtensor_ops(rank: int, world: int) -> dict:
+    """``layernorm.layer_norm``/``LayerNorm``/``add_layer_norm`` on DTensors (the op rules)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(11)
+    x, g, r = (torch.randn(world * 2, 3, 17, generator=gen) for _ in range(3))
+    module = layernorm.LayerNorm(17)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(17, generator=gen))
+        module.bias.copy_(torch.randn(17, generator=gen))
+    out = {}
+    for name, placement in (("last", Shard(2)), ("rows", Shard(0))):
+        module.zero_grad()
+        xd = distribute_tensor(x, mesh, [placement]).requires_grad_()
+        y = module(xd)
+        (y * distribute_tensor(g, mesh, [placement])).sum().backward()
+        out[name] = {
+            "placements": [str(p) for p in y.placements],
+            "y": y.full_tensor().detach(),
+            "dx": xd.grad.full_tensor(),
+            "dw": module.weight.grad.clone(),
+            "db": module.bias.grad.clone(),
+        }
+    xd = distribute_tensor(x, mesh, [Shard(2)]).requires_grad_()
+    wd = distribute_tensor(module.weight.detach(), mesh, [Replicate()]).requires_grad_()
+    y, h = layernorm.add_layer_norm(xd, distribute_tensor(r, mesh, [Shard(2)]), 17, wd)
+    (y * distribute_tensor(g, mesh, [Shard(2)])).sum().backward()
+    out["add"] = {
+        "y": y.full_tensor().detach(),
+        "h": h.full_tensor().detach(),
+        "dx": xd.grad.full_tensor(),
+        "dw": wd.grad.full_tensor(),
+        "dw_placements": [str(p) for p in wd.grad.placements],
+        "rms": layernorm.rms_norm(xd.detach(), 17).full_tensor(),
+        "bitwise": torch.equal(
+            layernorm.layer_norm(xd.detach(), 17).to_local(),
+            ld.layer_norm(xd.to_local().detach(), 17, group=mesh.get_group(0)),
+        ),
+    }
+    return out
+
+
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(
@@ -257,6 +301,7 @@ def main() -> None:
         results["errors"] = run_errors(rank, world)
         results["modules"] = run_modules(rank, world)
         results["dtensor"] = run_dtensor(rank, world)
+        results["dtensor_ops"] = run_dtensor_ops(rank, world)
         results["training"] = run_training(rank, world)
     except Exception:
         results["crash"] = traceback.format_exc()

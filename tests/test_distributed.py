@@ -251,6 +251,34 @@ def test_dtensor_sharded_last_dim_uses_statistics_exchange(run):
         torch.testing.assert_close(d["dx_rows"], xr.grad)
 
 
+def test_library_ops_and_modules_accept_dtensors(run):
+    """``import layernorm.distributed`` registers DTensor rules for the custom ops."""
+    _, results = run
+    gen = torch.Generator().manual_seed(11)
+    x, g, r = (torch.randn(len(results) * 2, 3, 17, generator=gen) for _ in range(3))
+    w, b = torch.randn(17, generator=gen), torch.randn(17, generator=gen)
+    xf, wf, bf = (t.clone().requires_grad_() for t in (x, w, b))
+    (layernorm.layer_norm(xf, 17, wf, bf) * g).sum().backward()
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y_add, h_add = layernorm.add_layer_norm(xa, r, 17, wa)
+    (y_add * g).sum().backward()
+    for res in results:
+        d = res["dtensor_ops"]
+        assert d["last"]["placements"] == ["S(2)"] and d["rows"]["placements"] == ["S(0)"]
+        for name in ("last", "rows"):
+            torch.testing.assert_close(d[name]["y"], layernorm.layer_norm(x, 17, w, b))
+            torch.testing.assert_close(d[name]["dx"], xf.grad)
+            torch.testing.assert_close(d[name]["dw"], wf.grad)
+            torch.testing.assert_close(d[name]["db"], bf.grad)
+        torch.testing.assert_close(d["add"]["y"], y_add.detach())
+        assert torch.equal(d["add"]["h"], h_add)
+        torch.testing.assert_close(d["add"]["dx"], xa.grad)
+        torch.testing.assert_close(d["add"]["dw"], wa.grad)
+        assert d["add"]["dw_placements"] == ["R"]
+        torch.testing.assert_close(d["add"]["rms"], layernorm.rms_norm(x, 17))
+        assert d["add"]["bitwise"], "layernorm.layer_norm on Shard(-1) is not the exchange"
+
+
 def test_training_matches_single_process(run):
     """DDP with layernorm.LayerNorm, and the sequence-parallel helper and hooks, train
     exactly like one process on the whole batch."""

@@ -6,6 +6,10 @@ Two layouts of the activations:
   sharded on its last dim): :func:`layer_norm` / :func:`rms_norm` and the modules
   :class:`LayerNorm` / :class:`RMSNorm` exchange per-row statistics (three floats per
   row forward, two backward) instead of gathering whole rows.
+- **DTensor**: :func:`layer_norm` / :func:`rms_norm` take a DTensor; importing this
+  package also registers DTensor rules for the library's custom ops, so
+  ``layernorm.layer_norm`` and ``layernorm.LayerNorm`` accept DTensors (see
+  :mod:`.dtensor`).
 - **Rows sharded** (sequence or data parallelism): the norm is local; the gradients
   of the shared ``gamma``/``beta`` are summed with :func:`allreduce_param_grads` or
   :func:`register_grad_allreduce_hooks` (DDP and FSDP do it themselves).
@@ -16,6 +20,7 @@ are bitwise identical run to run for a fixed world size. Imported on demand:
 """
 
 from ._collectives import ShardMismatchError
+from .dtensor import register_op_rules
 from .functional import layer_norm, rms_norm
 from .modules import LayerNorm, RMSNorm, gather_state_dict, shard_sizes, shard_state_dict
 from .sequence_parallel import (
@@ -23,6 +28,8 @@ from .sequence_parallel import (
     norm_parameters,
     register_grad_allreduce_hooks,
 )
+
+register_op_rules()
 
 __all__ = [
     "LayerNorm",

@@ -191,12 +191,95 @@ def _affine(u: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
     return y if bias is None else y + bias.to(u.dtype)
 
 
+def sharded_forward(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+    counts: list[int],
+    group: ProcessGroup | None,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
+    """The forward on ``(M, n_local)`` rows, without autograd.
+
+    Args:
+        x: this rank's ``(M, n_local)`` rows.
+        weight, bias: this rank's ``(n_local,)`` slices, or ``None``.
+        eps: added to the variance.
+        rms: RMSNorm instead of layer norm.
+        counts: elements per row on every rank (from :func:`._collectives.agree`).
+        group: the process group.
+
+    Returns:
+        ``(y, m1, shift, rstd)``: ``y`` in ``x``'s dtype; the core is
+        ``u = ((x - m1) - shift) * rstd`` (``m1``, ``shift`` are ``None`` for RMSNorm:
+        ``u = x * rstd``), all ``(M,)`` in the accumulation dtype. The row mean is
+        ``m1 + shift`` (rounding that sum loses the offset-independence).
+    """
+    acc = _stat_dtype(x.dtype)
+    z = x.to(acc)
+    total = sum(counts)
+    if rms:
+        ss = _ordered_sum(gather(row_sum(z * z), group))
+        rstd = torch.rsqrt(ss / total + eps).to(acc)
+        m1 = shift = None
+        u = z * rstd[:, None]
+    else:
+        m1, d, stats = _local_moments(z)
+        pivot, o, m2 = _combine(gather(stats, group), counts)
+        rstd = torch.rsqrt(m2 / total + eps).to(acc)
+        shift = ((pivot - m1.double()) + o).to(acc)
+        u = (d - shift[:, None]) * rstd[:, None]
+    return _affine(u, weight, bias).to(x.dtype), m1, shift, rstd
+
+
+def sharded_backward(
+    dy: Tensor,
+    u: Tensor,
+    weight: Tensor | None,
+    rstd: Tensor,
+    rms: bool,
+    total: int,
+    group: ProcessGroup | None,
+    need_dweight: bool,
+    need_dbias: bool,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The backward on ``(M, n_local)`` rows, without autograd: exchanges ``Σ gh·u`` and ``Σ gh``.
+
+    Args:
+        dy: the upstream gradient of this rank's rows.
+        u: the core (in the accumulation dtype), recomputed by the caller.
+        weight: this rank's slice of ``gamma``, or ``None``.
+        rstd: ``(M,)``, from the forward.
+        rms: RMSNorm (exchanges only ``Σ gh·u``).
+        total: elements per full row.
+        group: the process group.
+        need_dweight, need_dbias: compute the local column sums.
+
+    Returns:
+        ``(dx, dweight, dbias)`` in the accumulation dtype (``None`` where not needed).
+    """
+    acc = rstd.dtype
+    g = dy.to(acc)
+    gh = g if weight is None else g * weight.to(acc)
+    if rms:
+        c1 = (_ordered_sum(gather(row_sum(gh * u), group)) / total).to(acc)
+        dx = rstd[:, None] * (gh - u * c1[:, None])
+    else:
+        sums = _ordered_sum(gather(torch.stack([row_sum(gh * u), row_sum(gh)]), group))
+        c1, c2 = (sums / total).to(acc)
+        dx = rstd[:, None] * (gh - c2[:, None] - u * c1[:, None])
+    dweight = column_sum(g * u) if need_dweight else None
+    dbias = column_sum(g) if need_dbias else None
+    return dx, dweight, dbias
+
+
 # ---------------------------------------------------------------------------------------
 # Autograd
 
 
 class _ShardedNorm(torch.autograd.Function):
-    """Forward and backward of the sharded norm on ``(M, n_local)`` rows."""
+    """Autograd of the sharded norm on ``(M, n_local)`` rows."""
 
     @staticmethod
     def forward(
@@ -209,45 +292,32 @@ class _ShardedNorm(torch.autograd.Function):
         counts: list[int],
         group: ProcessGroup | None,
     ) -> Tensor:
-        acc = _stat_dtype(x.dtype)
-        z = x.to(acc)
-        total = sum(counts)
-        if rms:
-            ss = _ordered_sum(gather(row_sum(z * z), group))
-            rstd = torch.rsqrt(ss / total + eps).to(acc)
-            m1 = shift = None
-            u = z * rstd[:, None]
-        else:
-            m1, d, stats = _local_moments(z)
-            pivot, o, m2 = _combine(gather(stats, group), counts)
-            rstd = torch.rsqrt(m2 / total + eps).to(acc)
-            shift = ((pivot - m1.double()) + o).to(acc)
-            u = (d - shift[:, None]) * rstd[:, None]
+        y, m1, shift, rstd = sharded_forward(x, weight, bias, eps, rms, counts, group)
         ctx.save_for_backward(x, weight, m1, shift, rstd)
-        ctx.rms, ctx.total, ctx.group = rms, total, group
+        ctx.rms, ctx.total, ctx.group = rms, sum(counts), group
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return _affine(u, weight, bias).to(x.dtype)
+        return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy: Tensor):
         x, weight, m1, shift, rstd = ctx.saved_tensors
-        acc = rstd.dtype
-        z, g = x.to(acc), dy.to(acc)
+        z = x.to(rstd.dtype)
         # the forward's operations in the forward's order: the same u, bit for bit
         u = z * rstd[:, None] if ctx.rms else ((z - m1[:, None]) - shift[:, None]) * rstd[:, None]
-        gh = g if weight is None else g * weight.to(acc)
-        if ctx.rms:
-            c1 = (_ordered_sum(gather(row_sum(gh * u), ctx.group)) / ctx.total).to(acc)
-            dx = rstd[:, None] * (gh - u * c1[:, None])
-        else:
-            sums = _ordered_sum(gather(torch.stack([row_sum(gh * u), row_sum(gh)]), ctx.group))
-            c1, c2 = (sums / ctx.total).to(acc)
-            dx = rstd[:, None] * (gh - c2[:, None] - u * c1[:, None])
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        dweight = column_sum(g * u).to(weight.dtype) if need_w else None
-        dbias = column_sum(g).to(ctx.bias_dtype) if need_b else None
-        return (dx.to(x.dtype) if need_x else None), dweight, dbias, None, None, None, None
+        dx, dweight, dbias = sharded_backward(
+            dy, u, weight, rstd, ctx.rms, ctx.total, ctx.group, need_w, need_b
+        )
+        return (
+            dx.to(x.dtype) if need_x else None,
+            None if dweight is None else dweight.to(weight.dtype),
+            None if dbias is None else dbias.to(ctx.bias_dtype),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _sharded(
