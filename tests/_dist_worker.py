@@ -99,6 +99,14 @@ def _catch(fn) -> tuple[str, str] | None:
     return None
 
 
+def _empty_rows(n: int) -> list:
+    x = torch.randn(0, 8, requires_grad=True)
+    w = torch.ones(8, requires_grad=True)
+    y = ld.layer_norm(x, n, w)
+    y.sum().backward()
+    return [list(y.shape), list(x.grad.shape), w.grad.tolist()]
+
+
 def run_errors(rank: int, world: int) -> dict:
     x = torch.randn(4, 3, 8, dtype=torch.float64)  # 8 = the width of every rank
     n = 8 * world
@@ -111,8 +119,9 @@ def run_errors(rank: int, world: int) -> dict:
         "op": _catch(lambda: ld.rms_norm(x, n) if last else ld.layer_norm(x, n)),
         "eps": _catch(lambda: ld.layer_norm(x, n, eps=-1.0 if rank == 0 else 1e-5)),
         "shape": _catch(lambda: ld.layer_norm(x, [n + 1] if last else [n])),
-        # the group still works after all of that
+        # the group still works after all of that, zero rows included
         "after": ld.layer_norm(x, n),
+        "empty": _empty_rows(n),
     }
 
 

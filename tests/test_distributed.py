@@ -187,6 +187,7 @@ def test_shard_mismatch_fails_on_every_rank(run):
     after = _cat([e["after"] for e in errors])
     assert after.shape == (4, 3, 8 * world)
     assert torch.allclose(after.mean(-1), torch.zeros(4, 3, dtype=torch.float64), atol=1e-12)
+    assert errors[0]["empty"] == [[0, 8], [0, 8], [0.0] * 8]
 
 
 def test_modules_and_state_dict_round_trip(run):

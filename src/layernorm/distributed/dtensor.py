@@ -72,7 +72,7 @@ def _plan(x, k: int):
     return placements, tp_dim
 
 
-def _local_param(p, x, placements: Sequence, tp_dim: int | None, k: int):
+def _local_param(p, x, placements: Sequence, tp_dim: int | None):
     """This rank's slice of ``gamma``/``beta`` for the chosen placements, differentiable."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
@@ -128,8 +128,8 @@ def sharded_norm(
     if list(placements) != list(x.placements):
         x = x.redistribute(x.device_mesh, placements)
     local = x.to_local()
-    w = _local_param(weight, x, placements, tp_dim, len(shape))
-    b = _local_param(bias, x, placements, tp_dim, len(shape))
+    w = _local_param(weight, x, placements, tp_dim)
+    b = _local_param(bias, x, placements, tp_dim)
     if tp_dim is None:  # whole rows on every rank
         y = (
             ops.rms_norm(local, shape, w, eps)
