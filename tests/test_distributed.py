@@ -297,3 +297,43 @@ def test_training_matches_single_process(run):
                 assert torch.equal(a, b)
     assert single[-1] < 0.5 * single[0]  # it did train
     assert results[0]["training"]["norm_params"] == 2
+
+
+# ---------------------------------------------------------------------------------------
+# The statistics combination alone, in one process (no group needed)
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from layernorm.distributed.functional import _combine, _local_moments  # noqa: E402
+
+
+@given(
+    widths=st.lists(st.integers(0, 40), min_size=1, max_size=5).filter(lambda w: sum(w) > 1),
+    offset=st.sampled_from([0.0, -3e3, 1e6]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    seed=st.integers(0, 2**16),
+)
+def test_chan_combination_matches_the_full_row(widths, offset, dtype, seed):
+    """Per-shard (m1, delta, M2) combined in rank order give the full row's mean and M2,
+    with an error independent of the offset; a constant row combines exactly."""
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(widths)
+    x = (torch.randn(3, n, generator=gen, dtype=torch.float64) + offset).to(dtype)
+    x[0] = 0.1 + offset
+    parts = x.split(widths, dim=1)
+    stats = torch.stack([_local_moments(p)[2] for p in parts])
+    pivot, o, m2 = _combine(stats, widths)
+    # the truth in longdouble, relative to the pivot (exact: the values are near it)
+    truth = x.numpy().astype(np.longdouble) - pivot.numpy().astype(np.longdouble)[:, None]
+    mean = truth.mean(1)
+    m2_truth = ((truth - mean[:, None]) ** 2).sum(1)
+    spread = np.sqrt(m2_truth / n)
+    # o (the mean minus the pivot) and M2 to a few roundings of the spread, not the offset
+    tol = 8 * torch.finfo(dtype).eps
+    o_err = np.abs(o.numpy() - mean)
+    assert (o_err <= tol * spread).all(), o_err
+    assert (np.abs(m2.numpy() - m2_truth) <= 4 * tol * m2_truth).all()
+    # the constant row: exactly its value, exactly no variance
+    assert pivot[0].item() + o[0].item() == x[0, 0].item()
+    assert m2[0].item() == 0.0
