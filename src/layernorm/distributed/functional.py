@@ -147,7 +147,7 @@ def _local_moments(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     d = z - m1[:, None]
     delta = row_sum(d) / n
     c = d - delta[:, None]
-    return m1, d, torch.stack([m1, delta, row_sum(c * c)])
+    return m1, d, torch.stack([m1, delta, row_sum(c.square_())])
 
 
 def _combine(stats: Tensor, counts: list[int]) -> tuple[Tensor, Tensor, Tensor]:
@@ -186,9 +186,13 @@ def _ordered_sum(parts: Tensor) -> Tensor:
     return total
 
 
-def _affine(u: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
-    y = u if weight is None else u * weight.to(u.dtype)
-    return y if bias is None else y + bias.to(u.dtype)
+def _affine_(u: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    """``u * weight + bias``, overwriting the temporary ``u`` where it can."""
+    if weight is not None and bias is not None:
+        return torch.addcmul(bias.to(u.dtype), u, weight.to(u.dtype))
+    if weight is not None:
+        return u.mul_(weight.to(u.dtype))
+    return u if bias is None else u.add_(bias.to(u.dtype))
 
 
 def sharded_forward(
@@ -229,8 +233,8 @@ def sharded_forward(
         pivot, o, m2 = _combine(gather(stats, group), counts)
         rstd = torch.rsqrt(m2 / total + eps).to(acc)
         shift = ((pivot - m1.double()) + o).to(acc)
-        u = (d - shift[:, None]) * rstd[:, None]
-    return _affine(u, weight, bias).to(x.dtype), m1, shift, rstd
+        u = d.sub_(shift[:, None]).mul_(rstd[:, None])  # d is a temporary: reuse it
+    return _affine_(u, weight, bias).to(x.dtype), m1, shift, rstd
 
 
 def sharded_backward(
@@ -260,15 +264,15 @@ def sharded_backward(
         ``(dx, dweight, dbias)`` in the accumulation dtype (``None`` where not needed).
     """
     acc = rstd.dtype
-    g = dy.to(acc)
-    gh = g if weight is None else g * weight.to(acc)
+    g = dy.to(acc)  # may be dy itself: never written to
+    gh = g.clone() if weight is None else g * weight.to(acc)  # a temporary, updated in place
     if rms:
         c1 = (_ordered_sum(gather(row_sum(gh * u), group)) / total).to(acc)
-        dx = rstd[:, None] * (gh - u * c1[:, None])
+        dx = gh.addcmul_(u, c1[:, None], value=-1).mul_(rstd[:, None])
     else:
         sums = _ordered_sum(gather(torch.stack([row_sum(gh * u), row_sum(gh)]), group))
         c1, c2 = (sums / total).to(acc)
-        dx = rstd[:, None] * (gh - c2[:, None] - u * c1[:, None])
+        dx = gh.sub_(c2[:, None]).addcmul_(u, c1[:, None], value=-1).mul_(rstd[:, None])
     dweight = column_sum(g * u) if need_dweight else None
     dbias = column_sum(g) if need_dbias else None
     return dx, dweight, dbias
