@@ -119,6 +119,7 @@ def run_errors(rank: int, world: int) -> dict:
         "op": _catch(lambda: ld.rms_norm(x, n) if last else ld.layer_norm(x, n)),
         "eps": _catch(lambda: ld.layer_norm(x, n, eps=-1.0 if rank == 0 else 1e-5)),
         "shape": _catch(lambda: ld.layer_norm(x, [n + 1] if last else [n])),
+        "empty_shape": _catch(lambda: ld.layer_norm(x, [] if last else [n])),
         # the group still works after all of that, zero rows included
         "after": ld.layer_norm(x, n),
         "empty": _empty_rows(n),

@@ -112,12 +112,16 @@ def _prepare(
     rms: bool,
     group: ProcessGroup | None,
 ) -> tuple[tuple[int, ...], float, list[int]]:
-    shape = _normalized_shape(normalized_shape)  # the same on every rank, or caught below
     is_tensor = isinstance(x, Tensor)
     if eps is None:
         eps = torch.finfo(x.dtype).eps if is_tensor and x.is_floating_point() else 0.0
     eps = float(eps)
-    error = _local_error(op, x, shape, weight, bias, eps)
+    try:  # an error on one rank alone must reach the others too
+        shape = _normalized_shape(normalized_shape)
+    except (TypeError, ValueError) as bad_shape:
+        shape, error = (0,), bad_shape
+    else:
+        error = _local_error(op, x, shape, weight, bias, eps)
     ok = error is None
     widths = agree(
         op,
