@@ -50,7 +50,7 @@ def _median_time(fn, reps: int, device: torch.device) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    local = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    local = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
     dist.all_reduce(local, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     return local.item()
 

@@ -19,6 +19,8 @@ are bitwise identical run to run for a fixed world size. Imported on demand:
 ``import layernorm`` does not import this package.
 """
 
+import torch
+
 from ._collectives import ShardMismatchError
 from .dtensor import register_op_rules
 from .functional import layer_norm, rms_norm
@@ -29,7 +31,8 @@ from .sequence_parallel import (
     register_grad_allreduce_hooks,
 )
 
-register_op_rules()
+if torch.distributed.is_available():
+    register_op_rules()
 
 __all__ = [
     "LayerNorm",

@@ -20,9 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-ProcessGroup = dist.ProcessGroup
+# (a torch built without distributed support has neither; group_info then says so)
+ProcessGroup = getattr(dist, "ProcessGroup", object)
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_all_gather_flat = getattr(dist, "all_gather_single", None) or getattr(
+    dist, "all_gather_into_tensor", None
+)
 
 #: dtypes by code in the header (a dtype not listed gets code 0, still compared).
 _DTYPES = (None, torch.float16, torch.bfloat16, torch.float32, torch.float64)
