@@ -96,9 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_report)
 
     for module in _PLUGINS:
-        try:  # TEMPORARY until the plugin branches land
+        try:
             importlib.import_module(module).add_parser(sub)
-        except ModuleNotFoundError as error:
+        except ModuleNotFoundError as error:  # TEMPORARY: until layernorm.benchmark lands
             if error.name != module:
                 raise
     return parser

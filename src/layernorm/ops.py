@@ -120,6 +120,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.has_bias = bias is not None
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.eps, ctx.rms, ctx.backend = eps, rms, backend
+    ctx.custom_op = True  # the backward goes through layernorm::backward too (_Norm says not)
 
 
 def _backward(ctx, dy, dresidual_out, _dmean, _drstd):
@@ -132,7 +133,7 @@ def _backward(ctx, dy, dresidual_out, _dmean, _drstd):
     if torch.is_grad_enabled():  # create_graph=True: a differentiable formula
         dz, dweight, dbias = _composite_backward(dy, z, weight, ctx.eps, ctx.rms, dresidual_out)
     else:
-        run = _backward_op if torch.compiler.is_compiling() else _backward_impl
+        run = _backward_op if ctx.custom_op else _backward_impl
         dz, dweight, dbias = run(
             dy, z, weight, mean, rstd, dresidual_out, ctx.rms, need_dweight, need_dbias, ctx.backend
         )
@@ -161,6 +162,7 @@ class _Norm(torch.autograd.Function):
     def forward(ctx, x, residual, weight, bias, eps, rms, backend):
         output = _forward_impl(x, residual, weight, bias, eps, rms, backend)
         _setup_context(ctx, (x, residual, weight, bias, eps, rms, backend), output)
+        ctx.custom_op = False
         ctx.mark_non_differentiable(output[2], output[3])
         return output
 
