@@ -320,15 +320,12 @@ def column_sum_kernel(
     PART, OUT, P, N,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """OUT[k] = Σ_p PART[k, p] for a (K, P, N) float32 buffer, in a fixed order;
-    grid (cdiv(N, BLOCK_N), K)."""
+    """OUT = Σ_p PART[p] for a (P, N) float32 buffer, in a fixed order; grid cdiv(N, BLOCK_N)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.program_id(1).to(tl.int64)
     col_mask = cols < N
-    base = PART + k * P * N
     acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     for p0 in range(0, P, BLOCK_P):
         rows = p0 + tl.arange(0, BLOCK_P)
         offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
-        acc += tl.load(base + offsets, mask=(rows < P)[:, None] & col_mask[None, :], other=0.0)
-    tl.store(OUT + k * N + cols, tl.sum(acc, 0), mask=col_mask)
+        acc += tl.load(PART + offsets, mask=(rows < P)[:, None] & col_mask[None, :], other=0.0)
+    tl.store(OUT + cols, tl.sum(acc, 0), mask=col_mask)

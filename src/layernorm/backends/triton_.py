@@ -6,9 +6,10 @@ numerics are described in :mod:`layernorm.backends._triton_kernels`.
 Where it runs: CUDA tensors (compiled kernels), and CPU tensors only when
 ``TRITON_INTERPRET=1`` is set, through Triton's interpreter (slow; for tests without a
 GPU). :func:`prefers` is True only for CUDA tensors, so the automatic choice never sends
-CPU work to the interpreter. The kernel file is loaded once per mode (compiled or
-interpreted), whatever ``TRITON_INTERPRET`` was when this module was imported, so CPU
-tensors can be interpreted and CUDA tensors compiled in one process.
+CPU work to the interpreter. Triton fixes the mode of its own ``@jit`` helpers (``tl.sum``)
+when ``triton`` is first imported, so ``TRITON_INTERPRET=1`` must be set by then; this
+module imports ``triton`` only when a kernel first runs, and loads the kernel file in the
+mode triton was imported in, whatever the variable says later.
 
 Launch configuration depends only on N and the dtype, never on M: a row's output is
 bitwise the same alone or in any batch. Rows of at most :data:`FUSED_FORWARD_BYTES`
@@ -21,10 +22,13 @@ Limits: float16, bfloat16 and float32 only (float64 falls back to the other back
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import sys
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from . import torch_
@@ -67,14 +71,27 @@ def cannot_run(x: torch.Tensor) -> str | None:
     if x.device.type == "cuda":
         return None if torch.cuda.is_available() else "CUDA is not available"
     if x.device.type == "cpu":
-        if _interpreting():
-            return None
-        return "CPU tensors run on the triton backend only with TRITON_INTERPRET=1 set"
+        if not _interpreting():
+            return "CPU tensors run on the triton backend only with TRITON_INTERPRET=1 set"
+        if "triton" in sys.modules and not _triton_interprets():
+            return (
+                "triton was imported before TRITON_INTERPRET=1 was set; its interpreter "
+                "needs the variable set before triton is first imported"
+            )
+        return None
     return f"the triton backend runs CUDA tensors, not {x.device.type} tensors"
 
 
 def prefers(x: torch.Tensor) -> bool:
     return x.device.type == "cuda"
+
+
+def _triton_interprets() -> bool:
+    """Whether triton was imported in interpreter mode (its ``tl.sum`` is interpreted)."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.sum, InterpretedFunction)
 
 
 def _load_kernels(interpret: bool) -> ModuleType:
@@ -102,11 +119,17 @@ def _load_kernels(interpret: bool) -> ModuleType:
     return module
 
 
-def _kernels(device: torch.device) -> ModuleType:
-    interpret = device.type != "cuda" or _interpreting()
+def _kernels() -> ModuleType:
+    """The kernels, compiled or interpreted as triton itself is."""
+    interpret = _triton_interprets()
     if interpret not in _loaded:
         _loaded[interpret] = _load_kernels(interpret)
     return _loaded[interpret]
+
+
+def _quiet(kernels: ModuleType) -> contextlib.AbstractContextManager:
+    # The interpreter computes in NumPy, which warns where a GPU silently makes NaN or Inf.
+    return np.errstate(all="ignore") if kernels.INTERPRETED else contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------------------------
@@ -136,6 +159,11 @@ def uses_fused_backward(n: int, dtype: torch.dtype) -> bool:
     return n * dtype.itemsize <= FUSED_BACKWARD_BYTES
 
 
+def _column_block(n: int) -> int:
+    """Columns per program of the final dweight/dbias sum (tiles of 4096 values)."""
+    return max(32, min(1024, _next_power_of_2(n) // 32))
+
+
 def _row_blocks(m: int, n: int, num_chunks: int) -> tuple[int, int]:
     """(programs, rows per program) of the backward: a fixed partition of the M rows."""
     target = max(MIN_PROGRAMS // num_chunks, PARTIAL_ELEMENTS // max(n, 1), 1)
@@ -157,7 +185,12 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     if x.numel() == 0:
         return torch_.forward(x, residual, weight, bias, eps, rms)
-    kernels = _kernels(x.device)
+    kernels = _kernels()
+    with _quiet(kernels):
+        return _forward(kernels, x, residual, weight, bias, eps, rms)
+
+
+def _forward(kernels, x, residual, weight, bias, eps, rms):
     m, n = x.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     residual_out = None if residual is None else torch.empty_like(y)
@@ -215,7 +248,14 @@ def backward(
         return torch_.backward(
             dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias
         )
-    kernels = _kernels(x.device)
+    kernels = _kernels()
+    with _quiet(kernels):
+        return _backward(
+            kernels, dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias
+        )
+
+
+def _backward(kernels, dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias):
     m, n = x.shape
     device = x.device
     need_dweight = need_dweight and weight is not None
@@ -250,11 +290,12 @@ def backward(
         NEED_DW=need_dweight, NEED_DB=need_dbias, RMS=rms, FUSED=fused,
         CHUNK=chunk, CHUNKS_P2=_next_power_of_2(num_chunks), num_warps=_num_warps(chunk),
     )  # fmt: skip
-    if sums == 0:
-        return dx, None, None
-    totals = torch.empty((sums, n), dtype=torch.float32, device=device)
-    block_n = 128
-    kernels.column_sum_kernel[(-(-n // block_n), sums)](
-        partial, totals, programs, n, BLOCK_P=32, BLOCK_N=block_n, num_warps=4
-    )
-    return dx, totals[0] if need_dweight else None, totals[sums - 1] if need_dbias else None
+    block_n = _column_block(n)
+    totals = []
+    for k in range(sums):  # separate tensors: dweight and dbias must not alias
+        total = torch.empty(n, dtype=torch.float32, device=device)
+        kernels.column_sum_kernel[(-(-n // block_n),)](
+            partial[k], total, programs, n, BLOCK_P=4096 // block_n, BLOCK_N=block_n, num_warps=4
+        )
+        totals.append(total)
+    return dx, totals[0] if need_dweight else None, totals[-1] if need_dbias else None
