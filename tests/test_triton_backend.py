@@ -1,8 +1,8 @@
 """The triton backend, run on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1).
 
-Small shapes only: the interpreter runs each program in NumPy. The ``wide`` fixture
-shrinks the one-program-per-row limits so a width of a few hundred columns takes the
-multi-program (chunked, two-stage) path. Tests that need a GPU are marked ``gpu``.
+Small shapes only: the interpreter runs each program in NumPy. The ``path`` fixture
+shrinks the limits so a width of a few hundred columns takes each forward path (fused,
+looped, wide) and the chunked backward. Tests that need a GPU are marked ``gpu``.
 """
 
 from __future__ import annotations
@@ -70,26 +70,29 @@ def interpret(request, monkeypatch):
     _forget_triton()
 
 
-@pytest.fixture
-def wide(monkeypatch):
-    """Forces rows wider than 512 bytes onto the multi-program path (chunks of 256 bytes)."""
-    monkeypatch.setattr(triton_, "FUSED_FORWARD_BYTES", 128 * 4)
-    monkeypatch.setattr(triton_, "FUSED_BACKWARD_BYTES", 128 * 4)
-    monkeypatch.setattr(triton_, "CHUNK_BYTES", 64 * 4)
+def _shrink(monkeypatch, looped_bytes: int) -> None:
+    """Sends rows wider than 128 columns to the chunked paths (chunks of 64 columns)."""
+    monkeypatch.setattr(triton_, "FUSED_FORWARD_N", 128)
+    monkeypatch.setattr(triton_, "FUSED_BACKWARD_N", 128)
+    monkeypatch.setattr(triton_, "CHUNK_N", 64)
+    monkeypatch.setattr(triton_, "LOOPED_FORWARD_BYTES", looped_bytes)
 
 
-@pytest.fixture(params=["fused", "wide"])
+@pytest.fixture(params=["fused", "looped", "wide"])
 def path(request, monkeypatch):
-    """Runs a test on both paths; returns the width that takes it. The backward runs on
-    at most 3 row blocks, so programs loop over several rows."""
+    """Runs a test on each forward path; returns the width that takes it. The backward is
+    fused for the first, chunked for the others, and runs on at most 3 row blocks, so
+    programs loop over several rows."""
     monkeypatch.setattr(triton_, "MAX_PROGRAMS", 3)
-    if request.param == "wide":
-        request.getfixturevalue("wide")
-        assert not triton_.uses_fused_forward(WIDE_N, torch.float32)
-        assert not triton_.uses_fused_backward(WIDE_N, torch.bfloat16)
-        return WIDE_N
-    assert triton_.uses_fused_forward(FUSED_N, torch.float32)
-    return FUSED_N
+    if request.param == "fused":
+        assert triton_.forward_path(FUSED_N, torch.float32) == "fused"
+        assert triton_.uses_fused_backward(FUSED_N, torch.float32)
+        return FUSED_N
+    _shrink(monkeypatch, 1 << 20 if request.param == "looped" else 256)
+    for dtype in DTYPES:
+        assert triton_.forward_path(WIDE_N, dtype) == request.param
+        assert not triton_.uses_fused_backward(WIDE_N, dtype)
+    return WIDE_N
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -287,13 +290,15 @@ def test_batch_invariance_is_bitwise(path, dtype):
     assert torch.equal(layernorm.rms_norm(x[4:5], path, weight, backend="triton"), batch[4:5])
 
 
-def test_launch_configuration_depends_only_on_width_and_dtype(wide):
-    for n in (100, 300, 10_000):
-        for dtype in DTYPES:
-            fused = triton_.uses_fused_forward(n, dtype)
-            assert fused == (n * dtype.itemsize <= triton_.FUSED_FORWARD_BYTES)
-    assert triton_.chunk_columns(torch.float32) == 64
-    assert triton_.chunk_columns(torch.bfloat16) == 128
+def test_launch_configuration_depends_only_on_width_and_dtype():
+    assert triton_.forward_path(16384, torch.float32) == "fused"
+    assert triton_.forward_path(16385, torch.float32) == "looped"
+    assert triton_.forward_path(65536, torch.bfloat16) == "looped"
+    assert triton_.forward_path(65536, torch.float32) == "wide"
+    assert triton_.uses_fused_backward(8192, torch.bfloat16)
+    assert not triton_.uses_fused_backward(8193, torch.float32)
+    assert triton_._row_blocks(10, 1024, 1) == (10, 1)
+    assert triton_._row_blocks(100_000, 1024, 1) == (4000, 25)
 
 
 # ---------------------------------------------------------------------------------------
@@ -410,9 +415,10 @@ def test_double_backward_through_the_triton_forward():
 # Rows wider than one program, with the default limits
 
 
-def test_rows_past_a_million_elements():
-    n = (1 << 20) + 17
-    assert not triton_.uses_fused_forward(n, torch.float32)
+@pytest.mark.parametrize("n", [20_000, (1 << 20) + 17], ids=["looped", "wide"])
+def test_default_chunked_paths(n):
+    # one row held by a looping program, and rows past 1M elements over many programs
+    assert triton_.forward_path(n, torch.float32) == ("looped" if n < 1 << 20 else "wide")
     x = 5 + torch.randn(2, n)
     weight, bias = _params(n)
     y, _, mean, rstd = triton_.forward(x, None, weight, bias, 1e-5, False)
@@ -420,6 +426,12 @@ def test_rows_past_a_million_elements():
     np.testing.assert_allclose(_np(y), y_ref, atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(_np(rstd), rstd_ref, rtol=1e-6)
     np.testing.assert_allclose(_np(mean), mean_ref, rtol=1e-6)
+    if n > 1 << 20:
+        return  # the interpreter is slow; the chunked backward is tested on small widths
+    dy = torch.randn(2, n)
+    dx = triton_.backward(dy, x, weight, mean, rstd, None, False, False, False)[0]
+    dx_ref = reference.layer_norm_backward(_np(dy), _np(x), n, _np(weight))[0]
+    np.testing.assert_allclose(_np(dx), dx_ref, atol=1e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------

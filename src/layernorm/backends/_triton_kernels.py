@@ -12,15 +12,19 @@ square root use IEEE-rounded ``div_rn`` / ``sqrt_rn`` so the compiled and the in
 kernels agree and a constant row gives a core of exactly 0. Layer norm uses the corrected
 two-pass ``m1 = mean(z)``, ``d = z - m1``, ``delta = mean(d)``, ``c = d - delta``.
 
-Two paths, chosen by the host from N and the dtype only:
+Three forward paths, chosen by the host from N and the dtype only:
 
-- fused: one program holds a whole row (``BLOCK_N >= N``); forward one row per program.
-- wide: the row is split into chunks of ``CHUNK`` columns. The forward first writes each
-  chunk's statistics of ``d = z - z[0]`` (shifting by the row's first element keeps the
-  chunk means small, so storing them in float32 loses nothing, and makes a constant row
-  exactly 0), then every program of the row combines the chunks in a fixed order
-  (the parallel-variance formula ``M2 = Σ M2_c + Σ n_c (mean_c - mean)^2`` with a
-  corrected mean) and normalizes its own chunk. Cost: x is read twice.
+- fused: one program holds a whole row in registers (``BLOCK_N >= N``).
+- looped: one program per row loops over chunks of ``CHUNK`` columns twice (statistics,
+  then normalization); the second read of the row mostly hits L2.
+- wide: grid (rows, chunks); a first kernel writes each chunk's statistics, a second
+  combines them and normalizes its chunk. Cost: x is read twice from memory, but a row
+  of any width (tested past 1M elements) is spread over many programs.
+
+The looped and wide paths keep per-chunk statistics of ``d = z - z[0]`` (shifting by the
+row's first element keeps the chunk means small, so float32 loses nothing, and makes a
+constant row exactly 0) and combine them in a fixed order with the parallel-variance
+formula ``M2 = Σ M2_c + Σ n_c (mean_c - mean)²`` (mean by the corrected two-pass).
 
 Backward: each program owns a fixed block of rows (and one chunk of columns on the wide
 path), loops over them in order and accumulates ``dweight``/``dbias`` in float32
@@ -30,7 +34,7 @@ bitwise reproducible, and a row's forward output never depends on the other rows
 """
 
 # Triton kernels keep explicit if/else on constexpr flags (one branch is compiled):
-# ruff: noqa: SIM108, SIM300
+# ruff: noqa: SIM102, SIM108, SIM300
 from __future__ import annotations
 
 import os
@@ -60,10 +64,10 @@ def _bfloat16_rne(y):
 def _cast(y, DTYPE: tl.constexpr):
     # The compiled cast rounds to nearest even; the interpreter's float32 -> bfloat16
     # cast truncates, so there we round by hand to get the compiled kernel's bits.
-    if INTERPRETED and DTYPE == tl.bfloat16:
-        out = _bfloat16_rne(y)
-    else:
-        out = y.to(DTYPE)
+    out = y.to(DTYPE)
+    if INTERPRETED:
+        if DTYPE == tl.bfloat16:
+            out = _bfloat16_rne(y)
     return out
 
 
@@ -151,6 +155,83 @@ def forward_fused_kernel(
 
 
 @triton.jit
+def _chunk_stats(d, mask):
+    # (mean_c, M2_c) of one chunk of d = z - shift, by the corrected two-pass.
+    count = tl.sum(mask.to(tl.float32), 0)
+    m1 = _mean(tl.sum(d, 0), count)
+    e = tl.where(mask, d - m1, 0.0)
+    delta = _mean(tl.sum(e, 0), count)
+    c = tl.where(mask, e - delta, 0.0)
+    return m1 + delta, tl.sum(c * c, 0)
+
+
+@triton.jit
+def _combine(mean_c, m2_c, N, n_f, num_chunks, CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr):
+    # (mean, variance) of the row of d from its chunks' (mean_c, M2_c), in a fixed order:
+    # M2 = Σ M2_c + Σ n_c (mean_c - mean)², the mean itself by the corrected two-pass.
+    index = tl.arange(0, CHUNKS_P2)
+    valid = index < num_chunks
+    count_c = tl.where(valid, tl.minimum(N - index * CHUNK, CHUNK), 0).to(tl.float32)
+    m1 = _mean(tl.sum(count_c * mean_c, 0), n_f)
+    e_c = tl.where(valid, mean_c - m1, 0.0)
+    delta = _mean(tl.sum(count_c * e_c, 0), n_f)
+    f_c = tl.where(valid, e_c - delta, 0.0)
+    var = _mean(tl.sum(m2_c, 0) + tl.sum(count_c * f_c * f_c, 0), n_f)
+    return m1 + delta, var
+
+
+@triton.jit
+def forward_looped_kernel(
+    X, R, W, B, Y, RES_OUT, MEAN, RSTD,
+    stride_x, stride_r, stride_y, stride_res_out,
+    N, n_f, eps, num_chunks,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    RMS: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr,
+):  # fmt: skip
+    """One program per row, looping over chunks of the row twice: statistics, then
+    normalization (the second read mostly hits L2). Same math as the wide path."""
+    row = tl.program_id(0).to(tl.int64)
+    index = tl.arange(0, CHUNKS_P2)
+    part_a = tl.zeros([CHUNKS_P2], dtype=tl.float32)
+    part_b = tl.zeros([CHUNKS_P2], dtype=tl.float32)
+    shift = _load_shift(X, R, RES_OUT, row, stride_x, stride_r, HAS_RESIDUAL)
+    for chunk in range(0, num_chunks):
+        cols = chunk * CHUNK + tl.arange(0, CHUNK)
+        mask = cols < N
+        z = _load_z(X, R, RES_OUT, row, stride_x, stride_r, stride_res_out, cols, mask,
+                    HAS_RESIDUAL)  # fmt: skip
+        if RMS:
+            part_a = tl.where(index == chunk, tl.sum(z * z, 0), part_a)
+        else:
+            mean_c, m2_c = _chunk_stats(tl.where(mask, z - shift, 0.0), mask)
+            part_a = tl.where(index == chunk, mean_c, part_a)
+            part_b = tl.where(index == chunk, m2_c, part_b)
+    if RMS:
+        rstd = _rstd(_mean(tl.sum(part_a, 0), n_f), eps)
+    else:
+        mean_d, var = _combine(part_a, part_b, N, n_f, num_chunks, CHUNK, CHUNKS_P2)
+        rstd = _rstd(var, eps)
+        tl.store(MEAN + row, shift + mean_d)
+    tl.store(RSTD + row, rstd)
+    if HAS_RESIDUAL:
+        tl.debug_barrier()  # residual_out, written above, is read back below
+    for chunk in range(0, num_chunks):
+        cols = chunk * CHUNK + tl.arange(0, CHUNK)
+        mask = cols < N
+        if HAS_RESIDUAL:
+            z = tl.load(RES_OUT + row * stride_res_out + cols, mask=mask, other=0.0)
+        else:
+            z = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+        z = z.to(tl.float32)
+        if RMS:
+            u = z * rstd
+        else:
+            u = tl.where(mask, (z - shift) - mean_d, 0.0) * rstd
+        y = _affine(u, W, B, cols, mask, HAS_WEIGHT, HAS_BIAS)
+        tl.store(Y + row * stride_y + cols, _cast(y, Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def forward_partial_kernel(
     X, R, RES_OUT, PART_A, PART_B,
     stride_x, stride_r, stride_res_out,
@@ -173,14 +254,9 @@ def forward_partial_kernel(
         tl.store(PART_A + slot, tl.sum(z * z, 0))
     else:
         shift = _load_shift(X, R, RES_OUT, row, stride_x, stride_r, HAS_RESIDUAL)
-        d = tl.where(mask, z - shift, 0.0)
-        count = tl.sum(mask.to(tl.float32), 0)
-        m1 = _mean(tl.sum(d, 0), count)
-        e = tl.where(mask, d - m1, 0.0)
-        delta = _mean(tl.sum(e, 0), count)
-        c = tl.where(mask, e - delta, 0.0)
-        tl.store(PART_A + slot, m1 + delta)
-        tl.store(PART_B + slot, tl.sum(c * c, 0))
+        mean_c, m2_c = _chunk_stats(tl.where(mask, z - shift, 0.0), mask)
+        tl.store(PART_A + slot, mean_c)
+        tl.store(PART_B + slot, m2_c)
 
 
 @triton.jit
@@ -208,14 +284,8 @@ def forward_wide_kernel(
         shift = tl.load(Z + row * stride_z).to(tl.float32)
         mean_c = tl.load(PART_A + slots, mask=valid, other=0.0)
         m2_c = tl.load(PART_B + slots, mask=valid, other=0.0)
-        count_c = tl.where(valid, tl.minimum(N - index * CHUNK, CHUNK), 0).to(tl.float32)
-        m1 = _mean(tl.sum(count_c * mean_c, 0), n_f)
-        e_c = tl.where(valid, mean_c - m1, 0.0)
-        delta = _mean(tl.sum(count_c * e_c, 0), n_f)
-        f_c = tl.where(valid, e_c - delta, 0.0)
-        var = _mean(tl.sum(m2_c, 0) + tl.sum(count_c * f_c * f_c, 0), n_f)
+        mean_d, var = _combine(mean_c, m2_c, N, n_f, num_chunks, CHUNK, CHUNKS_P2)
         rstd = _rstd(var, eps)
-        mean_d = m1 + delta
         u = tl.where(mask, (z - shift) - mean_d, 0.0) * rstd
         tl.store(MEAN + row, shift + mean_d, mask=chunk == 0)
     tl.store(RSTD + row, rstd, mask=chunk == 0)

@@ -12,11 +12,15 @@ module imports ``triton`` only when a kernel first runs, and loads the kernel fi
 mode triton was imported in, whatever the variable says later.
 
 Launch configuration depends only on N and the dtype, never on M: a row's output is
-bitwise the same alone or in any batch. Rows of at most :data:`FUSED_FORWARD_BYTES`
-(backward: :data:`FUSED_BACKWARD_BYTES`) are held by one program; wider rows (any width,
-tested past 1M elements) go through a deterministic two-stage reduction over chunks of
-:data:`CHUNK_BYTES`. The three sizes are module constants so tests can shrink them.
-They are untuned defaults: the GPU benchmark (``benchmarks/gpu_bench.py``) is the judge.
+bitwise the same alone or in any batch. The forward holds rows of at most
+:data:`FUSED_FORWARD_N` elements in one program's registers, loops one program over rows
+of at most :data:`LOOPED_FORWARD_BYTES`, and spreads wider rows (any width, tested past
+1M elements) over chunks of :data:`CHUNK_N` columns with a deterministic two-stage
+reduction. The backward holds rows of at most :data:`FUSED_BACKWARD_N` elements and
+chunks wider ones. The limits keep every kernel free of register spills on sm_90
+(checked with ``cuobjdump --dump-resource-usage`` on the compiled cubins); they are
+module constants so tests can shrink them, and untuned defaults otherwise: the GPU
+benchmark (``benchmarks/gpu_bench.py``) is the judge. No autotuning.
 Limits: float16, bfloat16 and float32 only (float64 falls back to the other backends).
 """
 
@@ -33,12 +37,14 @@ import torch
 
 from . import torch_
 
-#: rows of at most this many bytes (in the input dtype) take the one-program-per-row forward
-FUSED_FORWARD_BYTES = 1 << 17
+#: rows of at most this many elements are held whole in one program's registers (forward)
+FUSED_FORWARD_N = 1 << 14
+#: wider rows of at most this many bytes get one program that loops over the row
+LOOPED_FORWARD_BYTES = 1 << 17
 #: the backward keeps more values per element live, so its fused limit is lower
-FUSED_BACKWARD_BYTES = 1 << 16
-#: wider rows are split into chunks of this many bytes
-CHUNK_BYTES = 1 << 15
+FUSED_BACKWARD_N = 1 << 13
+#: wider rows are split into chunks of this many columns (a power of two)
+CHUNK_N = 1 << 12
 #: the backward's dweight/dbias partial buffer aims at about this many float32 values
 PARTIAL_ELEMENTS = 1 << 22
 #: ... with at least this many programs in flight (wide rows: counting all chunks)
@@ -141,22 +147,36 @@ def _next_power_of_2(n: int) -> int:
 
 
 def _num_warps(block: int) -> int:
+    # about 16 float32 values per thread: no spills at 32 warps (BLOCK_N = 16K)
     return max(4, min(32, block // 512))
 
 
-def chunk_columns(dtype: torch.dtype) -> int:
-    """Columns per chunk on the wide path (a power of two)."""
-    return _next_power_of_2(max(16, CHUNK_BYTES // dtype.itemsize))
+def _num_warps_backward(block: int) -> int:
+    # about 8 values per thread: the backward keeps z, g, gh, u, dweight, dbias live
+    return max(4, min(32, block // 256))
 
 
-def uses_fused_forward(n: int, dtype: torch.dtype) -> bool:
-    """True when one program holds a whole row in the forward."""
-    return n * dtype.itemsize <= FUSED_FORWARD_BYTES
+def forward_path(n: int, dtype: torch.dtype) -> str:
+    """ "fused", "looped" or "wide": how the forward runs rows of width ``n``."""
+    if n <= FUSED_FORWARD_N:
+        return "fused"
+    return "looped" if n * dtype.itemsize <= LOOPED_FORWARD_BYTES else "wide"
 
 
 def uses_fused_backward(n: int, dtype: torch.dtype) -> bool:
     """True when one program holds a whole row in the backward."""
-    return n * dtype.itemsize <= FUSED_BACKWARD_BYTES
+    return n <= FUSED_BACKWARD_N
+
+
+def _chunk_columns(n: int) -> int:
+    """Columns per chunk of the looped and wide paths."""
+    return min(CHUNK_N, _next_power_of_2(n))
+
+
+def _launch(num_warps: int) -> dict:
+    # Explicit fp_fusion: no FMA contraction, the IEEE operation sequence the interpreter
+    # runs (and Triton warns when it is left to its changing default).
+    return {"num_warps": num_warps, "enable_fp_fusion": False}
 
 
 def _column_block(n: int) -> int:
@@ -199,36 +219,45 @@ def _forward(kernels, x, residual, weight, bias, eps, rms):
     r = x if residual is None else residual
     h = y if residual_out is None else residual_out
     flags = {"HAS_WEIGHT": weight is not None, "HAS_BIAS": bias is not None, "RMS": rms}
-    if uses_fused_forward(n, x.dtype):
+    w = x if weight is None else weight
+    b = x if bias is None else bias
+    path = forward_path(n, x.dtype)
+    if path == "fused":
         block = _next_power_of_2(n)
         kernels.forward_fused_kernel[(m,)](
-            x, r, x if weight is None else weight, x if bias is None else bias,
-            y, h, rstd if mean is None else mean, rstd,
+            x, r, w, b, y, h, rstd if mean is None else mean, rstd,
             x.stride(0), r.stride(0), y.stride(0), h.stride(0),
             n, float(n), eps,
-            HAS_RESIDUAL=residual is not None, BLOCK_N=block, num_warps=_num_warps(block),
-            **flags,
+            HAS_RESIDUAL=residual is not None, BLOCK_N=block, **flags,
+            **_launch(_num_warps(block)),
         )  # fmt: skip
         return y, residual_out, mean, rstd
-    chunk = chunk_columns(x.dtype)
+    chunk = _chunk_columns(n)
     num_chunks = -(-n // chunk)
+    sizes = {"CHUNK": chunk, **_launch(_num_warps(chunk))}
+    if path == "looped":
+        kernels.forward_looped_kernel[(m,)](
+            x, r, w, b, y, h, rstd if mean is None else mean, rstd,
+            x.stride(0), r.stride(0), y.stride(0), h.stride(0),
+            n, float(n), eps, num_chunks,
+            HAS_RESIDUAL=residual is not None, CHUNKS_P2=_next_power_of_2(num_chunks),
+            **flags, **sizes,
+        )  # fmt: skip
+        return y, residual_out, mean, rstd
     part_a = torch.empty((m, num_chunks), dtype=torch.float32, device=x.device)
     part_b = part_a if rms else torch.empty_like(part_a)
-    warps = _num_warps(chunk)
     kernels.forward_partial_kernel[(m, num_chunks)](
         x, r, h, part_a, part_b,
         x.stride(0), r.stride(0), h.stride(0),
         n, num_chunks,
-        HAS_RESIDUAL=residual is not None, RMS=rms, CHUNK=chunk, num_warps=warps,
+        HAS_RESIDUAL=residual is not None, RMS=rms, **sizes,
     )  # fmt: skip
     z = x if residual_out is None else residual_out
     kernels.forward_wide_kernel[(m, num_chunks)](
-        z, x if weight is None else weight, x if bias is None else bias,
-        y, rstd if mean is None else mean, rstd, part_a, part_b,
+        z, w, b, y, rstd if mean is None else mean, rstd, part_a, part_b,
         z.stride(0), y.stride(0),
         n, float(n), eps, num_chunks,
-        CHUNK=chunk, CHUNKS_P2=_next_power_of_2(num_chunks), num_warps=warps,
-        **flags,
+        CHUNKS_P2=_next_power_of_2(num_chunks), **flags, **sizes,
     )  # fmt: skip
     return y, residual_out, mean, rstd
 
@@ -263,7 +292,7 @@ def _backward(kernels, dy, x, weight, mean, rstd, dresidual_out, rms, need_dweig
     rstd = rstd.to(torch.float32).contiguous()
     mean = rstd if mean is None else mean.to(torch.float32).contiguous()
     fused = uses_fused_backward(n, x.dtype)
-    chunk = _next_power_of_2(n) if fused else chunk_columns(x.dtype)
+    chunk = _next_power_of_2(n) if fused else _chunk_columns(n)
     num_chunks = 1 if fused else -(-n // chunk)
     programs, rows_per_program = _row_blocks(m, n, num_chunks)
     sums = int(need_dweight) + int(need_dbias)
@@ -278,7 +307,8 @@ def _backward(kernels, dy, x, weight, mean, rstd, dresidual_out, rms, need_dweig
             dy, x, x if weight is None else weight, mean, rstd, part_c1, part_c2,
             dy.stride(0), x.stride(0),
             n, num_chunks,
-            HAS_WEIGHT=weight is not None, RMS=rms, CHUNK=chunk, num_warps=_num_warps(chunk),
+            HAS_WEIGHT=weight is not None, RMS=rms, CHUNK=chunk,
+            **_launch(_num_warps_backward(chunk)),
         )  # fmt: skip
     dres = dy if dresidual_out is None else dresidual_out
     kernels.backward_kernel[(programs, num_chunks)](
@@ -288,14 +318,21 @@ def _backward(kernels, dy, x, weight, mean, rstd, dresidual_out, rms, need_dweig
         m, n, float(n), rows_per_program, num_chunks,
         HAS_WEIGHT=weight is not None, HAS_DRES=dresidual_out is not None,
         NEED_DW=need_dweight, NEED_DB=need_dbias, RMS=rms, FUSED=fused,
-        CHUNK=chunk, CHUNKS_P2=_next_power_of_2(num_chunks), num_warps=_num_warps(chunk),
+        CHUNK=chunk, CHUNKS_P2=_next_power_of_2(num_chunks),
+        **_launch(_num_warps_backward(chunk)),
     )  # fmt: skip
     block_n = _column_block(n)
     totals = []
     for k in range(sums):  # separate tensors: dweight and dbias must not alias
         total = torch.empty(n, dtype=torch.float32, device=device)
         kernels.column_sum_kernel[(-(-n // block_n),)](
-            partial[k], total, programs, n, BLOCK_P=4096 // block_n, BLOCK_N=block_n, num_warps=4
+            partial[k],
+            total,
+            programs,
+            n,
+            BLOCK_P=4096 // block_n,
+            BLOCK_N=block_n,
+            **_launch(4),
         )
         totals.append(total)
     return dx, totals[0] if need_dweight else None, totals[-1] if need_dbias else None
