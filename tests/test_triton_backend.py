@@ -15,6 +15,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import layernorm
 from layernorm import backends, reference
@@ -236,6 +238,30 @@ def test_nan_and_inf_stay_in_their_row(path, poison, rms):
     assert not torch.isfinite(y[1]).all()
 
 
+@settings(max_examples=15, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    m=st.integers(1, 4),
+    n=st.integers(1, 200),
+    rms=st.booleans(),
+    dtype=st.sampled_from(DTYPES),
+    looped_bytes=st.sampled_from([0, 1 << 20]),
+)
+def test_property_agrees_with_torch_backend_and_rows_are_independent(
+    m, n, rms, dtype, looped_bytes
+):
+    # The autouse fixture only sets TRITON_INTERPRET, the same for every example.
+    x = (4 * torch.randn(m, n) - 1).to(dtype)
+    weight, bias = _params(n, dtype)
+    bias = None if rms else bias
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _shrink(monkeypatch, looped_bytes)  # n > 128: looped or wide
+        y = triton_.forward(x, None, weight, bias, 1e-5, rms)[0]
+        alone = triton_.forward(x[-1:], None, weight, bias, 1e-5, rms)[0]
+    assert torch.equal(alone, y[-1:])
+    expected = torch_.forward(x, None, weight, bias, 1e-5, rms)[0]
+    torch.testing.assert_close(y, expected, rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["atol"])
+
+
 # ---------------------------------------------------------------------------------------
 # Residual, strided rows, batch invariance
 
@@ -448,7 +474,7 @@ needs_cuda = pytest.mark.skipif(
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("n", [1024, 4099, 65536, 262144, (1 << 20) + 3])
+@pytest.mark.parametrize("n", [1024, 4099, 20_000, 65536, 262144, (1 << 20) + 3])
 def test_gpu_matches_torch_at_large_shapes(dtype, n):
     m = max(2, (1 << 24) // n)
     x = (torch.randn(m, n, device="cuda") + 3).to(dtype).requires_grad_(True)
@@ -464,24 +490,56 @@ def test_gpu_matches_torch_at_large_shapes(dtype, n):
     for grad, ref in zip(grads, refs, strict=True):
         scale = ref.abs().max().item() + 1
         torch.testing.assert_close(grad.float(), ref.float(), rtol=2e-2, atol=1e-2 * scale)
+    z = x.detach().float()
+    y = layernorm.rms_norm(x.detach(), n, weight.detach(), 1e-6)
+    y_ref = z * torch.rsqrt((z * z).mean(1, keepdim=True) + 1e-6) * weight.detach().float()
+    torch.testing.assert_close(y.float(), y_ref, **TOL[dtype])
 
 
 @gpu
 @needs_cuda
-def test_gpu_64_bit_offsets():
-    n = 1 << 16
+@pytest.mark.parametrize(
+    ("n", "dtype"),
+    [(4096, torch.bfloat16), (65536, torch.bfloat16), (65536, torch.float32)],
+    ids=["fused", "looped", "wide"],
+)
+def test_gpu_64_bit_offsets(n, dtype):
     m = (1 << 31) // n + 2  # past 2^31 elements
-    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    if 5 * m * n * dtype.itemsize > 0.8 * torch.cuda.mem_get_info()[0]:
+        pytest.skip("not enough free GPU memory for a tensor past 2^31 elements")
+    x = torch.randn(m, n, device="cuda", dtype=dtype, requires_grad=True)
     y = layernorm.layer_norm(x, n, backend="triton")
-    tail = x[-2:].float()
-    torch.testing.assert_close(
-        y[-2:].float(), torch.nn.functional.layer_norm(tail, (n,)), atol=2e-2, rtol=1e-2
-    )
+    dy = torch.randn(2, n, device="cuda", dtype=dtype)
+    (dx,) = torch.autograd.grad(y[-2:], x, dy)
+    tail = x.detach()[-2:].float().requires_grad_(True)
+    y_ref = torch.nn.functional.layer_norm(tail, (n,))
+    torch.testing.assert_close(y[-2:].float(), y_ref, **TOL[dtype])
+    (dx_ref,) = torch.autograd.grad(y_ref, tail, dy.float())
+    torch.testing.assert_close(dx[-2:].float(), dx_ref, rtol=2e-2, atol=2e-2)
+    assert not dx[:-2].any()
 
 
 @gpu
 @needs_cuda
-def test_gpu_torch_compile_fullgraph_and_batch_invariance():
+@pytest.mark.parametrize("n", [1000, 20_000, 300_000], ids=["fused", "looped", "wide"])
+def test_gpu_batch_invariance_and_reproducible_parameter_grads(n):
+    x = torch.randn(64, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(n, device="cuda", requires_grad=True)
+    bias = torch.randn(n, device="cuda", requires_grad=True)
+    with torch.no_grad():
+        batch = layernorm.layer_norm(x, n, weight, bias)
+        for rows in (slice(5, 6), slice(0, 3), slice(17, 64)):
+            assert torch.equal(layernorm.layer_norm(x[rows], n, weight, bias), batch[rows])
+    dy = torch.randn_like(batch)
+    first = torch.autograd.grad(layernorm.layer_norm(x, n, weight, bias), [x, weight, bias], dy)
+    second = torch.autograd.grad(layernorm.layer_norm(x, n, weight, bias), [x, weight, bias], dy)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+@gpu
+@needs_cuda
+def test_gpu_torch_compile_fullgraph():
     module = layernorm.LayerNorm(4096, device="cuda", dtype=torch.bfloat16)
     compiled = torch.compile(module, fullgraph=True)
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -489,5 +547,3 @@ def test_gpu_torch_compile_fullgraph_and_batch_invariance():
     torch.testing.assert_close(y, module(x))
     y.sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
-    with torch.no_grad():
-        assert torch.equal(module(x[5:6]), module(x)[5:6])
