@@ -437,6 +437,26 @@ def test_double_backward_through_the_triton_forward():
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
+def test_compiles_fullgraph_around_the_triton_kernels():
+    # aot_eager traces the custom ops (fake kernels) and runs the interpreted kernels.
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    weight = torch.randn(40, requires_grad=True)
+
+    def fn(x, residual):
+        y, h = layernorm.add_rms_norm(x, residual, 40, weight, backend="triton")
+        return layernorm.layer_norm(y * h, 40, backend="triton")
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    x, residual = torch.randn(3, 40, requires_grad=True), torch.randn(3, 40)
+    out = compiled(x, residual)
+    torch.testing.assert_close(out, fn(x, residual), rtol=0, atol=0)
+    (gx,) = torch.autograd.grad(out.square().sum(), x)
+    (gx_eager,) = torch.autograd.grad(fn(x, residual).square().sum(), x)
+    torch.testing.assert_close(gx, gx_eager, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------------------
 # Rows wider than one program, with the default limits
 

@@ -211,7 +211,15 @@ def forward(
         return _forward(kernels, x, residual, weight, bias, eps, rms)
 
 
-def _forward(kernels, x, residual, weight, bias, eps, rms):
+def _forward(
+    kernels: ModuleType,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     m, n = x.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     residual_out = None if residual is None else torch.empty_like(y)
@@ -285,7 +293,18 @@ def backward(
         )
 
 
-def _backward(kernels, dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias):
+def _backward(
+    kernels: ModuleType,
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    dresidual_out: torch.Tensor | None,
+    rms: bool,
+    need_dweight: bool,
+    need_dbias: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     m, n = x.shape
     device = x.device
     need_dweight = need_dweight and weight is not None
