@@ -398,6 +398,18 @@ def test_residual_backward_fuses_the_residual_gradient(path, rms):
     assert torch.equal(dx, dresidual)
 
 
+def test_regression_expanded_gradient_of_a_sum(path):
+    # y.sum().backward() hands the backward a dy with strides (0, 0).
+    n = path
+    x = torch.randn(6, n, requires_grad=True)
+    weight, bias = _params(n)
+    grads = []
+    for backend in ("triton", "torch"):
+        y = layernorm.layer_norm(x, n, weight, bias, backend=backend)
+        grads.append(torch.autograd.grad(y.sum(), x)[0])
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-5)
+
+
 def test_backward_without_parameters_or_parameter_grads(path):
     n = path
     x, dy = torch.randn(5, n), torch.randn(5, n)

@@ -174,6 +174,14 @@ def _chunk_columns(n: int) -> int:
     return min(CHUNK_N, _next_power_of_2(n))
 
 
+def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    # The kernels index columns with unit stride. The contract promises that, but autograd
+    # hands the backward expanded gradients (``y.sum().backward()``: strides (0, 0)).
+    if t is None or t.stride(-1) == 1 or t.shape[-1] <= 1:
+        return t
+    return t.contiguous()
+
+
 def _launch(num_warps: int) -> dict:
     # Explicit fp_fusion: no FMA contraction, the IEEE operation sequence the interpreter
     # runs (and Triton warns when it is left to its changing default).
@@ -207,6 +215,7 @@ def forward(
     if x.numel() == 0:
         return torch_.forward(x, residual, weight, bias, eps, rms)
     kernels = _kernels()
+    x, residual, weight, bias = _rows(x), _rows(residual), _rows(weight), _rows(bias)
     with _quiet(kernels):
         return _forward(kernels, x, residual, weight, bias, eps, rms)
 
@@ -287,6 +296,7 @@ def backward(
             dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias
         )
     kernels = _kernels()
+    dy, x, weight, dresidual_out = _rows(dy), _rows(x), _rows(weight), _rows(dresidual_out)
     with _quiet(kernels):
         return _backward(
             kernels, dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias
