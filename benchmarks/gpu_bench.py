@@ -49,6 +49,16 @@ MODES = ("forward", "backward", "fwd+bwd")
 PASSES = {"forward": 2, "backward": 3, "fwd+bwd": 5, "copy": 2}
 PROVIDERS = ("layernorm", "torch", "torch.compile", "liger", "quack")
 EPS = 1e-5
+#: limits of the triton backend that --set may override (tuning runs)
+TUNABLE = (
+    "FUSED_FORWARD_N",
+    "LOOPED_FORWARD_BYTES",
+    "FUSED_BACKWARD_N",
+    "CHUNK_N",
+    "PARTIAL_ELEMENTS",
+    "MIN_PROGRAMS",
+    "MAX_PROGRAMS",
+)
 
 
 @dataclass
@@ -178,6 +188,10 @@ def run(
     timer: Callable[[Callable[[], object]], float] = time_ms,
 ) -> list[dict]:
     """Measures every (provider, shape) cell; ``device`` and ``timer`` exist for tests."""
+    from layernorm.backends import triton_
+
+    for name, value in args.overrides.items():
+        setattr(triton_, name, value)
     deadline = time.monotonic() + args.budget_s
     import torch._dynamo as dynamo
 
@@ -263,7 +277,8 @@ def markdown(results: list[dict], providers: list[str]) -> str:
     lines = []
     for mode in MODES:
         lines.append(f"\n### {mode}: GB/s (fraction of copy)\n")
-        header = ["dtype", "N", "M", "copy GB/s", *providers]
+        versus = "layernorm" in providers and "torch" in providers
+        header = ["dtype", "N", "M", "copy GB/s", *providers] + (["vs torch"] if versus else [])
         lines.append("| " + " | ".join(header) + " |")
         lines.append("|" + "---|" * len(header))
         for r in results:
@@ -277,6 +292,10 @@ def markdown(results: list[dict], providers: list[str]) -> str:
                 else:
                     frac = f" ({cell['of_copy']:.0%})" if cell["of_copy"] else ""
                     row.append(f"{cell['GB/s']:.0f}{frac}")
+            if versus:
+                ours, theirs = (r["cells"].get(f"{p}/{mode}", {}) for p in ("layernorm", "torch"))
+                ratio = theirs.get("ms", 0) / ours["ms"] if "ms" in ours else 0
+                row.append(f"{ratio:.2f}x" if ratio else "n/a")
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -291,6 +310,8 @@ def print_plan(args: argparse.Namespace) -> None:
     print("providers: " + ", ".join(
         f"{p}{'' if installed(p) else ' (not installed: skipped)'}" for p in args.providers
     ))  # fmt: skip
+    if args.overrides:
+        print("triton_ overrides: " + ", ".join(f"{k}={v}" for k, v in args.overrides.items()))
     print(f"{'dtype':>5} {'N':>7} {'M':>7} {'M*N':>10} {'x MiB':>7} "
           f"{'fwd MB':>8} {'bwd MB':>8} {'copy MB':>8}")  # fmt: skip
     for c in cases:
@@ -314,7 +335,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="stop starting new measurements after this many seconds")  # fmt: skip
     parser.add_argument("--json", type=Path, default=Path(__file__).with_name("gpu_bench.json"))
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=INT",
+        help="override a limit of layernorm.backends.triton_ (e.g. FUSED_BACKWARD_N=16384)",
+    )
     args = parser.parse_args(argv)
+    args.overrides = {}
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if name not in TUNABLE or not value.lstrip("-").isdigit():
+            parser.error(f"--set takes NAME=INT with NAME in {', '.join(TUNABLE)}; got {item!r}")
+        args.overrides[name] = int(value)
     if any(n < 1 or n > TOTAL_ELEMENTS for n in args.widths):
         parser.error(f"widths must be between 1 and {TOTAL_ELEMENTS}")
     return args
@@ -336,7 +370,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{time.monotonic() - started:.0f} s)\n"
     )
     print(header + table)
-    meta = {"device": device, "torch": torch.__version__, "python": platform.python_version()}
+    meta = {
+        "device": device,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "overrides": args.overrides,
+    }
     for name in ("triton", "liger_kernel", "quack"):
         if importlib.util.find_spec(name) is not None:
             module = __import__(name)

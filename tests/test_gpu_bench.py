@@ -67,7 +67,25 @@ def test_measurement_bookkeeping_on_cpu(bench, monkeypatch):
     assert cells["torch/backward"]["of_copy"] == pytest.approx(1.5)
     assert cells["torch/fwd+bwd"]["GB/s"] == pytest.approx(5 * 256 * 4 / 0.5 / 1e6)
     table = bench.markdown(results, ["torch"])
-    assert "### fwd+bwd" in table and "(250%)" in table
+    assert "### fwd+bwd" in table and "(250%)" in table and "vs torch" not in table
     args.budget_s = -1.0
     results = bench.run(args, device="cpu", timer=timer)
     assert results[0]["cells"]["torch/forward"] == {"note": "skipped (time budget)"}
+
+
+def test_overrides_of_the_triton_limits(bench, capsys):
+    args = bench.parse_args(["--set", "FUSED_BACKWARD_N=16384", "--set", "CHUNK_N=2048"])
+    assert args.overrides == {"FUSED_BACKWARD_N": 16384, "CHUNK_N": 2048}
+    for bad in ("FUSED=1", "CHUNK_N=big"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--set", bad])
+        assert "--set takes NAME=INT" in capsys.readouterr().err
+
+
+def test_speedup_column(bench):
+    case = bench.Case("bf16", 1024)
+    times = {"layernorm": 0.5, "torch": 1.0}
+    ms = {"copy": 0.5, **{p: dict.fromkeys(bench.MODES, t) for p, t in times.items()}}
+    args = bench.parse_args([])
+    table = bench.markdown([bench._result(args, case, ms)], ["layernorm", "torch"])
+    assert "| vs torch |" in table and "| 2.00x |" in table
