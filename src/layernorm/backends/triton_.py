@@ -17,11 +17,11 @@ bitwise the same alone or in any batch. The forward holds rows of at most
 of at most :data:`LOOPED_FORWARD_BYTES`, and spreads wider rows (any width, tested past
 1M elements) over chunks of :data:`CHUNK_N` columns with a deterministic two-stage
 reduction. The backward holds rows of at most :data:`FUSED_BACKWARD_N` elements and
-chunks wider ones. The limits keep every kernel free of register spills on sm_90 (but for 24
-bytes of stack in the 8K fused backward; checked by ``tests/_triton_compile_check.py``
-on the compiled cubins, no GPU needed); they are
-module constants so tests can shrink them, and untuned defaults otherwise: the GPU
-benchmark (``benchmarks/gpu_bench.py``) is the judge. No autotuning.
+chunks wider ones. These limits keep every kernel free of register spills on sm_90 (but
+24 bytes of stack in the 8K fused backward), as ``tests/_triton_compile_check.py`` checks
+on the compiled cubins without a GPU. They are module constants so that tests can shrink
+them, and untuned: the GPU benchmark (``benchmarks/gpu_bench.py --set NAME=INT``) is the
+judge. No autotuning.
 Limits: float16, bfloat16 and float32 only (float64 falls back to the other backends).
 """
 
@@ -158,7 +158,7 @@ def _num_warps_backward(block: int) -> int:
 
 
 def forward_path(n: int, dtype: torch.dtype) -> str:
-    """ "fused", "looped" or "wide": how the forward runs rows of width ``n``."""
+    """How the forward runs rows of width ``n``: "fused", "looped" or "wide"."""
     if n <= FUSED_FORWARD_N:
         return "fused"
     return "looped" if n * dtype.itemsize <= LOOPED_FORWARD_BYTES else "wide"
