@@ -1,0 +1,369 @@
+"""Triton backend: fused layer norm / RMSNorm kernels for CUDA tensors.
+
+Follows the kernel contract of :mod:`layernorm.backends.torch_`; the kernels and their
+numerics are described in :mod:`layernorm.backends._triton_kernels`.
+
+Where it runs: CUDA tensors (compiled kernels), and CPU tensors only when
+``TRITON_INTERPRET=1`` is set, through Triton's interpreter (slow; for tests without a
+GPU). :func:`prefers` is True only for CUDA tensors, so the automatic choice never sends
+CPU work to the interpreter. Triton fixes the mode of its own ``@jit`` helpers (``tl.sum``)
+when ``triton`` is first imported, so ``TRITON_INTERPRET=1`` must be set by then; this
+module imports ``triton`` only when a kernel first runs, and loads the kernel file in the
+mode triton was imported in, whatever the variable says later.
+
+Launch configuration depends only on N and the dtype, never on M: a row's output is
+bitwise the same alone or in any batch. The forward holds rows of at most
+:data:`FUSED_FORWARD_N` elements in one program's registers, loops one program over rows
+of at most :data:`LOOPED_FORWARD_BYTES`, and spreads wider rows (any width, tested past
+1M elements) over chunks of :data:`CHUNK_N` columns with a deterministic two-stage
+reduction. The backward holds rows of at most :data:`FUSED_BACKWARD_N` elements and
+chunks wider ones. These limits keep every kernel free of register spills on sm_90 (but
+24 bytes of stack in the 8K fused backward), as ``tests/_triton_compile_check.py`` checks
+on the compiled cubins without a GPU. They are module constants so that tests can shrink
+them, and untuned: the GPU benchmark (``benchmarks/gpu_bench.py --set NAME=INT``) is the
+judge. No autotuning.
+Limits: float16, bfloat16 and float32 only (float64 falls back to the other backends).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import sys
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from . import torch_
+
+#: rows of at most this many elements are held whole in one program's registers (forward)
+FUSED_FORWARD_N = 1 << 14
+#: wider rows of at most this many bytes get one program that loops over the row
+LOOPED_FORWARD_BYTES = 1 << 17
+#: the backward keeps more values per element live, so its fused limit is lower
+FUSED_BACKWARD_N = 1 << 13
+#: wider rows are split into chunks of this many columns (a power of two)
+CHUNK_N = 1 << 12
+#: the backward's dweight/dbias partial buffer aims at about this many float32 values
+PARTIAL_ELEMENTS = 1 << 22
+#: ... with at least this many programs in flight (wide rows: counting all chunks)
+MIN_PROGRAMS = 256
+#: ... and at most this many row blocks
+MAX_PROGRAMS = 4096
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_loaded: dict[bool, ModuleType] = {}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in {"1", "true", "on", "yes"}
+
+
+def unavailable_reason() -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "the triton package is not installed (pip install 'layernorm[triton]')"
+    if torch.cuda.is_available() or _interpreting():
+        return None
+    return (
+        "no CUDA device; set TRITON_INTERPRET=1 to run the Triton kernels on CPU tensors "
+        "in Triton's (slow) interpreter"
+    )
+
+
+def cannot_run(x: torch.Tensor) -> str | None:
+    if x.dtype not in _DTYPES:
+        return f"the triton backend supports float16, bfloat16 and float32, not {x.dtype}"
+    if x.device.type == "cuda":
+        return None if torch.cuda.is_available() else "CUDA is not available"
+    if x.device.type == "cpu":
+        if not _interpreting():
+            return "CPU tensors run on the triton backend only with TRITON_INTERPRET=1 set"
+        if "triton" in sys.modules and not _triton_interprets():
+            return (
+                "triton was imported before TRITON_INTERPRET=1 was set; its interpreter "
+                "needs the variable set before triton is first imported"
+            )
+        return None
+    return f"the triton backend runs CUDA tensors, not {x.device.type} tensors"
+
+
+def prefers(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda"
+
+
+def _triton_interprets() -> bool:
+    """Whether triton was imported in interpreter mode (its ``tl.sum`` is interpreted)."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.sum, InterpretedFunction)
+
+
+def _load_kernels(interpret: bool) -> ModuleType:
+    """A fresh copy of the kernel module whose ``@triton.jit`` saw ``interpret``."""
+    import triton
+
+    spec = importlib.util.find_spec("layernorm.backends._triton_kernels")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:  # triton >= 3.4
+        with knobs.runtime.scope():
+            knobs.runtime.interpret = interpret
+            spec.loader.exec_module(module)
+        return module
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+    return module
+
+
+def _kernels() -> ModuleType:
+    """The kernels, compiled or interpreted as triton itself is."""
+    interpret = _triton_interprets()
+    if interpret not in _loaded:
+        _loaded[interpret] = _load_kernels(interpret)
+    return _loaded[interpret]
+
+
+def _quiet(kernels: ModuleType) -> contextlib.AbstractContextManager:
+    # The interpreter computes in NumPy, which warns where a GPU silently makes NaN or Inf.
+    return np.errstate(all="ignore") if kernels.INTERPRETED else contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------------------------------
+# Launch configuration: a function of N and the dtype only.
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _num_warps(block: int) -> int:
+    # about 16 float32 values per thread: no spills at 32 warps (BLOCK_N = 16K)
+    return max(4, min(32, block // 512))
+
+
+def _num_warps_backward(block: int) -> int:
+    # about 8 values per thread: the backward keeps z, g, gh, u, dweight, dbias live
+    return max(4, min(32, block // 256))
+
+
+def forward_path(n: int, dtype: torch.dtype) -> str:
+    """How the forward runs rows of width ``n``: "fused", "looped" or "wide"."""
+    if n <= FUSED_FORWARD_N:
+        return "fused"
+    return "looped" if n * dtype.itemsize <= LOOPED_FORWARD_BYTES else "wide"
+
+
+def uses_fused_backward(n: int, dtype: torch.dtype) -> bool:
+    """True when one program holds a whole row in the backward."""
+    return n <= FUSED_BACKWARD_N
+
+
+def _chunk_columns(n: int) -> int:
+    """Columns per chunk of the looped and wide paths."""
+    return min(CHUNK_N, _next_power_of_2(n))
+
+
+def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    # The kernels index columns with unit stride. The contract promises that, but autograd
+    # hands the backward expanded gradients (``y.sum().backward()``: strides (0, 0)).
+    if t is None or t.stride(-1) == 1 or t.shape[-1] <= 1:
+        return t
+    return t.contiguous()
+
+
+def _launch(num_warps: int) -> dict:
+    # Explicit fp_fusion: no FMA contraction, the IEEE operation sequence the interpreter
+    # runs (and Triton warns when it is left to its changing default).
+    return {"num_warps": num_warps, "enable_fp_fusion": False}
+
+
+def _column_block(n: int) -> int:
+    """Columns per program of the final dweight/dbias sum (tiles of 4096 values)."""
+    return max(32, min(1024, _next_power_of_2(n) // 32))
+
+
+def _row_blocks(m: int, n: int, num_chunks: int) -> tuple[int, int]:
+    """(programs, rows per program) of the backward: a fixed partition of the M rows."""
+    target = max(MIN_PROGRAMS // num_chunks, PARTIAL_ELEMENTS // max(n, 1), 1)
+    rows_per_program = -(-m // min(target, MAX_PROGRAMS))
+    return -(-m // rows_per_program), rows_per_program
+
+
+# ---------------------------------------------------------------------------------------
+# Kernel entry points (the contract is in layernorm.backends.torch_).
+
+
+def forward(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    if x.numel() == 0:
+        return torch_.forward(x, residual, weight, bias, eps, rms)
+    kernels = _kernels()
+    x, residual, weight, bias = _rows(x), _rows(residual), _rows(weight), _rows(bias)
+    with _quiet(kernels):
+        return _forward(kernels, x, residual, weight, bias, eps, rms)
+
+
+def _forward(
+    kernels: ModuleType,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    m, n = x.shape
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    residual_out = None if residual is None else torch.empty_like(y)
+    mean = None if rms else torch.empty(m, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    r = x if residual is None else residual
+    h = y if residual_out is None else residual_out
+    flags = {"HAS_WEIGHT": weight is not None, "HAS_BIAS": bias is not None, "RMS": rms}
+    w = x if weight is None else weight
+    b = x if bias is None else bias
+    path = forward_path(n, x.dtype)
+    if path == "fused":
+        block = _next_power_of_2(n)
+        kernels.forward_fused_kernel[(m,)](
+            x, r, w, b, y, h, rstd if mean is None else mean, rstd,
+            x.stride(0), r.stride(0), y.stride(0), h.stride(0),
+            n, float(n), eps,
+            HAS_RESIDUAL=residual is not None, BLOCK_N=block, **flags,
+            **_launch(_num_warps(block)),
+        )  # fmt: skip
+        return y, residual_out, mean, rstd
+    chunk = _chunk_columns(n)
+    num_chunks = -(-n // chunk)
+    sizes = {"CHUNK": chunk, **_launch(_num_warps(chunk))}
+    if path == "looped":
+        kernels.forward_looped_kernel[(m,)](
+            x, r, w, b, y, h, rstd if mean is None else mean, rstd,
+            x.stride(0), r.stride(0), y.stride(0), h.stride(0),
+            n, float(n), eps, num_chunks,
+            HAS_RESIDUAL=residual is not None, CHUNKS_P2=_next_power_of_2(num_chunks),
+            **flags, **sizes,
+        )  # fmt: skip
+        return y, residual_out, mean, rstd
+    part_a = torch.empty((m, num_chunks), dtype=torch.float32, device=x.device)
+    part_b = part_a if rms else torch.empty_like(part_a)
+    kernels.forward_partial_kernel[(m, num_chunks)](
+        x, r, h, part_a, part_b,
+        x.stride(0), r.stride(0), h.stride(0),
+        n, num_chunks,
+        HAS_RESIDUAL=residual is not None, RMS=rms, **sizes,
+    )  # fmt: skip
+    z = x if residual_out is None else residual_out
+    kernels.forward_wide_kernel[(m, num_chunks)](
+        z, w, b, y, rstd if mean is None else mean, rstd, part_a, part_b,
+        z.stride(0), y.stride(0),
+        n, float(n), eps, num_chunks,
+        CHUNKS_P2=_next_power_of_2(num_chunks), **flags, **sizes,
+    )  # fmt: skip
+    return y, residual_out, mean, rstd
+
+
+def backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    dresidual_out: torch.Tensor | None,
+    rms: bool,
+    need_dweight: bool,
+    need_dbias: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    if x.numel() == 0:
+        return torch_.backward(
+            dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias
+        )
+    kernels = _kernels()
+    dy, x, weight, dresidual_out = _rows(dy), _rows(x), _rows(weight), _rows(dresidual_out)
+    with _quiet(kernels):
+        return _backward(
+            kernels, dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias
+        )
+
+
+def _backward(
+    kernels: ModuleType,
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    dresidual_out: torch.Tensor | None,
+    rms: bool,
+    need_dweight: bool,
+    need_dbias: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    m, n = x.shape
+    device = x.device
+    need_dweight = need_dweight and weight is not None
+    dx = torch.empty((m, n), dtype=x.dtype, device=device)
+    rstd = rstd.to(torch.float32).contiguous()
+    mean = rstd if mean is None else mean.to(torch.float32).contiguous()
+    fused = uses_fused_backward(n, x.dtype)
+    chunk = _next_power_of_2(n) if fused else _chunk_columns(n)
+    num_chunks = 1 if fused else -(-n // chunk)
+    programs, rows_per_program = _row_blocks(m, n, num_chunks)
+    sums = int(need_dweight) + int(need_dbias)
+    shape = (sums, programs, n) if sums else (1, 1, 1)  # a placeholder when nothing is summed
+    partial = torch.empty(shape, dtype=torch.float32, device=device)
+    dw_part = partial[0]
+    db_part = partial[sums - 1]
+    part_c1 = part_c2 = rstd
+    if not fused:
+        part_c1 = torch.empty((m, num_chunks), dtype=torch.float32, device=device)
+        part_c2 = part_c1 if rms else torch.empty_like(part_c1)
+        kernels.backward_partial_kernel[(m, num_chunks)](
+            dy, x, x if weight is None else weight, mean, rstd, part_c1, part_c2,
+            dy.stride(0), x.stride(0),
+            n, num_chunks,
+            HAS_WEIGHT=weight is not None, RMS=rms, CHUNK=chunk,
+            **_launch(_num_warps_backward(chunk)),
+        )  # fmt: skip
+    dres = dy if dresidual_out is None else dresidual_out
+    kernels.backward_kernel[(programs, num_chunks)](
+        dy, x, x if weight is None else weight, mean, rstd, dres, dx,
+        dw_part, db_part, part_c1, part_c2,
+        dy.stride(0), x.stride(0), dres.stride(0), dx.stride(0),
+        m, n, float(n), rows_per_program, num_chunks,
+        HAS_WEIGHT=weight is not None, HAS_DRES=dresidual_out is not None,
+        NEED_DW=need_dweight, NEED_DB=need_dbias, RMS=rms, FUSED=fused,
+        CHUNK=chunk, CHUNKS_P2=_next_power_of_2(num_chunks),
+        **_launch(_num_warps_backward(chunk)),
+    )  # fmt: skip
+    block_n = _column_block(n)
+    totals = []
+    for k in range(sums):  # separate tensors: dweight and dbias must not alias
+        total = torch.empty(n, dtype=torch.float32, device=device)
+        kernels.column_sum_kernel[(-(-n // block_n),)](
+            partial[k],
+            total,
+            programs,
+            n,
+            BLOCK_P=4096 // block_n,
+            BLOCK_N=block_n,
+            **_launch(4),
+        )
+        totals.append(total)
+    return dx, totals[0] if need_dweight else None, totals[-1] if need_dbias else None

@@ -1,0 +1,154 @@
+"""Compiles every Triton kernel variant the backend launches to an sm_90 cubin, no GPU needed.
+
+Run in its own process (triton must be imported without TRITON_INTERPRET); prints one line
+per kernel with its register and stack use, and exits non-zero if a kernel fails to
+compile or spills more than a few bytes. Used by tests/test_triton_backend.py.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from layernorm.backends import triton_
+
+TARGET = GPUTarget("cuda", 90, 32)
+MAX_STACK = 32  # bytes: the 8K fused backward keeps a few values on the stack
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def compile_kernel(fn, pointers: dict[str, str], constexprs: dict, num_warps: int) -> str:
+    """Compiles ``fn``; returns cuobjdump's resource line (or "" without cuobjdump)."""
+    signature = {}
+    for name in inspect.signature(fn.fn).parameters:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.startswith("stride"):
+            signature[name] = "i64"
+        elif name in ("n_f", "eps"):
+            signature[name] = "fp32"
+        else:
+            signature[name] = pointers.get(name, "i32")
+    names = list(signature)
+    source = ASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(names.index(k),): v for k, v in constexprs.items()},
+    )
+    options = {"num_warps": num_warps, "enable_fp_fusion": False}
+    compiled = triton.compile(source, target=TARGET, options=options)
+    if not os.path.exists(CUOBJDUMP):
+        return ""
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        out = subprocess.run(
+            [CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True
+        )
+    finally:
+        os.unlink(f.name)
+    return next((line.strip() for line in out.stdout.splitlines() if "REG:" in line), "")
+
+
+def variants():
+    k = triton_._kernels()
+    for dt in ("bf16", "fp32"):
+        p = {
+            name: f"*{dt}" for name in ("X", "R", "W", "B", "Y", "RES_OUT", "Z", "DY", "DRES", "DX")
+        }
+        p.update(dict.fromkeys(
+            ("MEAN", "RSTD", "PART_A", "PART_B", "PART_C1", "PART_C2", "DW_PART", "DB_PART"),
+            "*fp32",
+        ))  # fmt: skip
+        for rms in (False, True):
+            flags = {"HAS_WEIGHT": True, "HAS_BIAS": not rms, "RMS": rms}
+            block = triton_.FUSED_FORWARD_N
+            yield (
+                k.forward_fused_kernel,
+                p,
+                {**flags, "HAS_RESIDUAL": True, "BLOCK_N": block},
+                triton_._num_warps(block),
+            )
+            yield (
+                k.forward_fused_kernel,
+                p,
+                {**flags, "HAS_RESIDUAL": False, "BLOCK_N": 1024},
+                triton_._num_warps(1024),
+            )
+            chunk = triton_.CHUNK_N
+            yield (
+                k.forward_looped_kernel,
+                p,
+                {**flags, "HAS_RESIDUAL": True, "CHUNK": chunk, "CHUNKS_P2": 32},
+                triton_._num_warps(chunk),
+            )
+            yield (
+                k.forward_partial_kernel,
+                p,
+                {"HAS_RESIDUAL": True, "RMS": rms, "CHUNK": chunk},
+                triton_._num_warps(chunk),
+            )
+            yield (
+                k.forward_wide_kernel,
+                p,
+                {**flags, "CHUNK": chunk, "CHUNKS_P2": 256},
+                triton_._num_warps(chunk),
+            )
+            yield (
+                k.backward_partial_kernel,
+                p,
+                {"HAS_WEIGHT": True, "RMS": rms, "CHUNK": chunk},
+                triton_._num_warps_backward(chunk),
+            )
+            bwd = {
+                "HAS_WEIGHT": True,
+                "HAS_DRES": True,
+                "NEED_DW": True,
+                "NEED_DB": not rms,
+                "RMS": rms,
+            }
+            block = triton_.FUSED_BACKWARD_N
+            yield (
+                k.backward_kernel,
+                p,
+                {**bwd, "FUSED": True, "CHUNK": block, "CHUNKS_P2": 1},
+                triton_._num_warps_backward(block),
+            )
+            yield (
+                k.backward_kernel,
+                p,
+                {**bwd, "FUSED": False, "CHUNK": chunk, "CHUNKS_P2": 256},
+                triton_._num_warps_backward(chunk),
+            )
+    for block_n in (32, 1024):
+        yield (k.column_sum_kernel, {"PART": "*fp32", "OUT": "*fp32"},
+               {"BLOCK_P": 4096 // block_n, "BLOCK_N": block_n}, 4)  # fmt: skip
+
+
+def main() -> int:
+    assert not triton_._triton_interprets(), "run without TRITON_INTERPRET"
+    failures = 0
+    for fn, pointers, constexprs, num_warps in variants():
+        label = f"{fn.__name__} {pointers.get('X', '')} {constexprs} warps={num_warps}"
+        try:
+            usage = compile_kernel(fn, pointers, constexprs, num_warps)
+        except Exception as error:
+            print(f"FAIL {label}: {type(error).__name__}: {error}")
+            failures += 1
+            continue
+        fields = dict(f.split(":", 1) for f in usage.split() if ":" in f)
+        spilled = int(fields.get("STACK", 0)) > MAX_STACK or int(fields.get("LOCAL", 0)) > 0
+        failures += spilled
+        print(f"{'SPILL' if spilled else 'ok'} {label}: {usage}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,581 @@
+"""The triton backend, run on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1).
+
+Small shapes only: the interpreter runs each program in NumPy. The ``path`` fixture
+shrinks the limits so a width of a few hundred columns takes each forward path (fused,
+looped, wide) and the chunked backward. Tests that need a GPU are marked ``gpu``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import layernorm
+from layernorm import backends, reference
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+if HAS_TRITON and "triton" not in sys.modules and not torch.cuda.is_available():
+    # Triton's own @jit helpers (tl.sum, ...) run in its interpreter only when
+    # TRITON_INTERPRET=1 is set as triton is first imported: set it for that import alone.
+    _saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton  # noqa: F401
+    finally:
+        if _saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = _saved
+
+if HAS_TRITON:
+    from layernorm.backends import torch_, triton_
+
+INTERPRETED = HAS_TRITON and triton_._triton_interprets()
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+#: tolerances of an output stored in the dtype against the float64 reference
+TOL = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 1e-2},
+}
+FUSED_N = 37  # one program per row
+WIDE_N = 300  # several chunks per row under the ``wide`` fixture, last one partial
+
+
+def _forget_triton() -> None:
+    # The registry caches availability; TRITON_INTERPRET changes it.
+    backends._unavailable.pop("triton", None)
+    backends._modules.pop("triton", None)
+
+
+@pytest.fixture(autouse=True)
+def interpret(request, monkeypatch):
+    """Runs each CPU test with TRITON_INTERPRET=1 (GPU tests without), leaving no trace."""
+    if request.node.get_closest_marker("gpu"):
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    elif not INTERPRETED:
+        pytest.skip("triton was imported compiled: run TRITON_INTERPRET=1 pytest " + __file__)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _forget_triton()
+    yield
+    _forget_triton()
+
+
+def _shrink(monkeypatch, looped_bytes: int) -> None:
+    """Sends rows wider than 128 columns to the chunked paths (chunks of 64 columns)."""
+    monkeypatch.setattr(triton_, "FUSED_FORWARD_N", 128)
+    monkeypatch.setattr(triton_, "FUSED_BACKWARD_N", 128)
+    monkeypatch.setattr(triton_, "CHUNK_N", 64)
+    monkeypatch.setattr(triton_, "LOOPED_FORWARD_BYTES", looped_bytes)
+
+
+@pytest.fixture(params=["fused", "looped", "wide"])
+def path(request, monkeypatch):
+    """Runs a test on each forward path; returns the width that takes it. The backward is
+    fused for the first, chunked for the others, and runs on at most 3 row blocks, so
+    programs loop over several rows."""
+    monkeypatch.setattr(triton_, "MAX_PROGRAMS", 3)
+    if request.param == "fused":
+        assert triton_.forward_path(FUSED_N, torch.float32) == "fused"
+        assert triton_.uses_fused_backward(FUSED_N, torch.float32)
+        return FUSED_N
+    _shrink(monkeypatch, 1 << 20 if request.param == "looped" else 256)
+    for dtype in DTYPES:
+        assert triton_.forward_path(WIDE_N, dtype) == request.param
+        assert not triton_.uses_fused_backward(WIDE_N, dtype)
+    return WIDE_N
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().double().numpy()
+
+
+def _params(n: int, dtype: torch.dtype = torch.float32):
+    weight = (1 + 0.5 * torch.randn(n)).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    return weight, bias
+
+
+# ---------------------------------------------------------------------------------------
+# Availability and choice
+
+
+def test_available_under_interpreter():
+    assert triton_.unavailable_reason() is None
+    assert "triton" in layernorm.available_backends()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device makes it available")
+def test_unavailable_without_interpreter_or_gpu(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    _forget_triton()
+    assert "TRITON_INTERPRET=1" in triton_.unavailable_reason()
+    assert "triton" not in layernorm.available_backends()
+    with pytest.raises(RuntimeError, match="backend 'triton' is not available here"):
+        layernorm.layer_norm(torch.randn(2, 4), 4, backend="triton")
+
+
+def test_cannot_run():
+    assert triton_.cannot_run(torch.zeros(2, 3)) is None
+    assert triton_.cannot_run(torch.zeros(2, 3, dtype=torch.bfloat16)) is None
+    assert "float64" in triton_.cannot_run(torch.zeros(2, 3, dtype=torch.float64))
+    assert "meta" in triton_.cannot_run(torch.zeros(2, 3, device="meta"))
+    with pytest.raises(RuntimeError, match=r"backend 'triton' cannot run this input: .*float64"):
+        layernorm.layer_norm(torch.zeros(2, 3, dtype=torch.float64), 3, backend="triton")
+
+
+def test_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert "TRITON_INTERPRET=1" in triton_.cannot_run(torch.zeros(2, 3))
+
+
+def test_automatic_choice_never_interprets_cpu_tensors():
+    x = torch.randn(3, 8)
+    assert not triton_.prefers(x)
+    assert backends.choose(x) != "triton"
+
+
+# ---------------------------------------------------------------------------------------
+# Forward against the float64 reference
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_forward_matches_reference(path, dtype, rms):
+    n = path
+    x = (3 * torch.randn(5, n) + 2).to(dtype)
+    weight, bias = _params(n, dtype)
+    eps = 1e-5
+    if rms:
+        y_ref, rstd_ref = reference.rms_norm(_np(x), n, _np(weight), eps)
+        y, _, mean, rstd = triton_.forward(x, None, weight, None, eps, True)
+        assert mean is None
+    else:
+        y_ref, mean_ref, rstd_ref = reference.layer_norm(_np(x), n, _np(weight), _np(bias), eps)
+        y, _, mean, rstd = triton_.forward(x, None, weight, bias, eps, False)
+        np.testing.assert_allclose(_np(mean), mean_ref, rtol=1e-6, atol=1e-6)
+    assert y.dtype == dtype and y.shape == x.shape and y.is_contiguous()
+    assert rstd.dtype == torch.float32
+    np.testing.assert_allclose(_np(rstd), rstd_ref, rtol=1e-6)
+    np.testing.assert_allclose(_np(y), y_ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 129])
+def test_public_api_odd_widths(n):
+    x = torch.randn(2, 3, n)
+    weight, bias = _params(n)
+    y = layernorm.layer_norm(x, n, weight, bias, backend="triton")
+    y_ref = reference.layer_norm(_np(x), n, _np(weight), _np(bias))[0]
+    np.testing.assert_allclose(_np(y), y_ref, **TOL[torch.float32])
+    y = layernorm.rms_norm(x, n, weight, backend="triton")
+    np.testing.assert_allclose(_np(y), reference.rms_norm(_np(x), n, _np(weight))[0], rtol=1e-5)
+
+
+def test_multidimensional_normalized_shape_without_parameters():
+    x = torch.randn(3, 4, 5)
+    y = layernorm.layer_norm(x, (4, 5), backend="triton")
+    np.testing.assert_allclose(_np(y), reference.layer_norm(_np(x), (4, 5))[0], atol=1e-5)
+
+
+def test_agrees_with_torch_backend_to_the_last_bits(path):
+    # Same float32 formula, different summation order: a few ulp apart at most.
+    x = torch.randn(4, path)
+    weight, bias = _params(path)
+    ours = triton_.forward(x, None, weight, bias, 1e-5, False)[0]
+    theirs = torch_.forward(x, None, weight, bias, 1e-5, False)[0]
+    torch.testing.assert_close(ours, theirs, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("offset", [1e4, 1e6])
+def test_error_does_not_grow_with_the_offset(path, offset):
+    # SPEC §3: rows N(c, 1) in float32, core against float64 on the same input.
+    x = (offset + torch.randn(4, path)).float()
+    u = triton_.forward(x, None, None, None, 1e-5, False)[0]
+    u_ref = reference.layer_norm(_np(x), path)[0]
+    assert np.abs(_np(u) - u_ref).max() < 4e-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("value", [0.1, -3.7, 1e4, 1e6])
+def test_constant_rows_give_exactly_beta(path, dtype, value):
+    if value > torch.finfo(dtype).max:
+        value = torch.finfo(dtype).max
+    x = torch.full((3, path), value).to(dtype)
+    weight, bias = _params(path, dtype)
+    y = layernorm.layer_norm(x, path, weight, bias, backend="triton")
+    assert torch.equal(y, bias.expand_as(y))
+    y, residual_out = layernorm.add_layer_norm(
+        x, torch.zeros_like(x), path, weight, bias, backend="triton"
+    )
+    assert torch.equal(y, bias.expand_as(y)) and torch.equal(residual_out, x)
+
+
+def test_constant_row_with_eps_zero_is_nan(path):
+    y = layernorm.layer_norm(torch.ones(2, path), path, eps=0.0, backend="triton")
+    assert torch.isnan(y).all()
+
+
+@pytest.mark.parametrize("poison", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_nan_and_inf_stay_in_their_row(path, poison, rms):
+    x = torch.randn(4, path)
+    x[1, path // 2] = poison
+    weight, bias = _params(path)
+    y = triton_.forward(x, None, weight, None if rms else bias, 1e-5, rms)[0]
+    clean = triton_.forward(x[[0, 2, 3]], None, weight, None if rms else bias, 1e-5, rms)[0]
+    assert torch.equal(y[[0, 2, 3]], clean) and torch.isfinite(clean).all()
+    assert not torch.isfinite(y[1]).all()
+
+
+@settings(max_examples=15, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    m=st.integers(1, 4),
+    n=st.integers(1, 200),
+    rms=st.booleans(),
+    dtype=st.sampled_from(DTYPES),
+    looped_bytes=st.sampled_from([0, 1 << 20]),
+)
+def test_property_agrees_with_torch_backend_and_rows_are_independent(
+    m, n, rms, dtype, looped_bytes
+):
+    # The autouse fixture only sets TRITON_INTERPRET, the same for every example.
+    x = (4 * torch.randn(m, n) - 1).to(dtype)
+    weight, bias = _params(n, dtype)
+    bias = None if rms else bias
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _shrink(monkeypatch, looped_bytes)  # n > 128: looped or wide
+        y = triton_.forward(x, None, weight, bias, 1e-5, rms)[0]
+        alone = triton_.forward(x[-1:], None, weight, bias, 1e-5, rms)[0]
+    assert torch.equal(alone, y[-1:])
+    expected = torch_.forward(x, None, weight, bias, 1e-5, rms)[0]
+    torch.testing.assert_close(y, expected, rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["atol"])
+
+
+# ---------------------------------------------------------------------------------------
+# Residual, strided rows, batch invariance
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rms", [False, True], ids=["add_layer_norm", "add_rms_norm"])
+def test_residual(path, dtype, rms):
+    n = path
+    x, residual = torch.randn(2, 3, n).to(dtype), torch.randn(2, 3, n).to(dtype)
+    weight, bias = _params(n, dtype)
+    if rms:
+        y, h = layernorm.add_rms_norm(x, residual, n, weight, backend="triton")
+        y_ref = reference.rms_norm(_np(h), n, _np(weight))[0]
+    else:
+        y, h = layernorm.add_layer_norm(x, residual, n, weight, bias, backend="triton")
+        y_ref = reference.layer_norm(_np(h), n, _np(weight), _np(bias))[0]
+    # residual_out is x + residual rounded to nearest even, exactly as torch rounds it
+    assert torch.equal(h, (x.float() + residual.float()).to(dtype))
+    np.testing.assert_allclose(_np(y), y_ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_strided_rows_are_read_in_place(path, dtype):
+    n = path
+    big = torch.randn(6, n + 13).to(dtype)
+    x, residual = big[::2, 5 : 5 + n], big[1::2, :n]
+    assert x.stride() == (2 * (n + 13), 1)
+    weight, bias = _params(n, dtype)
+    strided = triton_.forward(x, residual, weight, bias, 1e-5, False)
+    packed = triton_.forward(x.contiguous(), residual.contiguous(), weight, bias, 1e-5, False)
+    for a, b in zip(strided, packed, strict=True):
+        assert torch.equal(a, b)
+    dy, dres = big[1::2, 3 : 3 + n], big[::2, 2 : 2 + n]
+    z, mean, rstd = packed[1], packed[2], packed[3]
+    grads = triton_.backward(dy, z, weight, mean, rstd, dres, False, True, True)
+    grads_packed = triton_.backward(
+        dy.contiguous(), z, weight, mean, rstd, dres.contiguous(), False, True, True
+    )
+    for a, b in zip(grads, grads_packed, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_batch_invariance_is_bitwise(path, dtype):
+    x = torch.randn(7, path).to(dtype)
+    weight, bias = _params(path, dtype)
+    batch = layernorm.layer_norm(x, path, weight, bias, backend="triton")
+    for rows in ([3], [0, 6], [5, 1, 2]):
+        assert torch.equal(layernorm.layer_norm(x[rows], path, weight, bias, backend="triton"),
+                           batch[rows])  # fmt: skip
+    batch = layernorm.rms_norm(x, path, weight, backend="triton")
+    assert torch.equal(layernorm.rms_norm(x[4:5], path, weight, backend="triton"), batch[4:5])
+
+
+def test_launch_configuration_depends_only_on_width_and_dtype():
+    assert triton_.forward_path(16384, torch.float32) == "fused"
+    assert triton_.forward_path(16385, torch.float32) == "looped"
+    assert triton_.forward_path(65536, torch.bfloat16) == "looped"
+    assert triton_.forward_path(65536, torch.float32) == "wide"
+    assert triton_.uses_fused_backward(8192, torch.bfloat16)
+    assert not triton_.uses_fused_backward(8193, torch.float32)
+    assert triton_._row_blocks(10, 1024, 1) == (10, 1)
+    assert triton_._row_blocks(100_000, 1024, 1) == (4000, 25)
+
+
+# ---------------------------------------------------------------------------------------
+# Backward
+
+
+def _grads(fn, inputs, dy):
+    for t in inputs:
+        t.requires_grad_(True)
+    out = fn(*inputs)
+    outs = out if isinstance(out, tuple) else (out,)
+    torch.autograd.backward(outs, dy)
+    return [t.grad for t in inputs]
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_backward_matches_reference(path, rms):
+    n = path
+    x, dy = 2 * torch.randn(10, n) + 1, torch.randn(10, n)
+    weight, bias = _params(n)
+    if rms:
+        grads = _grads(
+            lambda x, w: layernorm.rms_norm(x, n, w, backend="triton"), [x, weight], (dy,)
+        )
+        refs = reference.rms_norm_backward(_np(dy), _np(x), n, _np(weight))
+    else:
+        grads = _grads(
+            lambda x, w, b: layernorm.layer_norm(x, n, w, b, backend="triton"),
+            [x, weight, bias],
+            (dy,),
+        )
+        refs = reference.layer_norm_backward(_np(dy), _np(x), n, _np(weight))
+    for grad, ref in zip(grads, refs, strict=True):
+        np.testing.assert_allclose(_np(grad), ref, rtol=1e-4, atol=1e-4 * math.sqrt(10))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_backward_low_precision(path, dtype):
+    # |ours - ref| <= 2 |torch - ref| + atol, the torch backend doing the same in float32.
+    n = path
+    x, dy = torch.randn(6, n).to(dtype), torch.randn(6, n).to(dtype)
+    weight, bias = _params(n, dtype)
+    stats = torch_.forward(x, None, weight, bias, 1e-5, False)
+    ours = triton_.backward(dy, x, weight, stats[2], stats[3], None, False, True, True)
+    torch_grads = torch_.backward(dy, x, weight, stats[2], stats[3], None, False, True, True)
+    refs = reference.layer_norm_backward(_np(dy), _np(x), n, _np(weight))
+    for a, b, ref in zip(ours, torch_grads, refs, strict=True):
+        assert a.dtype == b.dtype
+        assert (np.abs(_np(a) - ref) <= 2 * np.abs(_np(b) - ref) + 1e-3 * np.abs(ref) + 1e-3).all()
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["add_layer_norm", "add_rms_norm"])
+def test_residual_backward_fuses_the_residual_gradient(path, rms):
+    n = path
+    x, residual = torch.randn(8, n), torch.randn(8, n)
+    dy, dh = torch.randn(8, n), torch.randn(8, n)
+    weight, bias = _params(n)
+
+    def fn(x, residual):
+        if rms:
+            return layernorm.add_rms_norm(x, residual, n, weight, backend="triton")
+        return layernorm.add_layer_norm(x, residual, n, weight, bias, backend="triton")
+
+    dx, dresidual = _grads(fn, [x, residual], (dy, dh))
+    h = _np(x) + _np(residual)
+    if rms:
+        dz = reference.rms_norm_backward(_np(dy), h, n, _np(weight))[0]
+    else:
+        dz = reference.layer_norm_backward(_np(dy), h, n, _np(weight))[0]
+    np.testing.assert_allclose(_np(dx), dz + _np(dh), rtol=1e-4, atol=1e-4)
+    assert torch.equal(dx, dresidual)
+
+
+def test_regression_expanded_gradient_of_a_sum(path):
+    # y.sum().backward() hands the backward a dy with strides (0, 0).
+    n = path
+    x = torch.randn(6, n, requires_grad=True)
+    weight, bias = _params(n)
+    grads = []
+    for backend in ("triton", "torch"):
+        y = layernorm.layer_norm(x, n, weight, bias, backend=backend)
+        grads.append(torch.autograd.grad(y.sum(), x)[0])
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-5)
+
+
+def test_backward_without_parameters_or_parameter_grads(path):
+    n = path
+    x, dy = torch.randn(5, n), torch.randn(5, n)
+    _, _, mean, rstd = triton_.forward(x, None, None, None, 1e-5, False)
+    dx, dweight, dbias = triton_.backward(dy, x, None, mean, rstd, None, False, True, True)
+    assert dweight is None
+    np.testing.assert_allclose(_np(dbias), _np(dy).sum(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        _np(dx), reference.layer_norm_backward(_np(dy), _np(x), n)[0], rtol=1e-4, atol=1e-4
+    )
+    weight = torch.randn(n)
+    dx2, dweight, dbias = triton_.backward(dy, x, weight, mean, rstd, None, False, False, False)
+    assert dweight is None and dbias is None
+    dx3 = triton_.backward(dy, x, weight, mean, rstd, None, False, True, False)[0]
+    assert torch.equal(dx2, dx3)
+
+
+def test_parameter_gradients_are_reproducible(path):
+    n = path
+    x, dy = torch.randn(11, n), torch.randn(11, n)
+    weight, _ = _params(n)
+    _, _, mean, rstd = triton_.forward(x, None, weight, None, 1e-5, False)
+    first = triton_.backward(dy, x, weight, mean, rstd, None, False, True, True)
+    second = triton_.backward(dy, x, weight, mean, rstd, None, False, True, True)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_double_backward_through_the_triton_forward():
+    x, weight = torch.randn(3, 6, requires_grad=True), torch.randn(6, requires_grad=True)
+    ys = [layernorm.layer_norm(x, 6, weight, backend=b) for b in ("triton", "torch")]
+    hvps = []
+    for y in ys:
+        (gx,) = torch.autograd.grad((y**3).sum(), x, create_graph=True)
+        hvps.append(torch.autograd.grad(gx.sum(), [x, weight]))
+    for ours, theirs in zip(*hvps, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_compiles_fullgraph_around_the_triton_kernels():
+    # aot_eager traces the custom ops (fake kernels) and runs the interpreted kernels.
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    weight = torch.randn(40, requires_grad=True)
+
+    def fn(x, residual):
+        y, h = layernorm.add_rms_norm(x, residual, 40, weight, backend="triton")
+        return layernorm.layer_norm(y * h, 40, backend="triton")
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    x, residual = torch.randn(3, 40, requires_grad=True), torch.randn(3, 40)
+    out = compiled(x, residual)
+    torch.testing.assert_close(out, fn(x, residual), rtol=0, atol=0)
+    (gx,) = torch.autograd.grad(out.square().sum(), x)
+    (gx_eager,) = torch.autograd.grad(fn(x, residual).square().sum(), x)
+    torch.testing.assert_close(gx, gx_eager, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------
+# Rows wider than one program, with the default limits
+
+
+@pytest.mark.parametrize("n", [20_000, (1 << 20) + 17], ids=["looped", "wide"])
+def test_default_chunked_paths(n):
+    # one row held by a looping program, and rows past 1M elements over many programs
+    assert triton_.forward_path(n, torch.float32) == ("looped" if n < 1 << 20 else "wide")
+    x = 5 + torch.randn(2, n)
+    weight, bias = _params(n)
+    y, _, mean, rstd = triton_.forward(x, None, weight, bias, 1e-5, False)
+    y_ref, mean_ref, rstd_ref = reference.layer_norm(_np(x), n, _np(weight), _np(bias))
+    np.testing.assert_allclose(_np(y), y_ref, atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(_np(rstd), rstd_ref, rtol=1e-6)
+    np.testing.assert_allclose(_np(mean), mean_ref, rtol=1e-6)
+    if n > 1 << 20:
+        return  # the interpreter is slow; the chunked backward is tested on small widths
+    dy = torch.randn(2, n)
+    dx = triton_.backward(dy, x, weight, mean, rstd, None, False, False, False)[0]
+    dx_ref = reference.layer_norm_backward(_np(dy), _np(x), n, _np(weight))[0]
+    np.testing.assert_allclose(_np(dx), dx_ref, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------
+# On a GPU
+
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() or INTERPRETED,
+    reason="needs a CUDA device and triton imported without TRITON_INTERPRET",
+)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [1024, 4099, 20_000, 65536, 262144, (1 << 20) + 3])
+def test_gpu_matches_torch_at_large_shapes(dtype, n):
+    m = max(2, (1 << 24) // n)
+    x = (torch.randn(m, n, device="cuda") + 3).to(dtype).requires_grad_(True)
+    weight = (1 + 0.1 * torch.randn(n, device="cuda")).to(dtype).requires_grad_(True)
+    bias = torch.randn(n, device="cuda").to(dtype).requires_grad_(True)
+    assert backends.choose(x.detach()) == "triton"
+    y = layernorm.layer_norm(x, n, weight, bias)
+    y_ref = torch.nn.functional.layer_norm(x.float(), (n,), weight.float(), bias.float())
+    torch.testing.assert_close(y.float(), y_ref, **TOL[dtype])
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, [x, weight, bias], dy)
+    refs = torch.autograd.grad(y_ref, [x, weight, bias], dy.float())
+    for grad, ref in zip(grads, refs, strict=True):
+        scale = ref.abs().max().item() + 1
+        torch.testing.assert_close(grad.float(), ref.float(), rtol=2e-2, atol=1e-2 * scale)
+    z = x.detach().float()
+    y = layernorm.rms_norm(x.detach(), n, weight.detach(), 1e-6)
+    y_ref = z * torch.rsqrt((z * z).mean(1, keepdim=True) + 1e-6) * weight.detach().float()
+    torch.testing.assert_close(y.float(), y_ref, **TOL[dtype])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    ("n", "dtype"),
+    [(4096, torch.bfloat16), (65536, torch.bfloat16), (65536, torch.float32)],
+    ids=["fused", "looped", "wide"],
+)
+def test_gpu_64_bit_offsets(n, dtype):
+    m = (1 << 31) // n + 2  # past 2^31 elements
+    if 5 * m * n * dtype.itemsize > 0.8 * torch.cuda.mem_get_info()[0]:
+        pytest.skip("not enough free GPU memory for a tensor past 2^31 elements")
+    x = torch.randn(m, n, device="cuda", dtype=dtype, requires_grad=True)
+    y = layernorm.layer_norm(x, n, backend="triton")
+    dy = torch.randn(2, n, device="cuda", dtype=dtype)
+    (dx,) = torch.autograd.grad(y[-2:], x, dy)
+    tail = x.detach()[-2:].float().requires_grad_(True)
+    y_ref = torch.nn.functional.layer_norm(tail, (n,))
+    torch.testing.assert_close(y[-2:].float(), y_ref, **TOL[dtype])
+    (dx_ref,) = torch.autograd.grad(y_ref, tail, dy.float())
+    torch.testing.assert_close(dx[-2:].float(), dx_ref, rtol=2e-2, atol=2e-2)
+    assert not dx[:-2].any()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("n", [1000, 20_000, 300_000], ids=["fused", "looped", "wide"])
+def test_gpu_batch_invariance_and_reproducible_parameter_grads(n):
+    x = torch.randn(64, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(n, device="cuda", requires_grad=True)
+    bias = torch.randn(n, device="cuda", requires_grad=True)
+    with torch.no_grad():
+        batch = layernorm.layer_norm(x, n, weight, bias)
+        for rows in (slice(5, 6), slice(0, 3), slice(17, 64)):
+            assert torch.equal(layernorm.layer_norm(x[rows], n, weight, bias), batch[rows])
+    dy = torch.randn_like(batch)
+    first = torch.autograd.grad(layernorm.layer_norm(x, n, weight, bias), [x, weight, bias], dy)
+    second = torch.autograd.grad(layernorm.layer_norm(x, n, weight, bias), [x, weight, bias], dy)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+@gpu
+@needs_cuda
+def test_gpu_torch_compile_fullgraph():
+    module = layernorm.LayerNorm(4096, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(module, fullgraph=True)
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = compiled(x)
+    torch.testing.assert_close(y, module(x))
+    y.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
