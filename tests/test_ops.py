@@ -148,6 +148,17 @@ def test_backward_matches_reference(dtype):
         )
 
 
+def test_regression_expanded_gradient_of_a_sum():
+    # y.sum().backward() hands the backward a dy of strides (0, 0)
+    x = torch.randn(5, 33, requires_grad=True)
+    r = torch.randn(5, 33, requires_grad=True)
+    y, h = layernorm.add_layer_norm(x, r, 33, backend=B)
+    (y.sum() + h.sum()).backward()
+    xx = (x + r).detach().requires_grad_()
+    (F.layer_norm(xx, (33,)).sum() + xx.sum()).backward()
+    torch.testing.assert_close(x.grad, xx.grad)
+
+
 def test_residual_gradients_reach_both_inputs_separately():
     x, r = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
     y, h = layernorm.add_layer_norm(x, r, 8, backend=B)

@@ -112,6 +112,10 @@ def _(dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias, b
     )
 
 
+def _contiguous_rows(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
 def _setup_context(ctx, inputs, output) -> None:
     x, residual, weight, bias, eps, rms, backend = inputs
     _, residual_out, mean, rstd = output
@@ -130,6 +134,10 @@ def _backward(ctx, dy, dresidual_out, _dmean, _drstd):
     need_dbias = ctx.has_bias and ctx.needs_input_grad[3]
     if not ctx.has_residual or dresidual_out is None or dresidual_out.numel() == 0:
         dresidual_out = None
+    # Incoming gradients can be expanded (y.sum().backward() sends strides (0, 0)); the
+    # kernels want contiguous rows.
+    dy = _contiguous_rows(dy)
+    dresidual_out = None if dresidual_out is None else _contiguous_rows(dresidual_out)
     if torch.is_grad_enabled():  # create_graph=True: a differentiable formula
         dz, dweight, dbias = _composite_backward(dy, z, weight, ctx.eps, ctx.rms, dresidual_out)
     else:
@@ -266,8 +274,7 @@ def _check_backend(backend: str | None) -> str:
 def _rows(t: Tensor, n: int) -> Tensor:
     """Flattens ``t`` to (M, N) with contiguous rows, without a copy where it can."""
     m = math.prod(t.shape) // n if n else math.prod(t.shape[:-1])
-    rows = t.reshape(m, n)
-    return rows if rows.stride(1) == 1 or n <= 1 else rows.contiguous()
+    return _contiguous_rows(t.reshape(m, n))
 
 
 def _flat(p: Tensor | None, n: int) -> Tensor | None:
