@@ -260,6 +260,18 @@ def test_a_row_alone_equals_the_row_in_a_batch(m, n, row, dtype):
     assert torch.equal(dx[row : row + 1], dx1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_streaming_stores_give_the_same_bits(dtype, monkeypatch):
+    x, r = torch.randn(37, 1001).to(dtype), torch.randn(37, 1001).to(dtype)
+    w, b = torch.randn(1001), torch.randn(1001)
+    plain = numba_.forward(x, r, w, b, 1e-5, False)
+    monkeypatch.setattr(numba_, "STREAM_BYTES", 0)  # every output streams
+    streamed = numba_.forward(x, r, w, b, 1e-5, False)
+    assert all(torch.equal(a, c) for a, c in zip(plain, streamed, strict=True))
+    assert torch.equal(numba_.forward(x[5:6], None, w, None, 1e-5, True)[0],
+                       numba_.forward(x, None, w, None, 1e-5, True)[0][5:6])  # fmt: skip
+
+
 _THREADS_SCRIPT = textwrap.dedent(
     """
     import hashlib, numba, torch

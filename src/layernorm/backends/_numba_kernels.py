@@ -35,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 ROW_BLOCK = 32  # rows per dweight/dbias partial sum (fixed: never depends on threads)
@@ -231,17 +232,114 @@ def _normalize_row(z, y, m1, delta, rstd, w, b):
 
 
 @_jit()
-def _dx_row(dy, x, dro, has_dro, dx, w, mean, rstd, c1, c2, pw, pb):
+def _dx_row(dy, x, dro, dx, w, mean, rstd, c1, c2, pw, pb):
     for k in range(dx.shape[0]):
         g = ld(dy, k)
         u = (ld(x, k) - mean) * rstd
         gh = g * w[k]
-        dz = rstd * ((gh - c2) - u * c1)
-        if has_dro:
-            dz = dz + ld(dro, k)
+        dz = rstd * ((gh - c2) - u * c1) + ld(dro, k)
         st(dx, k, dz)
         pw[k] += g * u
         pb[k] += g
+
+
+# ---------------------------------------------------------------------------------------
+# Streaming (non-temporal) stores for large float32 forward outputs: the same arithmetic,
+# element for element, on explicit <8 x float> vectors whose stores bypass the cache (no
+# read-for-ownership of the output, which a plain store costs). Used only when the output
+# is larger than the caches, where it would be evicted before anyone read it anyway.
+# (Measured: it makes the forward ~20% faster; the backward, which re-reads two rows
+# per written one, got slower with it, so dx keeps plain stores.)
+
+_WIDTH = 8  # floats per vector (AVX); a row's unaligned head and tail go the plain way
+
+
+def _vector_ptr(context, builder, array_type, array, k):
+    data = context.make_array(array_type)(context, builder, array).data
+    vector = ir.VectorType(ir.FloatType(), _WIDTH)
+    return builder.bitcast(builder.gep(data, [k]), vector.as_pointer())
+
+
+def _splat(builder, value):
+    vector = ir.VectorType(ir.FloatType(), _WIDTH)
+    one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.IntType(32)(0))
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), _WIDTH), [0] * _WIDTH)
+    return builder.shuffle_vector(one, one, zeros)
+
+
+def _load(builder, ptr):
+    return builder.load(ptr, align=4)
+
+
+def _store_streaming(builder, value, ptr):
+    store = builder.store(value, ptr, align=4 * _WIDTH)
+    store.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
+
+
+@intrinsic
+def _normalize_vector_nt(typingctx, z, y, k, m1, delta, rstd, w, b):
+    """y[k:k+8] = ((z - m1) - delta) * rstd * w + b, streamed; y + k must be 32-aligned."""
+    sig = types.void(z, y, k, m1, delta, rstd, w, b)
+
+    def codegen(context, builder, signature, args):
+        za, ya, k, m1, delta, rstd, wa, ba = args
+        at = signature.args
+        zv = _load(builder, _vector_ptr(context, builder, at[0], za, k))
+        u = builder.fsub(builder.fsub(zv, _splat(builder, m1)), _splat(builder, delta))
+        u = builder.fmul(u, _splat(builder, rstd))
+        wv = _load(builder, _vector_ptr(context, builder, at[6], wa, k))
+        bv = _load(builder, _vector_ptr(context, builder, at[7], ba, k))
+        yv = builder.fadd(builder.fmul(u, wv), bv)
+        _store_streaming(builder, yv, _vector_ptr(context, builder, at[1], ya, k))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _store_fence(typingctx):
+    """sfence: the row's streaming stores are globally visible before anything after."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse.sfence"
+        )
+        builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@_jit()
+def _aligned_head(a, n):
+    """How many leading elements of the float32 array ``a`` precede a 32-byte boundary."""
+    return min(n, ((4 * _WIDTH - a.ctypes.data % (4 * _WIDTH)) % (4 * _WIDTH)) // 4)
+
+
+def normalize_row_streaming(z, y, m1, delta, rstd, w, b):
+    """:func:`_normalize_row` with streaming stores where y is float32."""
+
+
+@overload(normalize_row_streaming)
+def _normalize_row_streaming(z, y, m1, delta, rstd, w, b):
+    if not (y.dtype == z.dtype == w.dtype == b.dtype == types.float32):
+        return lambda z, y, m1, delta, rstd, w, b: _normalize_row(z, y, m1, delta, rstd, w, b)
+
+    def impl(z, y, m1, delta, rstd, w, b):
+        n = y.shape[0]
+        head = _aligned_head(y, n)
+        for k in range(head):
+            y[k] = (((z[k] - m1) - delta) * rstd) * w[k] + b[k]
+        k = head
+        while k + _WIDTH <= n:
+            _normalize_vector_nt(z, y, k, m1, delta, rstd, w, b)
+            k += _WIDTH
+        for j in range(k, n):
+            y[j] = (((z[j] - m1) - delta) * rstd) * w[j] + b[j]
+        _store_fence()
+
+    return impl
 
 
 # ---------------------------------------------------------------------------------------
@@ -249,12 +347,13 @@ def _dx_row(dy, x, dro, has_dro, dx, w, mean, rstd, c1, c2, pw, pb):
 
 
 @_jit(parallel=True)
-def forward_kernel(x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, nf, eps, rms):
+def forward_kernel(x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, nf, eps, rms, stream):
     """One fused pass per row: ``h = x + r`` (when ``has_r``), statistics, ``y``.
 
     ``x``, ``r``: flat storage with row strides ``xs``, ``rs``; ``h`` and ``y``: contiguous
     (M*N,) outputs in x's dtype; ``mean`` (unused for RMSNorm) and ``rstd``: (M,) in the
-    accumulation dtype, like ``w``, ``b``, ``nf`` (N as a float) and ``eps``.
+    accumulation dtype, like ``w``, ``b``, ``nf`` (N as a float) and ``eps``. ``stream``:
+    write float32 ``y`` with non-temporal stores (same bits, no cache pollution).
     """
     zero = nf - nf
     one = nf / nf
@@ -274,12 +373,16 @@ def forward_kernel(x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, nf, eps, r
             var = _row_sum_centered_sq(z, m1, delta, zero) / nf
         r_i = one / np.sqrt(var + eps)
         rstd[i] = r_i
-        _normalize_row(z, y[i * n : (i + 1) * n], m1, delta, r_i, w, b)
+        if stream:
+            normalize_row_streaming(z, y[i * n : (i + 1) * n], m1, delta, r_i, w, b)
+        else:
+            _normalize_row(z, y[i * n : (i + 1) * n], m1, delta, r_i, w, b)
 
 
 @_jit(parallel=True)
-def backward_kernel(dy, gs, x, xs, dro, ds, has_dro, w, mean, rstd, dx, pw, pb, m, n, nf, rms):
-    """dx for every row (``+ dresidual_out`` when ``has_dro``) and per-block partial sums
+def backward_kernel(dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms):
+    """dx for every row (``+ dro``; without a residual, dro is one row of ``-0.0`` with
+    ``ds = 0``, and ``v + -0.0 == v`` bitwise) and per-block partial sums
     ``pw[blk*N:(blk+1)*N] = sum(g * u)``, ``pb[...] = sum(g)`` over the rows of block
     ``blk`` (rows ``blk*ROW_BLOCK`` to ``(blk+1)*ROW_BLOCK - 1``), in row order.
 
@@ -300,21 +403,9 @@ def backward_kernel(dy, gs, x, xs, dro, ds, has_dro, w, mean, rstd, dx, pw, pb, 
             s1, s2 = _row_sums_backward(dy_i, x_i, w, mu, r_i, zero)
             c1 = s1 / nf
             c2 = zero if rms else s2 / nf
-            dro_i = dro[i * ds : i * ds + n] if has_dro else dro[:0]
-            _dx_row(
-                dy_i,
-                x_i,
-                dro_i,
-                has_dro,
-                dx[i * n : (i + 1) * n],
-                w,
-                mu,
-                r_i,
-                c1,
-                c2,
-                pw_blk,
-                pb_blk,
-            )
+            dro_i = dro[i * ds : i * ds + n]
+            dx_i = dx[i * n : (i + 1) * n]
+            _dx_row(dy_i, x_i, dro_i, dx_i, w, mu, r_i, c1, c2, pw_blk, pb_blk)
 
 
 @_jit(parallel=True)

@@ -4,7 +4,8 @@ It follows the kernel contract of :mod:`layernorm.backends.torch_` (same argumen
 dtypes, same SPEC §3 numerics) with one kernel per direction:
 
 - forward: per row (``prange`` over rows), ``residual_out = x + residual`` written in the
-  same pass, the corrected two-pass statistics and ``y``; the row is read once from memory.
+  same pass, the corrected two-pass statistics and ``y``; the row is read once from memory,
+  and a large float32 ``y`` is written with non-temporal stores (:data:`STREAM_BYTES`).
 - backward: per block of :data:`ROW_BLOCK` rows, ``dx`` (``+ dresidual_out``) for each row
   and float32 partial sums of ``g * u`` and ``g``; a tiny second kernel adds the block
   partials in block order (float64) for dweight/dbias.
@@ -43,6 +44,10 @@ __all__ = ["MIN_NUMEL", "ROW_BLOCK", "backward", "cannot_run", "forward", "prefe
 ROW_BLOCK = 32
 #: smallest M*N for which the automatic choice takes this backend (measured crossover).
 MIN_NUMEL = 4096
+#: float32 outputs of at least this many bytes are written with non-temporal (streaming)
+#: stores, which skip the read-for-ownership of a plain store; smaller ones stay cached
+#: for whoever reads them next. Same bits either way.
+STREAM_BYTES = 16 << 20
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _kernels_module: ModuleType | None = None
@@ -103,6 +108,16 @@ def _rows(t: torch.Tensor) -> tuple[np.ndarray, int]:
 _defaults: dict[tuple[int, torch.dtype, float], np.ndarray] = {}
 
 
+def _negative_zeros(n: int, dtype: torch.dtype) -> np.ndarray:
+    """One row of ``-0.0`` in ``dtype`` (``v + -0.0 == v`` bitwise): the absent residual
+    gradient."""
+    key = (n, dtype, -0.0)
+    array = _defaults.get(key)
+    if array is None:
+        array = _defaults[key] = _numpy(torch.full((n,), -0.0, dtype=dtype))
+    return array
+
+
 def _param(p: torch.Tensor | None, n: int, acc: torch.dtype, default: float) -> np.ndarray:
     """``p`` as a contiguous (N,) array in the accumulation dtype; for ``None``, ones
     (weight) or ``-0.0`` (bias), since ``v * 1 + -0.0 == v`` bitwise."""
@@ -161,6 +176,7 @@ def forward(
         _scalar(n, acc),
         _scalar(eps, acc),
         rms,
+        y.numel() * y.element_size() >= STREAM_BYTES,
     )
     return y, residual_out, None if rms else mean, rstd
 
@@ -182,7 +198,7 @@ def backward(
     dy_np, gs = _rows(dy)
     x_np, xs = _rows(x)
     if dresidual_out is None:
-        dro_np, ds = x_np[:1], 0
+        dro_np, ds = _negative_zeros(n, x.dtype), 0
     else:
         dro_np, ds = _rows(dresidual_out)
     stat = np.float64 if acc == torch.float64 else np.float32
@@ -199,7 +215,6 @@ def backward(
         xs,
         dro_np,
         ds,
-        dresidual_out is not None,
         _param(weight, n, acc, 1.0),
         mean_np,
         rstd_np,
