@@ -328,9 +328,10 @@ def test_capabilities_and_automatic_choice():
     assert "float" in numba_.cannot_run(torch.empty(2, 3, dtype=torch.complex64))
     with pytest.raises(RuntimeError, match="cannot run this input: the numba backend runs on CPU"):
         backends.choose(torch.empty(2, 3, device="meta"), "numba")
-    big = torch.empty(64, numba_.MIN_NUMEL)
-    assert numba_.prefers(big) and backends.choose(big) in ("numba", "triton")
-    assert not numba_.prefers(torch.empty(1, numba_.MIN_NUMEL - 1))
+    for shape in [(1, 1), (64, 1000)]:
+        x = torch.empty(shape)
+        assert numba_.prefers(x) and backends.choose(x) in ("numba", "triton")
+    assert not numba_.prefers(torch.empty(2, 3, device="meta"))
 
 
 def test_importing_layernorm_compiles_nothing():

@@ -25,8 +25,9 @@ beside the kernels, else (read-only install) in numba's user-wide cache director
 (``~/.cache/numba`` or the platform's equivalent); with no writable place at all the
 kernels still run, compiled in memory.
 
-Automatic choice: :func:`prefers` is True from :data:`MIN_NUMEL` elements on (measured
-against the portable torch backend, see ``benchmarks/RESULTS.md``).
+Automatic choice: :func:`prefers` is True for every CPU input of at least
+:data:`MIN_NUMEL` elements (measured against the portable torch backend, see
+``benchmarks/RESULTS.md``: no crossover; numba is faster from 64 elements up).
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ __all__ = ["MIN_NUMEL", "ROW_BLOCK", "backward", "cannot_run", "forward", "prefe
 #: rows per dweight/dbias partial sum (a fixed partition, independent of the thread count);
 #: must equal ``_numba_kernels.ROW_BLOCK``.
 ROW_BLOCK = 32
-#: smallest M*N for which the automatic choice takes this backend (measured crossover).
-MIN_NUMEL = 4096
+#: smallest M*N for which the automatic choice takes this backend. Measured against the
+#: portable torch backend (benchmarks/RESULTS.md): numba was faster at every size from 64
+#: elements up, forward and backward, so there is no crossover and the choice is size-blind.
+MIN_NUMEL = 1
 #: float32 outputs of at least this many bytes are written with non-temporal (streaming)
 #: stores, which skip the read-for-ownership of a plain store; smaller ones stay cached
 #: for whoever reads them next. Same bits either way.
