@@ -408,17 +408,21 @@ def backward_kernel(dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf,
             _dx_row(dy_i, x_i, dro_i, dx_i, w, mu, r_i, c1, c2, pw_blk, pb_blk)
 
 
-@_jit(parallel=True)
+@_jit()
+def _add_into(total, part):
+    for k in range(total.shape[0]):
+        total[k] += part[k]
+
+
+@_jit()
 def column_sum_kernel(p, nblocks, n, out):
-    """``out[k] = sum over blocks of p[blk*N + k]``, in block order, in float64."""
-    tile = 256
-    for t in prange((n + tile - 1) // tile):
-        lo = t * tile
-        hi = min(n, lo + tile)
-        s = np.zeros(hi - lo, np.float64)
-        for blk in range(nblocks):
-            part = p[blk * n + lo : blk * n + hi]
-            for k in range(hi - lo):
-                s[k] += part[k]
-        for k in range(hi - lo):
-            out[lo + k] = s[k]
+    """``out[k] = sum over blocks of p[blk*N + k]``, in block order, in float64.
+
+    Serial on purpose: the partials are ``M / ROW_BLOCK`` rows of N, a few MB at most, and
+    a parallel region costs more to launch on a busy machine than this costs to run.
+    """
+    total = np.zeros(n, np.float64)
+    for blk in range(nblocks):
+        _add_into(total, p[blk * n : (blk + 1) * n])
+    for k in range(n):
+        out[k] = total[k]
