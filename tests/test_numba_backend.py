@@ -80,6 +80,15 @@ def test_rms_norm_forward_matches_reference(dtype, shape):
     assert _max_err(y, ref) <= 2 * torch_err + ATOL[dtype]
 
 
+def test_large_output_takes_the_huge_page_path():
+    m, n = 1100, 1024  # 4.4 MB of float32: the output is madvise'd for huge pages
+    assert m * n * 4 >= numba_.HUGEPAGE_BYTES
+    x = torch.randn(m, n)
+    y = layernorm.layer_norm(x, n, backend="numba")
+    ref, _, _ = reference.layer_norm(_f64(x), n)
+    assert _max_err(y, ref) < 2e-6
+
+
 def test_multi_dim_normalized_shape():
     x = torch.randn(2, 3, 4, 5)
     w, b = torch.randn(4, 5), torch.randn(4, 5)

@@ -94,6 +94,7 @@ class Result:
     N: int
     provider: str
     ms: float  # median
+    min_ms: float
     q25_ms: float
     q75_ms: float
     bytes: int
@@ -272,7 +273,7 @@ def run(
                         m,
                         n,
                         provider,
-                        *[float("nan")] * 3,
+                        *[float("nan")] * 4,
                         moved,
                         float("nan"),
                         None,
@@ -298,6 +299,7 @@ def _result(op, direction, dtype, m, n, provider, samples, moved) -> Result:
         n,
         provider,
         median,
+        min(ms),
         q[0],
         q[2],
         moved,
@@ -354,7 +356,7 @@ def machine_info() -> dict[str, object]:
 def format_table(results: Sequence[Result]) -> str:
     """A fixed-width text table, one line per result."""
     head = f"{'op':<15}{'dir':<7}{'dtype':<9}{'M':>7}{'N':>7}  {'provider':<16}"
-    head += f"{'ms':>9}{'GB/s':>8}{'vs torch':>10}{'of copy':>9}"
+    head += f"{'ms':>9}{'min ms':>9}{'GB/s':>8}{'vs torch':>10}{'of copy':>9}"
     lines = [head, "-" * len(head)]
     for r in results:
         if r.error is not None:
@@ -367,7 +369,7 @@ def format_table(results: Sequence[Result]) -> str:
         of = "" if r.of_copy is None else f"{r.of_copy:.2f}"
         lines.append(
             f"{r.op:<15}{r.direction:<7}{r.dtype:<9}{r.M:>7}{r.N:>7}  {r.provider:<16}"
-            f"{r.ms:>9.3f}{r.gbps:>8.1f}{vs:>10}{of:>9}"
+            f"{r.ms:>9.3f}{r.min_ms:>9.3f}{r.gbps:>8.1f}{vs:>10}{of:>9}"
         )
     return "\n".join(lines)
 
