@@ -6,9 +6,13 @@ dtypes, same SPEC §3 numerics) with one kernel per direction:
 - forward: per row (``prange`` over rows), ``residual_out = x + residual`` written in the
   same pass, the corrected two-pass statistics and ``y``; the row is read once from memory,
   and a large float32 ``y`` is written with non-temporal stores (:data:`STREAM_BYTES`).
-- backward: per block of :data:`ROW_BLOCK` rows, ``dx`` (``+ dresidual_out``) for each row
-  and float32 partial sums of ``g * u`` and ``g``; a tiny second kernel adds the block
-  partials in block order (float64) for dweight/dbias.
+- backward: per block of ``_numba_kernels.ROW_BLOCK`` (32) rows, ``dx``
+  (``+ dresidual_out``) for each row and float32 partial sums of ``g * u`` and ``g``; a
+  tiny serial kernel adds the block partials in block order (float64) for dweight/dbias.
+
+Large outputs (:data:`HUGEPAGE_BYTES`) are allocated with ``torch.empty`` and advised to use
+transparent huge pages: on Linux a fresh large tensor page-faults once per 4 KiB on first
+write, which costs more than the normalization itself (``benchmarks/RESULTS.md``).
 
 float16 and bfloat16 are converted inside the kernels (no full-size float32 copies);
 strided rows (``stride(0) != N``) are read in place. Results are bitwise identical run to
@@ -40,11 +44,8 @@ from types import ModuleType
 import numpy as np
 import torch
 
-__all__ = ["MIN_NUMEL", "ROW_BLOCK", "backward", "cannot_run", "forward", "prefers"]
+__all__ = ["MIN_NUMEL", "backward", "cannot_run", "forward", "prefers"]
 
-#: rows per dweight/dbias partial sum (a fixed partition, independent of the thread count);
-#: must equal ``_numba_kernels.ROW_BLOCK``.
-ROW_BLOCK = 32
 #: smallest M*N for which the automatic choice takes this backend. Measured against the
 #: portable torch backend (benchmarks/RESULTS.md): numba was faster at every size from 64
 #: elements up, forward and backward, so there is no crossover and the choice is size-blind.
@@ -244,7 +245,7 @@ def backward(
     mean_np = _param(None, 1, acc, 0.0) if mean is None else _param(mean, m, acc, 0.0)
     rstd_np = _param(rstd, m, acc, 0.0)
     dx = _empty((m, n), x.dtype)
-    nblocks = -(-m // ROW_BLOCK)
+    nblocks = -(-m // kernels.ROW_BLOCK)
     partial_w = np.empty(nblocks * n, stat)
     partial_b = np.empty(nblocks * n, stat)
     kernels.backward_kernel(
