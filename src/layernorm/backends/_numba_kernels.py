@@ -32,6 +32,8 @@ by row within a block, then over blocks in block order in float64.
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -252,6 +254,7 @@ def _dx_row(dy, x, dro, dx, w, mean, rstd, c1, c2, pw, pb):
 # per written one, got slower with it, so dx keeps plain stores.)
 
 _WIDTH = 8  # floats per vector (AVX); a row's unaligned head and tail go the plain way
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")  # sfence
 
 
 def _vector_ptr(context, builder, array_type, array, k):
@@ -318,12 +321,12 @@ def _aligned_head(a, n):
 
 
 def normalize_row_streaming(z, y, m1, delta, rstd, w, b):
-    """:func:`_normalize_row` with streaming stores where y is float32."""
+    """:func:`_normalize_row` with streaming stores where y is float32 (on x86)."""
 
 
 @overload(normalize_row_streaming)
 def _normalize_row_streaming(z, y, m1, delta, rstd, w, b):
-    if not (y.dtype == z.dtype == w.dtype == b.dtype == types.float32):
+    if not (_X86 and y.dtype == z.dtype == w.dtype == b.dtype == types.float32):
         return lambda z, y, m1, delta, rstd, w, b: _normalize_row(z, y, m1, delta, rstd, w, b)
 
     def impl(z, y, m1, delta, rstd, w, b):
