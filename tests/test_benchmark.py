@@ -92,9 +92,8 @@ def test_harness_script_runs(tmp_path):
 
 
 def test_report_section_is_html_with_an_inline_plot(tmp_path, monkeypatch):
-    monkeypatch.setattr(benchmark, "QUICK_SHAPES", ((2, 16),))
+    monkeypatch.setattr(benchmark, "REPORT_SHAPES", ((2, 16),))
     monkeypatch.setattr(benchmark, "OPS", ("layer_norm",))
-    monkeypatch.setattr(benchmark, "DIRECTIONS", ("fwd",))
     html = benchmark.report_section(tmp_path, quick=False)
     assert html.startswith("<p>") and "<table>" in html and "data:image/png;base64," in html
     assert (tmp_path / "bench.png").exists()
