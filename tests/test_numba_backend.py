@@ -233,6 +233,13 @@ def test_strided_rows_are_read_in_place():
     assert torch.equal(y2, y3) and torch.equal(h, h3)
 
 
+def test_broadcast_rows_with_zero_row_stride():
+    row = torch.randn(1, 300)
+    x = row.expand(6, 300)  # stride (0, 1): six views of one row
+    y = layernorm.layer_norm(x, 300, backend="numba")
+    assert torch.equal(y, layernorm.layer_norm(row, 300, backend="numba").expand(6, 300))
+
+
 # ---------------------------------------------------------------------------------------
 # Determinism
 
