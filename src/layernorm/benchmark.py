@@ -518,7 +518,7 @@ def _main(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``layernorm bench`` as a standalone program (used by ``benchmarks/harness.py``)."""
-    parser = argparse.ArgumentParser(prog="bench")
+    parser = argparse.ArgumentParser(prog="layernorm")
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser(sub)
     args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
