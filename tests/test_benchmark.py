@@ -1,0 +1,99 @@
+"""Smoke runs of the benchmark harness on tiny sizes (speed itself is never asserted)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import layernorm
+from layernorm import benchmark
+
+SRC = Path(layernorm.__file__).resolve().parents[1]
+ROOT = SRC.parent
+
+
+def test_run_measures_every_configuration_with_ratios():
+    results = benchmark.run(
+        [(4, 32)], ("layer_norm", "add_layer_norm"), ("fwd", "bwd"), "float32",
+        ("torch", "layernorm", "layernorm:torch"), repeat=3, warmup=1, progress=False,
+    )  # fmt: skip
+    copy = [r for r in results if r.provider == "copy"]
+    assert len(copy) == 1 and copy[0].bytes == 2 * 4 * 32 * 4
+    rows = [r for r in results if r.provider != "copy"]
+    assert len(rows) == 2 * 2 * 3
+    for r in rows:
+        assert r.error is None and r.gbps > 0 and 0 < r.min_ms <= r.q25_ms <= r.ms <= r.q75_ms
+        assert r.bytes == benchmark.TENSORS_MOVED[(r.op, r.direction)] * 4 * 32 * 4
+        assert r.of_copy is not None and r.vs_torch is not None
+    assert all(r.vs_torch == 1.0 for r in rows if r.provider == "torch")
+    text = benchmark.format_table(results)
+    assert "add_layer_norm" in text and "layernorm:torch" in text
+
+
+def test_a_failing_provider_is_reported_not_raised():
+    results = benchmark.run(
+        [(2, 8)], ("rms_norm",), ("fwd",), "float32", ("torch", "layernorm:nosuch"), 2, 1, False
+    )
+    failed = [r for r in results if r.provider == "layernorm:nosuch"]
+    assert failed[0].error is not None and "unknown backend" in failed[0].error
+    assert "failed:" in benchmark.format_table(results)
+
+
+def test_run_rejects_a_non_positive_repeat():
+    with pytest.raises(ValueError, match="repeat must be >= 1"):
+        benchmark.run([(2, 8)], repeat=0)
+
+
+def test_cli_writes_json_and_plot(tmp_path):
+    parser = argparse.ArgumentParser()
+    benchmark.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(
+        ["bench", "--shapes", "3x16,5x40", "--ops", "rms_norm", "--directions", "fwd,fwdbwd",
+         "--repeat", "2", "--warmup", "1", "--threads", "1",
+         "--json", str(tmp_path / "r.json"), "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert args.func(args) == 0
+    payload = json.loads((tmp_path / "r.json").read_text())
+    assert payload["machine"]["cpu_count"] >= 1
+    assert {r["provider"] for r in payload["results"]} == {"copy", "torch", "layernorm"}
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--shapes", "8x"], "a shape is MxN"),
+        (["--shapes", "0x8"], "must be positive"),
+        (["--ops", "softmax"], "choose from"),
+    ],
+)
+def test_cli_rejects_bad_arguments(argv, message, capsys):
+    parser = argparse.ArgumentParser()
+    benchmark.add_parser(parser.add_subparsers(dest="command"))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_harness_script_runs(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "harness.py"), "--shapes", "2x8",
+         "--ops", "layer_norm", "--directions", "fwd", "--repeat", "2", "--warmup", "1"],
+        env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "layer_norm" in done.stdout and "vs torch" in done.stdout
+
+
+def test_report_section_is_html_with_an_inline_plot(tmp_path, monkeypatch):
+    monkeypatch.setattr(benchmark, "REPORT_SHAPES", ((2, 16),))
+    monkeypatch.setattr(benchmark, "OPS", ("layer_norm",))
+    html = benchmark.report_section(tmp_path, quick=False)
+    assert html.startswith("<p>") and "<table>" in html and "data:image/png;base64," in html
+    assert (tmp_path / "bench.png").exists()
