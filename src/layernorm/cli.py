@@ -96,11 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_report)
 
     for module in _PLUGINS:
-        try:
-            importlib.import_module(module).add_parser(sub)
-        except ModuleNotFoundError as error:  # TEMPORARY: until layernorm.benchmark lands
-            if error.name != module:
-                raise
+        importlib.import_module(module).add_parser(sub)
     return parser
 
 
