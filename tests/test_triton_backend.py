@@ -361,6 +361,20 @@ def test_backward_matches_reference(path, rms):
         np.testing.assert_allclose(_np(grad), ref, rtol=1e-4, atol=1e-4 * math.sqrt(10))
 
 
+@pytest.mark.parametrize("offset", [1e4, 1e6])
+def test_gradient_error_does_not_grow_with_the_offset(path, offset):
+    # The saved mean is float32: without re-centering, dx erred by 7e-3 at offset 1e6.
+    n = path
+    x, dy = (offset + torch.randn(6, n, dtype=torch.float64)).float(), torch.randn(6, n)
+    weight, bias = _params(n)
+    grads = _grads(
+        lambda x, w, b: layernorm.layer_norm(x, n, w, b, backend="triton"), [x, weight, bias], (dy,)
+    )
+    refs = reference.layer_norm_backward(_np(dy), _np(x), n, _np(weight))
+    for grad, ref in zip(grads, refs, strict=True):
+        assert np.abs(_np(grad) - ref).max() <= 2e-5 * max(1.0, np.abs(ref).max())
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_backward_low_precision(path, dtype):
     # |ours - ref| <= 2 |torch - ref| + atol, the torch backend doing the same in float32.

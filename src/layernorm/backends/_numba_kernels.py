@@ -199,21 +199,26 @@ def _row_sum_sq(z, zero):
 
 
 @_jit()
-def _gh_u(dy, x, k, w, mean, rstd):
+def _gh_d(dy, x, k, w, mean):
     gh = ld(dy, k) * w[k]
-    u = (ld(x, k) - mean) * rstd
-    return gh * u, gh
+    d = ld(x, k) - mean
+    return gh * d, gh, d
 
 
 @_jit(fastmath=_REASSOC)
-def _row_sums_backward(dy, x, w, mean, rstd, zero):
-    s1 = zero  # sum(gh * u)
-    s2 = zero  # sum(gh)
+def _row_sums_backward(dy, x, w, mean, zero):
+    """``(sum(d), sum(gh * d), sum(gh))`` with ``d = x - mean``: the saved mean is rounded
+    to float32, so the backward re-centers by ``delta = mean(d)`` (SPEC's corrected
+    two-pass again), which keeps the gradient's error independent of the row offset."""
+    s0 = zero
+    s1 = zero
+    s2 = zero
     for k in range(x.shape[0]):
-        ghu, gh = _gh_u(dy, x, k, w, mean, rstd)
-        s1 += ghu
+        ghd, gh, d = _gh_d(dy, x, k, w, mean)
+        s0 += d
+        s1 += ghd
         s2 += gh
-    return s1, s2
+    return s0, s1, s2
 
 
 # ---------------------------------------------------------------------------------------
@@ -234,10 +239,10 @@ def _normalize_row(z, y, m1, delta, rstd, w, b):
 
 
 @_jit()
-def _dx_row(dy, x, dro, dx, w, mean, rstd, c1, c2, pw, pb):
+def _dx_row(dy, x, dro, dx, w, mean, delta, rstd, c1, c2, pw, pb):
     for k in range(dx.shape[0]):
         g = ld(dy, k)
-        u = (ld(x, k) - mean) * rstd
+        u = ((ld(x, k) - mean) - delta) * rstd
         gh = g * w[k]
         dz = rstd * ((gh - c2) - u * c1) + ld(dro, k)
         st(dx, k, dz)
@@ -403,12 +408,13 @@ def backward_kernel(dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf,
             r_i = rstd[i]
             dy_i = dy[i * gs : i * gs + n]
             x_i = x[i * xs : i * xs + n]
-            s1, s2 = _row_sums_backward(dy_i, x_i, w, mu, r_i, zero)
-            c1 = s1 / nf
+            s0, s1, s2 = _row_sums_backward(dy_i, x_i, w, mu, zero)
+            delta = zero if rms else s0 / nf
             c2 = zero if rms else s2 / nf
+            c1 = r_i * (s1 / nf - delta * c2)  # mean(gh * u), u = (d - delta) * rstd
             dro_i = dro[i * ds : i * ds + n]
             dx_i = dx[i * n : (i + 1) * n]
-            _dx_row(dy_i, x_i, dro_i, dx_i, w, mu, r_i, c1, c2, pw_blk, pb_blk)
+            _dx_row(dy_i, x_i, dro_i, dx_i, w, mu, delta, r_i, c1, c2, pw_blk, pb_blk)
 
 
 @_jit()

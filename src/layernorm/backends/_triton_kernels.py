@@ -295,12 +295,13 @@ def forward_wide_kernel(
 
 @triton.jit
 def backward_partial_kernel(
-    DY, Z, W, MEAN, RSTD, PART_C1, PART_C2,
+    DY, Z, W, MEAN, RSTD, PART_C1, PART_C2, PART_D,
     stride_dy, stride_z,
     N, num_chunks,
     HAS_WEIGHT: tl.constexpr, RMS: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """Wide rows, stage 1 of the backward: per-chunk Σ gh·u and Σ gh; grid (M, num_chunks)."""
+    """Wide rows, stage 1 of the backward: per-chunk Σ gh·d, Σ gh and Σ d with d = z − mean
+    (RMS: Σ gh·u); grid (M, num_chunks)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -311,7 +312,7 @@ def backward_partial_kernel(
     if RMS:
         u = z * rstd
     else:
-        u = tl.where(mask, z - tl.load(MEAN + row), 0.0) * rstd
+        u = tl.where(mask, z - tl.load(MEAN + row), 0.0)  # d: re-centered in stage 2
     gh = g
     if HAS_WEIGHT:
         gh = g * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
@@ -319,11 +320,12 @@ def backward_partial_kernel(
     tl.store(PART_C1 + slot, tl.sum(gh * u, 0))
     if not RMS:
         tl.store(PART_C2 + slot, tl.sum(gh, 0))
+        tl.store(PART_D + slot, tl.sum(u, 0))
 
 
 @triton.jit
 def backward_kernel(
-    DY, Z, W, MEAN, RSTD, DRES, DX, DW_PART, DB_PART, PART_C1, PART_C2,
+    DY, Z, W, MEAN, RSTD, DRES, DX, DW_PART, DB_PART, PART_C1, PART_C2, PART_D,
     stride_dy, stride_z, stride_dres, stride_dx,
     M, N, n_f, rows_per_program, num_chunks,
     HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr, NEED_DW: tl.constexpr,
@@ -332,8 +334,11 @@ def backward_kernel(
 ):  # fmt: skip
     """dx = rstd·(gh − c2 − u·c1) (+ dresidual_out) for a fixed block of rows and one chunk
     of columns; grid (programs, num_chunks). FUSED: one chunk spans the row and c1, c2
-    are reduced here; else they come from backward_partial_kernel. This program's
-    Σ g·u and Σ g over its rows go to row ``program_id(0)`` of DW_PART / DB_PART."""
+    are reduced here; else they come from backward_partial_kernel. The saved mean is
+    rounded to float32, so u is re-centered: with d = z − mean, u = (d − mean(d))·rstd
+    (SPEC's corrected two-pass), which keeps the gradient's error independent of the row
+    offset. This program's Σ g·u and Σ g over its rows go to row ``program_id(0)`` of
+    DW_PART / DB_PART."""
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -353,22 +358,27 @@ def backward_kernel(
         z = tl.load(Z + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + row)
+        gh = g * w
         if RMS:
             u = z * rstd
-        else:
-            u = tl.where(mask, z - tl.load(MEAN + row), 0.0) * rstd
-        gh = g * w
-        if FUSED:
-            c1 = _mean(tl.sum(gh * u, 0), n_f)
-        else:
-            c1 = _mean(tl.sum(tl.load(PART_C1 + slots, mask=valid, other=0.0), 0), n_f)
-        if RMS:
+            if FUSED:
+                c1 = _mean(tl.sum(gh * u, 0), n_f)
+            else:
+                c1 = _mean(tl.sum(tl.load(PART_C1 + slots, mask=valid, other=0.0), 0), n_f)
             dx = rstd * (gh - u * c1)
         else:
+            d = tl.where(mask, z - tl.load(MEAN + row), 0.0)
             if FUSED:
+                delta = _mean(tl.sum(d, 0), n_f)
+                u = tl.where(mask, d - delta, 0.0) * rstd
+                c1 = _mean(tl.sum(gh * u, 0), n_f)
                 c2 = _mean(tl.sum(gh, 0), n_f)
             else:
+                delta = _mean(tl.sum(tl.load(PART_D + slots, mask=valid, other=0.0), 0), n_f)
+                u = tl.where(mask, d - delta, 0.0) * rstd
                 c2 = _mean(tl.sum(tl.load(PART_C2 + slots, mask=valid, other=0.0), 0), n_f)
+                ghd = _mean(tl.sum(tl.load(PART_C1 + slots, mask=valid, other=0.0), 0), n_f)
+                c1 = rstd * (ghd - delta * c2)
             dx = rstd * (gh - c2 - u * c1)
         if HAS_DRES:
             dx += tl.load(DRES + row * stride_dres + cols, mask=mask, other=0.0).to(tl.float32)

@@ -330,12 +330,13 @@ def _backward(
     partial = torch.empty(shape, dtype=torch.float32, device=device)
     dw_part = partial[0]
     db_part = partial[sums - 1]
-    part_c1 = part_c2 = rstd
+    part_c1 = part_c2 = part_d = rstd
     if not fused:
         part_c1 = torch.empty((m, num_chunks), dtype=torch.float32, device=device)
         part_c2 = part_c1 if rms else torch.empty_like(part_c1)
+        part_d = part_c1 if rms else torch.empty_like(part_c1)
         kernels.backward_partial_kernel[(m, num_chunks)](
-            dy, x, x if weight is None else weight, mean, rstd, part_c1, part_c2,
+            dy, x, x if weight is None else weight, mean, rstd, part_c1, part_c2, part_d,
             dy.stride(0), x.stride(0),
             n, num_chunks,
             HAS_WEIGHT=weight is not None, RMS=rms, CHUNK=chunk,
@@ -344,7 +345,7 @@ def _backward(
     dres = dy if dresidual_out is None else dresidual_out
     kernels.backward_kernel[(programs, num_chunks)](
         dy, x, x if weight is None else weight, mean, rstd, dres, dx,
-        dw_part, db_part, part_c1, part_c2,
+        dw_part, db_part, part_c1, part_c2, part_d,
         dy.stride(0), x.stride(0), dres.stride(0), dx.stride(0),
         m, n, float(n), rows_per_program, num_chunks,
         HAS_WEIGHT=weight is not None, HAS_DRES=dresidual_out is not None,
