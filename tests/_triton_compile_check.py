@@ -64,7 +64,7 @@ def variants():
             name: f"*{dt}" for name in ("X", "R", "W", "B", "Y", "RES_OUT", "Z", "DY", "DRES", "DX")
         }
         p.update(dict.fromkeys(
-            ("MEAN", "RSTD", "PART_A", "PART_B", "PART_C1", "PART_C2", "DW_PART", "DB_PART"),
+            ("MEAN", "RSTD", "PART_A", "PART_B", "PART_C1", "PART_C2", "PART_D", "DW_PART", "DB_PART"),
             "*fp32",
         ))  # fmt: skip
         for rms in (False, True):
