@@ -183,6 +183,17 @@ def _row_sum_centered(z, m1, zero):
 
 
 @_jit(fastmath=_REASSOC)
+def _row_sums_centered(z, m1, zero):
+    s1 = zero
+    s2 = zero
+    for j in range(z.shape[0]):
+        d = _centered(z, j, m1)
+        s1 += d
+        s2 += d * d
+    return s1, s2
+
+
+@_jit(fastmath=_REASSOC)
 def _row_sum_centered_sq(z, m1, delta, zero):
     s = zero
     for j in range(z.shape[0]):
@@ -376,9 +387,12 @@ def forward_kernel(x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, nf, eps, r
             var = _row_sum_sq(z, zero) / nf
         else:
             m1 = _row_sum(z, zero) / nf
-            delta = _row_sum_centered(z, m1, zero) / nf
+            # One pass for Σd and Σd², d = z − m1: Σ(d − delta)² = Σd² − N·delta², and
+            # delta is a rounding error of m1, so the subtraction cancels nothing.
+            s1, s2 = _row_sums_centered(z, m1, zero)
+            delta = s1 / nf
             mean[i] = m1 + delta
-            var = _row_sum_centered_sq(z, m1, delta, zero) / nf
+            var = max(s2 / nf - delta * delta, zero)
         r_i = one / np.sqrt(var + eps)
         rstd[i] = r_i
         if stream:
