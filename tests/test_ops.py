@@ -373,3 +373,19 @@ def test_bad_input_errors():
         match=r"expected residual with shape \[\*, 4\], but got residual of size \[4, 2\]",
     ):
         layernorm.add_layer_norm(x, torch.randn(4, 2), 4)
+
+
+@pytest.mark.parametrize("backend", [None, "torch"])
+def test_inference_autograd_and_custom_op_paths_agree_bitwise(backend):
+    """Eager inference calls the kernel directly, eager autograd goes through an
+    autograd.Function, torch.compile through the custom op: one result."""
+    x, r = torch.randn(7, 300), torch.randn(7, 300)
+    w, b = torch.rand(300), torch.randn(300)
+    direct = layernorm.add_layer_norm(x, r, 300, w, b, backend=backend)
+    with torch.no_grad():
+        no_grad = layernorm.add_layer_norm(x.requires_grad_(), r, 300, w, b, backend=backend)
+    tracked = layernorm.add_layer_norm(x, r, 300, w, b, backend=backend)
+    op = torch.ops.layernorm.forward(x.detach(), r, w, b, 1e-5, False, backend or "")
+    for y, h in (no_grad, tracked, op[:2]):
+        assert torch.equal(y, direct[0]) and torch.equal(h, direct[1])
+    assert tracked[0].requires_grad and not no_grad[0].requires_grad

@@ -278,7 +278,9 @@ def _rows(t: Tensor, n: int) -> Tensor:
 
 
 def _flat(p: Tensor | None, n: int) -> Tensor | None:
-    return None if p is None else p.reshape(n).contiguous()
+    if p is None or (p.dim() == 1 and p.is_contiguous()):
+        return p
+    return p.reshape(n).contiguous()
 
 
 def _norm(
@@ -312,11 +314,8 @@ def _norm(
     eps = _check_eps(torch.finfo(_stat_dtype(x.dtype)).eps if eps is None else eps)
     name = _check_backend(backend)
     n = math.prod(shape)
-    plain = all(type(t) in _PLAIN for t in (x, residual, weight, bias))
-    # The custom op under torch.compile and for tensor subclasses (DTensor dispatches on it);
-    # the cheaper autograd.Function in plain eager mode.
-    run = _Norm.apply if plain and not torch.compiler.is_compiling() else _forward_op
-    y, residual_out, _, _ = run(
+    tensors = (x, residual, weight, bias)
+    args = (
         _rows(x, n),
         None if residual is None else _rows(residual, n),
         _flat(weight, n),
@@ -325,6 +324,13 @@ def _norm(
         rms,
         name,
     )
+    if any(type(t) not in _PLAIN for t in tensors) or torch.compiler.is_compiling():
+        # the custom op: torch.compile traces it, and DTensor dispatches on it
+        y, residual_out, _, _ = _forward_op(*args)
+    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        y, residual_out, _, _ = _Norm.apply(*args)  # eager autograd, without op dispatch
+    else:  # inference: straight to the kernel
+        y, residual_out, _, _ = _kernels(args[0], name).forward(*args[:6])
     return y.view(x.shape), None if residual is None else residual_out.view(x.shape)
 
 
