@@ -389,3 +389,21 @@ def test_inference_autograd_and_custom_op_paths_agree_bitwise(backend):
     for y, h in (no_grad, tracked, op[:2]):
         assert torch.equal(y, direct[0]) and torch.equal(h, direct[1])
     assert tracked[0].requires_grad and not no_grad[0].requires_grad
+
+
+def test_portable_backend_is_bitwise_identical_at_one_and_two_threads():
+    x = torch.randn(300, 70001 // 7, requires_grad=True)
+    w = torch.randn(x.shape[1], requires_grad=True)
+    dy = torch.randn_like(x)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            x.grad = w.grad = None
+            y = layernorm.layer_norm(x, x.shape[1], w, backend=B)
+            y.backward(dy)
+            results.append((y.detach(), x.grad.clone(), w.grad.clone()))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
