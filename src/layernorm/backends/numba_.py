@@ -10,9 +10,10 @@ dtypes, same SPEC §3 numerics) with one kernel per direction:
   (``+ dresidual_out``) for each row and float32 partial sums of ``g * u`` and ``g``; a
   tiny serial kernel adds the block partials in block order (float64) for dweight/dbias.
 
-Large outputs (:data:`HUGEPAGE_BYTES`) are allocated with ``torch.empty`` and advised to use
-transparent huge pages: on Linux a fresh large tensor page-faults once per 4 KiB on first
-write, which costs more than the normalization itself (``benchmarks/RESULTS.md``).
+Outputs are allocated by NumPy and shared with torch (``torch.from_numpy``): NumPy advises
+Linux to back arrays of 4 MiB or more with transparent huge pages, and a fresh large
+tensor otherwise page-faults once per 4 KiB on first write, which costs more than the
+normalization itself (``benchmarks/RESULTS.md``).
 
 float16 and bfloat16 are converted inside the kernels (no full-size float32 copies);
 strided rows (``stride(0) != N``) are read in place. Results are bitwise identical run to
@@ -36,9 +37,7 @@ Automatic choice: :func:`prefers` is True for every CPU input of at least
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
-import sys
 from types import ModuleType
 
 import numpy as np
@@ -55,12 +54,9 @@ MIN_NUMEL = 1
 #: for whoever reads them next. Same bits either way.
 STREAM_BYTES = 16 << 20
 
-#: outputs of at least this many bytes ask Linux for transparent huge pages (see _empty)
-HUGEPAGE_BYTES = 4 << 20
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _kernels_module: ModuleType | None = None
-_madvise = None
 
 
 def unavailable_reason() -> str | None:
@@ -90,34 +86,27 @@ def _kernels() -> ModuleType:
     return _kernels_module
 
 
+_NUMPY_DTYPES = {
+    torch.float16: np.float16,
+    torch.bfloat16: np.uint16,  # bit patterns; viewed back as bfloat16
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+}
+
+
 def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty``, advising Linux to back a large result with transparent huge pages.
+    """An uninitialized output tensor whose memory NumPy allocates.
 
     A fresh large CPU tensor is a fresh mmap: its first write takes one page fault per
     4 KiB page, which costs more than the kernel itself (measured: a 128 MiB output,
-    ~70 ms of faults vs ~25 ms of work on 2 cores). With ``MADV_HUGEPAGE`` (what NumPy does
-    for its own large arrays) it takes one per 2 MiB. Advice only: if the call fails or the
-    system says no, nothing changes.
+    ~70 ms of faults vs ~25 ms of work on 2 cores). NumPy advises Linux to back arrays of
+    4 MiB or more with transparent huge pages (one fault per 2 MiB), and its allocations
+    of mid-size arrays also came out cheaper than ``torch.empty``'s here (8 MiB outputs:
+    ~800 vs ~1000 us per layer_norm call). Advice only: where the system says no,
+    nothing changes but the speed.
     """
-    global _madvise
-    t = torch.empty(shape, dtype=dtype)
-    size = t.numel() * t.element_size()
-    if size < HUGEPAGE_BYTES or not sys.platform.startswith("linux"):
-        return t
-    if _madvise is None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            _madvise = libc.madvise
-            _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            _madvise.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            _madvise = False
-    if _madvise:
-        start = (t.data_ptr() + 4095) & ~4095
-        end = (t.data_ptr() + size) & ~4095
-        if end > start:
-            _madvise(start, end - start, 14)  # MADV_HUGEPAGE
-    return t
+    t = torch.from_numpy(np.empty(shape, _NUMPY_DTYPES[dtype]))
+    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
