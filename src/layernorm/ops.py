@@ -290,7 +290,7 @@ def _norm(
     normalized_shape: ShapeLike,
     weight: Tensor | None,
     bias: Tensor | None,
-    eps: float,
+    eps: float | None,
     rms: bool,
     backend: str | None,
 ) -> tuple[Tensor, Tensor | None]:

@@ -51,7 +51,7 @@ def _shape(normalized_shape: Shape) -> tuple[int, ...]:
 
 def _rows(x: ArrayLike, normalized_shape: Shape, dtype: type) -> tuple[NDArray, int]:
     """Flattens ``x`` to (M, N) rows of the trailing ``normalized_shape`` dims."""
-    arr = np.asarray(x, dtype=dtype)
+    arr: NDArray = np.asarray(x, dtype=dtype)
     shape = _shape(normalized_shape)
     if arr.shape[arr.ndim - len(shape) :] != shape or arr.ndim < len(shape):
         raise ValueError(
