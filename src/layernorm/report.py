@@ -26,6 +26,7 @@ _STYLE = """
 body { font-family: system-ui, sans-serif; max-width: 70em; margin: 2em auto; padding: 0 1em; }
 table { border-collapse: collapse; margin: 1em 0; } td, th { border: 1px solid #ccc; padding: .3em .6em; }
 th { background: #f3f3f3; } img { max-width: 100%; } .pass { color: #070; } .fail { color: #b00; }
+pre { white-space: pre-wrap; overflow-wrap: anywhere; } table { display: block; overflow-x: auto; }
 """
 
 
