@@ -47,7 +47,7 @@ def _close(a, b, tol: float = 1e-12) -> tuple[bool, float]:
 # The seeds' worked examples and math facts (reference, float64)
 
 
-def _worked_examples(_: str | None) -> Outcome:
+def _worked_examples(_backend: str | None) -> Outcome:
     third = 1 / 3
     cases = [
         (reference.layer_norm([1, 2, 3], 3, eps=third)[0], [-1, 0, 1]),
@@ -62,7 +62,7 @@ def _worked_examples(_: str | None) -> Outcome:
     return max(errs) <= 1e-7, f"max error {max(errs):.1e} over {len(cases)} examples"
 
 
-def _bias_gradient(_: str | None) -> Outcome:
+def _bias_gradient(_backend: str | None) -> Outcome:
     beta = np.array([1.0, -1.0, 2.0])
     y, _, _ = reference.layer_norm([3, 3, 3], 3, None, beta, eps=0.5)
     _, _, dbias = reference.layer_norm_backward(y, [3, 3, 3], 3, None, eps=0.5)  # l = |y|²/2
@@ -78,14 +78,16 @@ def _random_rows(count: int = 20, d: int = 6) -> Iterator[np.ndarray]:
         yield rng.normal(size=d) * rng.uniform(0.01, 3)
 
 
-def _eigenvalues(_: str | None) -> Outcome:
+def _eigenvalues(_backend: str | None) -> Outcome:
     worst = 0.0
     for z in _random_rows():
         for eps in (1e-3, 0.1, 1.0):
             e = reference.jacobian_eigenvalues(z, eps)
-            want = sorted([0.0, e["radial"]] + [e["orthogonal"]] * (z.size - 2))
+            radial, orthogonal = e["radial"], e["orthogonal"]
+            assert radial is not None and orthogonal is not None  # random rows, d = 6
+            want = sorted([0.0, radial] + [orthogonal] * (z.size - 2))
             got = np.sort(np.linalg.eigvals(reference.jacobian(z, eps)).real)
-            worst = max(worst, _close(got, want)[1] / max(1.0, e["orthogonal"]))
+            worst = max(worst, _close(got, want)[1] / max(1.0, orthogonal))
     constant = reference.jacobian(np.full(4, 2.0), 0.25)
     p = np.eye(4) - 0.25
     ok_const, _ = _close(constant, p / 0.5)
@@ -95,13 +97,13 @@ def _eigenvalues(_: str | None) -> Outcome:
     )
 
 
-def _lipschitz(_: str | None) -> Outcome:
+def _lipschitz(_backend: str | None) -> Outcome:
     ratio = 0.0
     for z in _random_rows():
         for eps in (1e-3, 0.1, 1.0):
-            norm = np.linalg.norm(reference.jacobian(z, eps), 2)
+            norm = float(np.linalg.norm(reference.jacobian(z, eps), 2))
             ratio = max(ratio, norm / reference.lipschitz_bound(eps))
-    at_constant = np.linalg.norm(reference.jacobian(np.zeros(5), 0.01), 2)
+    at_constant = float(np.linalg.norm(reference.jacobian(np.zeros(5), 0.01), 2))
     attained = abs(at_constant - reference.lipschitz_bound(0.01)) < 1e-9
     return (
         ratio <= 1 + 1e-12 and attained,
@@ -109,7 +111,7 @@ def _lipschitz(_: str | None) -> Outcome:
     )
 
 
-def _core_variance(_: str | None) -> Outcome:
+def _core_variance(_backend: str | None) -> Outcome:
     z = np.array([1.0, 2.0, 3.0])  # q = 2/3
     half = reference.core_variance(z, 2 / 3)
     big, small = reference.core_variance(z, 1e-9), reference.core_variance(z, 1e9)
@@ -119,7 +121,7 @@ def _core_variance(_: str | None) -> Outcome:
     return ok, f"q=eps: {half:.6f}; q/eps=1e9: {big:.9f}; q/eps=1e-9: {small:.1e}"
 
 
-def _shift_and_scale(_: str | None) -> Outcome:
+def _shift_and_scale(_backend: str | None) -> Outcome:
     z = np.array([0.3, -1.2, 2.5, 0.1])
     u = reference.layer_norm(z, 4, eps=0.1)[0]
     shift = _close(reference.layer_norm(z + 1000, 4, eps=0.1)[0], u, 1e-12)[1]
@@ -132,7 +134,7 @@ def _shift_and_scale(_: str | None) -> Outcome:
     )
 
 
-def _h_eps(_: str | None) -> Outcome:
+def _h_eps(_backend: str | None) -> Outcome:
     t = np.linspace(-50, 50, 101)
     worst = 0.0
     for eps in (0.01, 1.0):
@@ -142,7 +144,7 @@ def _h_eps(_: str | None) -> Outcome:
         h = 1e-6
         numeric = (reference.h_eps(t + h, eps) - reference.h_eps(t - h, eps)) / (2 * h)
         worst = max(worst, _close(numeric, reference.h_eps_derivative(t, eps), 1e-6)[1] * 1e-6)
-    limit = reference.h_eps(1e8, 1.0)
+    limit = float(reference.h_eps(1e8, 1.0))
     ok = worst < 1e-10 and abs(limit - math.sqrt(1.5)) < 1e-9
     return (
         ok,
@@ -152,6 +154,11 @@ def _h_eps(_: str | None) -> Outcome:
 
 # ----------------------------------------------------------------------------------------
 # The numerics contract on a backend (SPEC §3)
+
+
+def _grad(t: torch.Tensor) -> torch.Tensor:
+    assert t.grad is not None
+    return t.grad
 
 
 def _device(name: str) -> torch.device:
@@ -200,7 +207,7 @@ def _gradients(name: str | None) -> Outcome:
     )
     errs = [
         float(
-            np.max(np.abs(t.grad.cpu().double().numpy() - r)) / max(1.0, float(np.max(np.abs(r))))
+            np.max(np.abs(_grad(t).cpu().double().numpy() - r)) / max(1.0, float(np.max(np.abs(r))))
         )
         for t, r in ((x, dx), (w, dw), (b, db))
     ]
@@ -275,7 +282,7 @@ def _determinism(name: str | None) -> Outcome:
     for _ in range(3):
         x.grad = w.grad = b.grad = None
         layer_norm(x, 96, w, b, backend=name).backward(dy)
-        grads.append((x.grad.clone(), w.grad.clone(), b.grad.clone()))
+        grads.append((_grad(x).clone(), _grad(w).clone(), _grad(b).clone()))
     same = all(
         torch.equal(g, h) for other in grads[1:] for g, h in zip(grads[0], other, strict=True)
     )
@@ -351,7 +358,7 @@ def run_checks(names: list[str] | None = None, progress: bool = False) -> list[R
     from tqdm.auto import tqdm
 
     names = backends_to_check() if names is None else names
-    jobs = [(c, None) for c in CHECKS if not c.per_backend]
+    jobs: list[tuple[Check, str | None]] = [(c, None) for c in CHECKS if not c.per_backend]
     jobs += [(c, n) for n in names for c in CHECKS if c.per_backend]
     results = []
     for check, name in tqdm(jobs, desc="checks", disable=not progress, leave=False):

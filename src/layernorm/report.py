@@ -12,6 +12,7 @@ import math
 import platform
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -171,7 +172,7 @@ def _math_section(out: Path) -> str:
     )
 
 
-def _plugin_section(module: str, call: Callable[[object], str]) -> str:
+def _plugin_section(module: str, call: Callable[[ModuleType], str]) -> str:
     try:
         return call(importlib.import_module(module))
     except Exception as error:  # a broken section must not lose the rest of the report
