@@ -15,7 +15,8 @@ A backend is a module under ``layernorm.backends`` imported only when first used
     backward(dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias)
         -> (dx, dweight, dbias)
 
-Kernels see only 2-D ``(M, N)`` tensors whose rows are contiguous (``stride(1) == 1``;
+Kernels see only non-empty 2-D ``(M, N)`` tensors (``ops`` sends zero-size work to the
+portable backend) whose rows are contiguous (``stride(1) == 1``;
 ``stride(0)`` may be anything) and 1-D ``(N,)`` parameters; the contract of each
 argument is in ``layernorm.backends.torch_``, the portable reference implementation.
 """
