@@ -5,12 +5,14 @@ Public API (SPEC §2)::
     layer_norm, rms_norm, add_layer_norm, add_rms_norm     functions on torch tensors
     LayerNorm, RMSNorm                                      drop-ins for torch's modules
     available_backends()                                    kernel backends usable here
+    empty_cache()                                           release cached CPU output memory
     patch(model), unpatch(model)                            put our modules into a model
     reference                                               the NumPy float64 math
 """
 
 from . import reference
 from .backends import available_backends
+from .backends._host_memory import empty_cache
 from .nn import LayerNorm, RMSNorm, patch, unpatch
 from .ops import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 
@@ -20,6 +22,7 @@ __all__ = [
     "add_layer_norm",
     "add_rms_norm",
     "available_backends",
+    "empty_cache",
     "layer_norm",
     "patch",
     "reference",

@@ -11,7 +11,9 @@ A backend is a module under ``layernorm.backends`` imported only when first used
     prefers(x) -> bool
         True when it is the fastest correct choice for ``x``: the automatic choice takes
         the first backend in ``AUTO_ORDER`` that is available, can run and prefers.
-    forward(x, residual, weight, bias, eps, rms) -> (y, residual_out, mean, rstd)
+    forward(x, residual, weight, bias, eps, rms, stats=True) -> (y, residual_out, mean, rstd)
+        (with ``stats=False`` the caller will not use mean and rstd: a backend may skip
+        computing them and return None for both)
     backward(dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias)
         -> (dx, dweight, dbias)
 
@@ -29,7 +31,7 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["AUTO_ORDER", "BACKENDS", "available_backends", "choose", "get"]
+__all__ = ["AUTO_ORDER", "BACKENDS", "available_backends", "choose", "get", "pick"]
 
 #: name -> module path, in no particular order.
 BACKENDS: dict[str, str] = {
@@ -69,6 +71,17 @@ def get(name: str) -> ModuleType:
 def available_backends() -> list[str]:
     """Names of the backends that can run on this machine (for some device)."""
     return [name for name in BACKENDS if _load(name) is not None]
+
+
+def pick(x: torch.Tensor, backend: str | None = None) -> ModuleType:
+    """The module of :func:`choose`'s backend (one lookup fewer, for the hot path)."""
+    name = backend or os.environ.get("LAYERNORM_BACKEND") or None
+    if name is None:
+        for candidate in AUTO_ORDER:
+            module = _modules.get(candidate) if candidate in _unavailable else _load(candidate)
+            if module is not None and module.cannot_run(x) is None and module.prefers(x):
+                return module
+    return get(choose(x, name))
 
 
 def choose(x: torch.Tensor, backend: str | None = None) -> str:

@@ -36,7 +36,7 @@ import platform
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import carray, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
@@ -46,7 +46,9 @@ _REASSOC = {"reassoc"}
 
 def _jit(**options):
     """``numba.njit`` with the on-disk cache, falling back to no cache when numba finds
-    no writable cache directory at all (then every process compiles again)."""
+    no writable cache directory at all (then every process compiles again). Division by
+    zero follows IEEE (``1 / 0 = inf``), not Python's ZeroDivisionError."""
+    options.setdefault("error_model", "numpy")
 
     def decorate(func):
         try:
@@ -365,70 +367,101 @@ def _normalize_row_streaming(z, y, m1, delta, rstd, w, b):
 # Kernels
 
 
-@_jit(parallel=True)
-def forward_kernel(x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, nf, eps, rms, stream):
-    """One fused pass per row: ``h = x + r`` (when ``has_r``), statistics, ``y``.
+@_jit()
+def _forward_row(i, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, n, nf, eps, rms, stream, st):
+    """Row ``i`` of the forward: ``h = x + r`` (when ``has_r``), statistics, ``y``.
 
     ``x``, ``r``: flat storage with row strides ``xs``, ``rs``; ``h`` and ``y``: contiguous
     (M*N,) outputs in x's dtype; ``mean`` (unused for RMSNorm) and ``rstd``: (M,) in the
-    accumulation dtype, like ``w``, ``b``, ``nf`` (N as a float) and ``eps``. ``stream``:
-    write float32 ``y`` with non-temporal stores (same bits, no cache pollution).
+    accumulation dtype, like ``w``, ``b``, ``nf`` (N as a float) and ``eps``, written only
+    when ``st``. ``stream``: write float32 ``y`` with non-temporal stores (same bits, no
+    cache pollution).
     """
     zero = nf - nf
     one = nf / nf
-    for i in prange(m):
-        z = x[i * xs : i * xs + n]
-        if has_r:
-            z = h[i * n : (i + 1) * n]
-            _add_row(x[i * xs : i * xs + n], r[i * rs : i * rs + n], z)
-        if rms:
-            m1 = zero
-            delta = zero
-            var = _row_sum_sq(z, zero) / nf
-        else:
-            m1 = _row_sum(z, zero) / nf
-            # One pass for Σd and Σd², d = z − m1: Σ(d − delta)² = Σd² − N·delta², and
-            # delta is a rounding error of m1, so the subtraction cancels nothing.
-            s1, s2 = _row_sums_centered(z, m1, zero)
-            delta = s1 / nf
+    z = x[i * xs : i * xs + n]
+    if has_r:
+        z = h[i * n : (i + 1) * n]
+        _add_row(x[i * xs : i * xs + n], r[i * rs : i * rs + n], z)
+    if rms:
+        m1 = zero
+        delta = zero
+        var = _row_sum_sq(z, zero) / nf
+    else:
+        m1 = _row_sum(z, zero) / nf
+        # One pass for Σd and Σd², d = z − m1: Σ(d − delta)² = Σd² − N·delta², and
+        # delta is a rounding error of m1, so the subtraction cancels nothing.
+        s1, s2 = _row_sums_centered(z, m1, zero)
+        delta = s1 / nf
+        if st:
             mean[i] = m1 + delta
-            var = max(s2 / nf - delta * delta, zero)
-        r_i = one / np.sqrt(var + eps)
+        var = max(s2 / nf - delta * delta, zero)
+    r_i = one / np.sqrt(var + eps)
+    if st:
         rstd[i] = r_i
-        if stream:
-            normalize_row_streaming(z, y[i * n : (i + 1) * n], m1, delta, r_i, w, b)
-        else:
-            _normalize_row(z, y[i * n : (i + 1) * n], m1, delta, r_i, w, b)
+    if stream:
+        normalize_row_streaming(z, y[i * n : (i + 1) * n], m1, delta, r_i, w, b)
+    else:
+        _normalize_row(z, y[i * n : (i + 1) * n], m1, delta, r_i, w, b)
 
 
 @_jit(parallel=True)
-def backward_kernel(dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms):
-    """dx for every row (``+ dro``; without a residual, dro is one row of ``-0.0`` with
-    ``ds = 0``, and ``v + -0.0 == v`` bitwise) and per-block partial sums
-    ``pw[blk*N:(blk+1)*N] = sum(g * u)``, ``pb[...] = sum(g)`` over the rows of block
-    ``blk`` (rows ``blk*ROW_BLOCK`` to ``(blk+1)*ROW_BLOCK - 1``), in row order.
+def forward_kernel(x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, nf, eps, rms, stream, st):
+    """:func:`_forward_row` for every row, rows spread over numba's threads."""
+    for i in prange(m):
+        _forward_row(i, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, n, nf, eps, rms, stream, st)
+
+
+@_jit()
+def forward_kernel_serial(
+    x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, nf, eps, rms, stream, st
+):
+    """:func:`forward_kernel` in the calling thread (no parallel region to launch): the same
+    compiled row function, so the same bits."""
+    for i in range(m):
+        _forward_row(i, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, n, nf, eps, rms, stream, st)
+
+
+@_jit()
+def _backward_block(blk, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms):
+    """dx for the rows of block ``blk`` (rows ``blk*ROW_BLOCK`` to
+    ``(blk+1)*ROW_BLOCK - 1``; ``+ dro``: without a residual, dro is one row of ``-0.0``
+    with ``ds = 0``, and ``v + -0.0 == v`` bitwise) and the block's partial sums
+    ``pw[blk*N:(blk+1)*N] = sum(g * u)``, ``pb[...] = sum(g)``, in row order.
 
     For RMSNorm the mean is 0 and ``c2`` is 0: ``(z - 0) * rstd`` and ``gh - 0`` are exact.
     """
     zero = nf - nf
-    nblocks = (m + ROW_BLOCK - 1) // ROW_BLOCK
-    for blk in prange(nblocks):
-        pw_blk = pw[blk * n : (blk + 1) * n]
-        pb_blk = pb[blk * n : (blk + 1) * n]
-        pw_blk[:] = zero
-        pb_blk[:] = zero
-        for i in range(blk * ROW_BLOCK, min(m, (blk + 1) * ROW_BLOCK)):
-            mu = zero if rms else mean[i]
-            r_i = rstd[i]
-            dy_i = dy[i * gs : i * gs + n]
-            x_i = x[i * xs : i * xs + n]
-            s0, s1, s2 = _row_sums_backward(dy_i, x_i, w, mu, zero)
-            delta = zero if rms else s0 / nf
-            c2 = zero if rms else s2 / nf
-            c1 = r_i * (s1 / nf - delta * c2)  # mean(gh * u), u = (d - delta) * rstd
-            dro_i = dro[i * ds : i * ds + n]
-            dx_i = dx[i * n : (i + 1) * n]
-            _dx_row(dy_i, x_i, dro_i, dx_i, w, mu, delta, r_i, c1, c2, pw_blk, pb_blk)
+    pw_blk = pw[blk * n : (blk + 1) * n]
+    pb_blk = pb[blk * n : (blk + 1) * n]
+    pw_blk[:] = zero
+    pb_blk[:] = zero
+    for i in range(blk * ROW_BLOCK, min(m, (blk + 1) * ROW_BLOCK)):
+        mu = zero if rms else mean[i]
+        r_i = rstd[i]
+        dy_i = dy[i * gs : i * gs + n]
+        x_i = x[i * xs : i * xs + n]
+        s0, s1, s2 = _row_sums_backward(dy_i, x_i, w, mu, zero)
+        delta = zero if rms else s0 / nf
+        c2 = zero if rms else s2 / nf
+        c1 = r_i * (s1 / nf - delta * c2)  # mean(gh * u), u = (d - delta) * rstd
+        dro_i = dro[i * ds : i * ds + n]
+        dx_i = dx[i * n : (i + 1) * n]
+        _dx_row(dy_i, x_i, dro_i, dx_i, w, mu, delta, r_i, c1, c2, pw_blk, pb_blk)
+
+
+@_jit(parallel=True)
+def backward_kernel(dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms):
+    """:func:`_backward_block` for every block of rows, blocks spread over the threads."""
+    for blk in prange((m + ROW_BLOCK - 1) // ROW_BLOCK):
+        _backward_block(blk, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms)
+
+
+@_jit()
+def backward_kernel_serial(dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms):
+    """:func:`backward_kernel` in the calling thread."""
+    for blk in range((m + ROW_BLOCK - 1) // ROW_BLOCK):
+        _backward_block(blk, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms)
 
 
 @_jit()
@@ -449,3 +482,135 @@ def column_sum_kernel(p, nblocks, n, out):
         _add_into(total, p[blk * n : (blk + 1) * n])
     for k in range(n):
         out[k] = total[k]
+
+
+# ---------------------------------------------------------------------------------------
+# Entry points. Python hands over tensors as addresses (``Tensor.data_ptr()``) and sizes:
+# numba's dispatcher types a dozen ints in well under a microsecond, where turning each
+# tensor into a NumPy array and typing it costs about one microsecond per tensor. ``xt``
+# and ``at`` are empty arrays whose dtypes say what the addresses hold: x's storage dtype
+# (int16/uint16 for float16/bfloat16 bits) and the accumulation dtype.
+
+
+@intrinsic
+def _pointer(typingctx, address):
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
+
+    return types.voidptr(types.intp), codegen
+
+
+@_jit()
+def _view(address, size, tag):
+    """The ``size`` elements of ``tag``'s dtype at ``address``, as a 1-D array (no copy)."""
+    return carray(_pointer(address), size, tag.dtype)
+
+
+def _cast(tag, value):
+    """``value`` as a scalar of ``tag``'s dtype."""
+
+
+@overload(_cast)
+def _cast_impl(tag, value):
+    if tag.dtype == types.float64:
+        return lambda tag, value: np.float64(value)
+    return lambda tag, value: np.float32(value)
+
+
+@_jit()
+def _forward_views(xt, at, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, rms, st):
+    rows = (m - 1) * xs + n
+    return (
+        _view(x, rows, xt),
+        _view(r, (m - 1) * rs + n if has_r else 1, xt),
+        _view(h, m * n if has_r else 1, xt),
+        _view(w, n, at),
+        _view(b, n, at),
+        _view(y, m * n, xt),
+        _view(mean, 0 if rms or not st else m, at),
+        _view(rstd, m if st else 0, at),
+    )
+
+
+@_jit()
+def forward_serial(xt, at, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, eps, rms, stream, st):
+    """The forward on addresses, in the calling thread (for small inputs).
+
+    Rows ``i`` of x and r start at ``x + i * xs`` and ``r + i * rs`` elements; without a
+    residual, ``r`` and ``h`` may be any valid address (``has_r`` False). The outputs
+    ``h``, ``y`` are contiguous (M*N); ``mean`` (ignored for RMSNorm) and ``rstd`` (M,),
+    written only when ``st`` (any address otherwise).
+    """
+    xa, ra, ha, wa, ba, ya, ma, sa = _forward_views(
+        xt, at, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, rms, st
+    )
+    nf, e = _cast(at, n), _cast(at, eps)
+    forward_kernel_serial(
+        xa, xs, ra, rs, has_r, ha, wa, ba, ya, ma, sa, m, n, nf, e, rms, stream, st
+    )
+
+
+@_jit()
+def forward_parallel(
+    xt, at, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, eps, rms, stream, st
+):
+    """:func:`forward_serial`, rows spread over numba's threads."""
+    xa, ra, ha, wa, ba, ya, ma, sa = _forward_views(
+        xt, at, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, rms, st
+    )
+    nf, e = _cast(at, n), _cast(at, eps)
+    forward_kernel(xa, xs, ra, rs, has_r, ha, wa, ba, ya, ma, sa, m, n, nf, e, rms, stream, st)
+
+
+@_jit()
+def _backward_views(xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, m, n, rms):
+    return (
+        _view(dy, (m - 1) * gs + n, xt),
+        _view(x, (m - 1) * xs + n, xt),
+        _view(dro, (m - 1) * ds + n, xt),
+        _view(w, n, at),
+        _view(mean, 0 if rms else m, at),
+        _view(rstd, m, at),
+        _view(dx, m * n, xt),
+    )
+
+
+@_jit()
+def _column_sums(at, pw, pb, dweight, dbias, nblocks, n):
+    if dweight != 0:
+        column_sum_kernel(pw, nblocks, n, _view(dweight, n, at))
+    if dbias != 0:
+        column_sum_kernel(pb, nblocks, n, _view(dbias, n, at))
+
+
+@_jit()
+def backward_serial(xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, dweight, dbias, m, n, rms):
+    """The backward on addresses, in the calling thread (for small inputs).
+
+    ``dro``: the residual gradient with row stride ``ds`` (or one row of ``-0.0`` with
+    ``ds = 0``); ``dweight``/``dbias``: (N,) outputs in the accumulation dtype, or 0 when
+    not wanted.
+    """
+    dya, xa, droa, wa, ma, sa, dxa = _backward_views(
+        xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, m, n, rms
+    )
+    nblocks = (m + ROW_BLOCK - 1) // ROW_BLOCK
+    pw = np.empty(nblocks * n, at.dtype)
+    pb = np.empty(nblocks * n, at.dtype)
+    nf = _cast(at, n)
+    backward_kernel_serial(dya, gs, xa, xs, droa, ds, wa, ma, sa, dxa, pw, pb, m, n, nf, rms)
+    _column_sums(at, pw, pb, dweight, dbias, nblocks, n)
+
+
+@_jit()
+def backward_parallel(xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, dweight, dbias, m, n, rms):
+    """:func:`backward_serial`, blocks of rows spread over numba's threads."""
+    dya, xa, droa, wa, ma, sa, dxa = _backward_views(
+        xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, m, n, rms
+    )
+    nblocks = (m + ROW_BLOCK - 1) // ROW_BLOCK
+    pw = np.empty(nblocks * n, at.dtype)
+    pb = np.empty(nblocks * n, at.dtype)
+    nf = _cast(at, n)
+    backward_kernel(dya, gs, xa, xs, droa, ds, wa, ma, sa, dxa, pw, pb, m, n, nf, rms)
+    _column_sums(at, pw, pb, dweight, dbias, nblocks, n)

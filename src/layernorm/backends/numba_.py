@@ -43,7 +43,9 @@ from types import ModuleType
 import numpy as np
 import torch
 
-__all__ = ["MIN_NUMEL", "backward", "cannot_run", "forward", "prefers"]
+from . import _host_memory
+
+__all__ = ["MIN_NUMEL", "SERIAL_NUMEL", "backward", "cannot_run", "forward", "prefers"]
 
 #: smallest M*N for which the automatic choice takes this backend. Measured against the
 #: portable torch backend (benchmarks/RESULTS.md): numba was faster at every size from 64
@@ -66,7 +68,7 @@ def unavailable_reason() -> str | None:
 
 
 def cannot_run(x: torch.Tensor) -> str | None:
-    if x.device.type != "cpu":
+    if not x.is_cpu:
         return f"the numba backend runs on CPU tensors only, got a tensor on {x.device}"
     if x.dtype not in _DTYPES:
         return f"the numba backend supports float16, bfloat16, float32 and float64, got {x.dtype}"
@@ -74,7 +76,7 @@ def cannot_run(x: torch.Tensor) -> str | None:
 
 
 def prefers(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.numel() >= MIN_NUMEL
+    return x.is_cpu and x.numel() >= MIN_NUMEL
 
 
 def _kernels() -> ModuleType:
@@ -86,84 +88,64 @@ def _kernels() -> ModuleType:
     return _kernels_module
 
 
-_NUMPY_DTYPES = {
-    torch.float16: np.float16,
-    torch.bfloat16: np.uint16,  # bit patterns; viewed back as bfloat16
-    torch.float32: np.float32,
-    torch.float64: np.float64,
+#: inputs of fewer elements run in the calling thread: below this, waking numba's threads
+#: costs more than it saves (measured, benchmarks/RESULTS.md). Same bits either way.
+SERIAL_NUMEL = 1 << 15
+
+# x's storage dtype as numba sees it (16-bit floats as their bit patterns), and the
+# accumulation dtype: empty arrays that only carry a dtype into the kernels.
+_STORAGE = {
+    torch.float16: np.empty(0, np.int16),
+    torch.bfloat16: np.empty(0, np.uint16),
+    torch.float32: np.empty(0, np.float32),
+    torch.float64: np.empty(0, np.float64),
+}
+_ACC = {
+    dtype: _STORAGE[torch.float64 if dtype == torch.float64 else torch.float32] for dtype in _DTYPES
 }
 
 
-def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized output tensor whose memory NumPy allocates.
-
-    A fresh large CPU tensor is a fresh mmap: its first write takes one page fault per
-    4 KiB page, which costs more than the kernel itself (measured: a 128 MiB output,
-    ~70 ms of faults vs ~25 ms of work on 2 cores). NumPy advises Linux to back arrays of
-    4 MiB or more with transparent huge pages (one fault per 2 MiB), and its allocations
-    of mid-size arrays also came out cheaper than ``torch.empty``'s here (8 MiB outputs:
-    ~800 vs ~1000 us per layer_norm call). Advice only: where the system says no,
-    nothing changes but the speed.
-    """
-    t = torch.from_numpy(np.empty(shape, _NUMPY_DTYPES[dtype]))
-    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+def _empty(m: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized (M, N) output: from the host cache when large (see
+    :mod:`layernorm.backends._host_memory`: a fresh large tensor costs a page clear per
+    page, more than the normalization itself), else ``torch.empty``."""
+    if m * n * dtype.itemsize >= _host_memory.MIN_BYTES:
+        return _host_memory.empty((m, n), dtype)
+    return torch.empty(m, n, dtype=dtype)
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    """A zero-copy NumPy view of ``t``; 16-bit floats as their bit patterns."""
-    if t.requires_grad:
-        t = t.detach()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16)
-    if t.dtype == torch.float16:
-        return t.numpy().view(np.int16)
-    return t.numpy()
-
-
-def _rows(t: torch.Tensor) -> tuple[np.ndarray, int]:
-    """The storage under an (M, N) tensor with contiguous rows as a flat view, and its row
-    stride: row ``i`` is ``flat[i * stride : i * stride + N]``. No copy."""
+def _stride(t: torch.Tensor) -> int:
+    """Row stride of an (M, N) tensor with contiguous rows: row ``i`` starts ``i * stride``
+    elements after ``t.data_ptr()``. Strided and broadcast rows are read in place."""
     m, n = t.shape
-    if t.is_contiguous():
-        return _numpy(t.view(-1)), n
-    stride = t.stride(0) if m > 1 else n
-    return _numpy(t.as_strided(((m - 1) * stride + n,), (1,))), stride
+    return t.stride()[0] if m > 1 else n
 
 
-_defaults: dict[tuple[int, torch.dtype, float], np.ndarray] = {}
+_constants: dict[tuple[int, torch.dtype, float], torch.Tensor] = {}
 
 
-def _negative_zeros(n: int, dtype: torch.dtype) -> np.ndarray:
-    """One row of ``-0.0`` in ``dtype`` (``v + -0.0 == v`` bitwise): the absent residual
-    gradient."""
-    key = (n, dtype, -0.0)
-    array = _defaults.get(key)
-    if array is None:
-        array = _defaults[key] = _numpy(torch.full((n,), -0.0, dtype=dtype))
-    return array
+def _constant(n: int, dtype: torch.dtype, value: float) -> torch.Tensor:
+    """A cached (N,) tensor full of ``value``: ones for a missing weight, ``-0.0`` for a
+    missing bias or residual gradient (``v * 1 + -0.0 == v`` bitwise, so the kernels have
+    no branches for absent arguments)."""
+    key = (n, dtype, value)
+    t = _constants.get(key)
+    if t is None:
+        if len(_constants) > 64:
+            _constants.clear()
+        t = _constants[key] = torch.full((n,), value, dtype=dtype)
+    return t
 
 
-def _param(p: torch.Tensor | None, n: int, acc: torch.dtype, default: float) -> np.ndarray:
-    """``p`` as a contiguous (N,) array in the accumulation dtype; for ``None``, ones
-    (weight) or ``-0.0`` (bias), since ``v * 1 + -0.0 == v`` bitwise."""
-    if p is not None:
-        return _numpy(p if p.dtype == acc and p.is_contiguous() else p.to(acc).contiguous())
-    key = (n, acc, default)
-    array = _defaults.get(key)
-    if array is None:
-        if len(_defaults) > 64:
-            _defaults.clear()
-        dtype = np.float64 if acc == torch.float64 else np.float32
-        array = _defaults[key] = np.full(n, default, dtype=dtype)
-    return array
-
-
-def _scalar(value: float, acc: torch.dtype) -> np.floating:
-    return np.float64(value) if acc == torch.float64 else np.float32(value)
+def _param(p: torch.Tensor | None, n: int, acc: torch.dtype, default: float) -> torch.Tensor:
+    """``p`` as a contiguous (N,) tensor in the accumulation dtype, or the default row."""
+    if p is None:
+        return _constant(n, acc, default)
+    return p if p.dtype == acc and p.is_contiguous() else p.to(acc).contiguous()
 
 
 def forward(
@@ -173,39 +155,49 @@ def forward(
     bias: torch.Tensor | None,
     eps: float,
     rms: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    stats: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     kernels = _kernels()
     m, n = x.shape
     acc = _acc(x.dtype)
-    x_np, xs = _rows(x)
-    y = _empty((m, n), x.dtype)
+    y = _empty(m, n, x.dtype)
+    w = _param(weight, n, acc, 1.0)
+    b = _param(bias, n, acc, -0.0)
+    mean = rstd = None
+    if stats:
+        mean = torch.empty(0 if rms else m, dtype=acc)
+        rstd = torch.empty(m, dtype=acc)
+    x_address = x.data_ptr()
+    # without stats the kernel writes none: any valid address will do
+    mean_address = x_address if mean is None or rms else mean.data_ptr()
+    rstd_address = x_address if rstd is None else rstd.data_ptr()
     if residual is None:
         residual_out = None
-        r_np, rs, h_np = x_np[:1], 0, x_np[:1]
+        r_address, rs, h_address = x_address, 0, x_address
     else:
-        residual_out = _empty((m, n), x.dtype)
-        r_np, rs = _rows(residual)
-        h_np = _numpy(residual_out.view(-1))
-    mean = torch.empty(0 if rms else m, dtype=acc)
-    rstd = torch.empty(m, dtype=acc)
-    kernels.forward_kernel(
-        x_np,
-        xs,
-        r_np,
+        residual_out = _empty(m, n, x.dtype)
+        r_address, rs, h_address = residual.data_ptr(), _stride(residual), residual_out.data_ptr()
+    run = kernels.forward_serial if m * n < SERIAL_NUMEL else kernels.forward_parallel
+    run(
+        _STORAGE[x.dtype],
+        _ACC[x.dtype],
+        x_address,
+        _stride(x),
+        r_address,
         rs,
         residual is not None,
-        h_np,
-        _param(weight, n, acc, 1.0),
-        _param(bias, n, acc, -0.0),
-        _numpy(y.view(-1)),
-        mean.numpy(),
-        rstd.numpy(),
+        h_address,
+        w.data_ptr(),
+        b.data_ptr(),
+        y.data_ptr(),
+        mean_address,
+        rstd_address,
         m,
         n,
-        _scalar(n, acc),
-        _scalar(eps, acc),
+        eps,
         rms,
-        y.numel() * y.element_size() >= STREAM_BYTES,
+        m * n * x.dtype.itemsize >= STREAM_BYTES,
+        stats,
     )
     return y, residual_out, None if rms else mean, rstd
 
@@ -224,42 +216,31 @@ def backward(
     kernels = _kernels()
     m, n = x.shape
     acc = _acc(x.dtype)
-    dy_np, gs = _rows(dy)
-    x_np, xs = _rows(x)
-    if dresidual_out is None:
-        dro_np, ds = _negative_zeros(n, x.dtype), 0
-    else:
-        dro_np, ds = _rows(dresidual_out)
-    stat = np.float64 if acc == torch.float64 else np.float32
-    mean_np = _param(None, 1, acc, 0.0) if mean is None else _param(mean, m, acc, 0.0)
-    rstd_np = _param(rstd, m, acc, 0.0)
-    dx = _empty((m, n), x.dtype)
-    nblocks = -(-m // kernels.ROW_BLOCK)
-    partial_w = np.empty(nblocks * n, stat)
-    partial_b = np.empty(nblocks * n, stat)
-    kernels.backward_kernel(
-        dy_np,
-        gs,
-        x_np,
-        xs,
-        dro_np,
-        ds,
-        _param(weight, n, acc, 1.0),
-        mean_np,
-        rstd_np,
-        _numpy(dx.view(-1)),
-        partial_w,
-        partial_b,
+    w = _param(weight, n, acc, 1.0)
+    stats_rstd = _param(rstd, m, acc, 0.0)
+    stats_mean = stats_rstd if mean is None else _param(mean, m, acc, 0.0)
+    dro = _constant(n, x.dtype, -0.0) if dresidual_out is None else dresidual_out
+    dx = _empty(m, n, x.dtype)
+    dweight = torch.empty(n, dtype=acc) if need_dweight else None
+    dbias = torch.empty(n, dtype=acc) if need_dbias else None
+    run = kernels.backward_serial if m * n < SERIAL_NUMEL else kernels.backward_parallel
+    run(
+        _STORAGE[x.dtype],
+        _ACC[x.dtype],
+        dy.data_ptr(),
+        _stride(dy),
+        x.data_ptr(),
+        _stride(x),
+        dro.data_ptr(),
+        0 if dresidual_out is None else _stride(dresidual_out),
+        w.data_ptr(),
+        stats_mean.data_ptr(),
+        stats_rstd.data_ptr(),
+        dx.data_ptr(),
+        0 if dweight is None else dweight.data_ptr(),
+        0 if dbias is None else dbias.data_ptr(),
         m,
         n,
-        _scalar(n, acc),
         rms,
     )
-    dweight = dbias = None
-    if need_dweight:
-        dweight = torch.empty(n, dtype=acc)
-        kernels.column_sum_kernel(partial_w, nblocks, n, dweight.numpy())
-    if need_dbias:
-        dbias = torch.empty(n, dtype=acc)
-        kernels.column_sum_kernel(partial_b, nblocks, n, dbias.numpy())
     return dx, dweight, dbias

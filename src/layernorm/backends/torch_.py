@@ -75,7 +75,8 @@ def forward(
     bias: torch.Tensor | None,
     eps: float,
     rms: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    stats: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     acc = accumulation_dtype(x.dtype)
     residual_out = None if residual is None else (x.to(acc) + residual.to(acc)).to(x.dtype)
     z = (x if residual_out is None else residual_out).to(acc)

@@ -209,7 +209,8 @@ def forward(
     bias: torch.Tensor | None,
     eps: float,
     rms: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    stats: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     kernels = _kernels()
     x, residual, weight, bias = _rows(x), _rows(residual), _rows(weight), _rows(bias)
     with _quiet(kernels):

@@ -1,0 +1,122 @@
+"""Reused host memory for large CPU outputs: a small caching allocator.
+
+A fresh large CPU tensor is a fresh ``mmap``: Linux hands it over as zero pages and
+clears each one on its first write, so a kernel writing a new 128 MiB output pays for
+clearing 128 MiB before it writes a byte (measured here: the clearing alone took as long
+as the whole normalization). torch's own CPU allocator asks the system each time (glibc
+returns blocks above 32 MiB to the system at once); its CUDA allocator caches, and this
+module does the same for the numba backend's outputs.
+
+Blocks of at least :data:`MIN_BYTES` are rounded up to a 2 MiB multiple and, when the last
+tensor viewing one dies, kept for the next request of that size class instead of being
+unmapped. At most :func:`limit` bytes sit idle in the cache (default: 1 GiB or 1/8 of
+physical memory, whichever is smaller; ``LAYERNORM_HOST_CACHE_MB`` overrides it, ``0``
+turns caching off); blocks beyond that are released. Memory in use is never capped: the
+cache only keeps what would otherwise be freed. :func:`empty_cache` releases everything
+idle now. Reused memory is uninitialized, exactly like ``torch.empty``'s.
+
+Blocks come from NumPy (``np.empty``), which advises Linux to back them with transparent
+huge pages. Thread-safe; a block returns to the cache from whichever thread drops the last
+reference to it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+import numpy as np
+import torch
+
+__all__ = ["MIN_BYTES", "cached_bytes", "empty", "empty_cache", "limit"]
+
+#: smaller requests go to NumPy's allocator directly (glibc reuses small blocks itself)
+MIN_BYTES = 1 << 20
+_GRANULE = 2 << 20  # size classes: multiples of a huge page
+
+_NUMPY_DTYPES = {
+    torch.float16: np.float16,
+    torch.bfloat16: np.uint16,  # bit patterns; viewed back as bfloat16
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+}
+
+_lock = threading.RLock()
+_idle: dict[int, list[np.ndarray]] = {}  # size class -> blocks nobody uses
+_idle_bytes = 0
+_limit: int | None = None
+
+
+def limit() -> int:
+    """How many idle bytes the cache may hold (``LAYERNORM_HOST_CACHE_MB``, read once)."""
+    global _limit
+    if _limit is None:
+        setting = os.environ.get("LAYERNORM_HOST_CACHE_MB")
+        if setting is not None:
+            try:
+                megabytes = float(setting)
+            except ValueError:
+                raise ValueError(
+                    f"LAYERNORM_HOST_CACHE_MB must be a number of megabytes, got {setting!r}"
+                ) from None
+            if not megabytes >= 0:
+                raise ValueError(f"LAYERNORM_HOST_CACHE_MB must be >= 0, got {setting!r}")
+            _limit = int(megabytes * (1 << 20))
+        else:
+            try:
+                physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            except (ValueError, OSError, AttributeError):  # not POSIX
+                physical = 8 << 30
+            _limit = min(1 << 30, physical // 8)
+    return _limit
+
+
+def cached_bytes() -> int:
+    """Bytes held idle in the cache right now."""
+    return _idle_bytes
+
+
+def empty_cache() -> None:
+    """Releases every idle cached block to the system (blocks in use are unaffected)."""
+    global _idle_bytes
+    with _lock:
+        _idle.clear()
+        _idle_bytes = 0
+
+
+def _release(block: np.ndarray) -> None:
+    """Called when the last view of ``block`` dies: keep it if the cache has room."""
+    global _idle_bytes
+    with _lock:
+        if _idle_bytes + block.nbytes <= limit():
+            _idle.setdefault(block.nbytes, []).append(block)
+            _idle_bytes += block.nbytes
+
+
+def _take(size: int) -> np.ndarray:
+    global _idle_bytes
+    with _lock:
+        blocks = _idle.get(size)
+        if blocks:
+            _idle_bytes -= size
+            return blocks.pop()
+    return np.empty(size, np.uint8)
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized contiguous CPU tensor, from the cache when it is large."""
+    numpy_dtype = np.dtype(_NUMPY_DTYPES[dtype])
+    nbytes = numpy_dtype.itemsize
+    for size in shape:
+        nbytes *= size
+    if nbytes < MIN_BYTES or limit() == 0:
+        array = np.empty(shape, numpy_dtype)
+    else:
+        block = _take(-(-nbytes // _GRANULE) * _GRANULE)
+        array = block[:nbytes].view(numpy_dtype).reshape(shape)
+        # ``array`` is what the tensor's storage keeps alive (its base is ``block``); when
+        # it dies, the block goes back to the cache.
+        weakref.finalize(array, _release, block).atexit = False
+    t = torch.from_numpy(array)
+    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
