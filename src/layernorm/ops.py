@@ -205,9 +205,9 @@ def _composite_backward(
 
 
 def _normalized_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
-    if type(normalized_shape) is tuple and len(normalized_shape) == 1:
-        if type(normalized_shape[0]) is int:  # the modules' own, checked at construction
-            return normalized_shape
+    one_int = type(normalized_shape) is tuple and len(normalized_shape) == 1
+    if one_int and type(normalized_shape[0]) is int:  # e.g. the modules' own
+        return normalized_shape
     if isinstance(normalized_shape, int):
         return (normalized_shape,)
     shape = tuple(int(s) for s in normalized_shape)
