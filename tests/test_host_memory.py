@@ -65,6 +65,30 @@ def test_idle_bytes_never_exceed_the_limit(cache, monkeypatch):
     assert cache.cached_bytes() == 4 * MIB  # one kept, two released
 
 
+def test_the_least_recently_freed_blocks_make_room(cache, monkeypatch):
+    monkeypatch.setattr(_host_memory, "_limit", 10 * MIB)
+    small = [cache.empty((MIB // 2,), torch.float32) for _ in range(4)]  # 2 MiB each
+    small_addresses = {t.data_ptr() for t in small}
+    del small
+    gc.collect()
+    assert cache.cached_bytes() == 8 * MIB
+    big = cache.empty((2 * MIB,), torch.float32)  # 8 MiB, a new block
+    address = big.data_ptr()
+    del big  # three of the small blocks (the least recently freed) go to make room
+    gc.collect()
+    assert cache.cached_bytes() == 8 * MIB + 2 * MIB
+    assert cache.empty((2 * MIB,), torch.float32).data_ptr() == address
+    assert cache.empty((MIB // 2,), torch.float32).data_ptr() in small_addresses
+
+
+def test_a_block_over_the_limit_is_not_kept(cache, monkeypatch):
+    monkeypatch.setattr(_host_memory, "_limit", 2 * MIB)
+    a = cache.empty((MIB,), torch.float32)  # 4 MiB
+    del a
+    gc.collect()
+    assert cache.cached_bytes() == 0
+
+
 def test_small_requests_bypass_the_cache(cache):
     a = cache.empty((16, 16), torch.float64)
     assert a.shape == (16, 16) and a.dtype == torch.float64

@@ -11,8 +11,10 @@ Blocks of at least :data:`MIN_BYTES` are rounded up to a 2 MiB multiple and, whe
 tensor viewing one dies, kept for the next request of that size class instead of being
 unmapped. At most :func:`limit` bytes sit idle in the cache (default: 1 GiB or 1/8 of
 physical memory, whichever is smaller; ``LAYERNORM_HOST_CACHE_MB`` overrides it, ``0``
-turns caching off); blocks beyond that are released. Memory in use is never capped: the
-cache only keeps what would otherwise be freed. :func:`empty_cache` releases everything
+turns caching off): to keep a newly freed block, the least recently freed ones are
+released first (a model's shapes change rarely, and the newest are the likeliest to be
+asked for again). Memory in use is never capped: the cache only keeps what would
+otherwise be freed. :func:`empty_cache` releases everything
 idle now. Reused memory is uninitialized, exactly like ``torch.empty``'s.
 
 Blocks come from NumPy (``np.empty``), which advises Linux to back them with transparent
@@ -22,9 +24,11 @@ reference to it.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import weakref
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -43,7 +47,9 @@ _NUMPY_DTYPES = {
 }
 
 _lock = threading.RLock()
-_idle: dict[int, list[np.ndarray]] = {}  # size class -> blocks nobody uses
+_idle: OrderedDict[int, np.ndarray] = OrderedDict()  # token -> block nobody uses, oldest first
+_tokens: dict[int, list[int]] = {}  # size class -> its idle blocks' tokens, newest last
+_counter = itertools.count()
 _idle_bytes = 0
 _limit: int | None = None
 
@@ -82,25 +88,34 @@ def empty_cache() -> None:
     global _idle_bytes
     with _lock:
         _idle.clear()
+        _tokens.clear()
         _idle_bytes = 0
 
 
 def _release(block: np.ndarray) -> None:
-    """Called when the last view of ``block`` dies: keep it if the cache has room."""
+    """Called when the last view of ``block`` dies: keep it, making room by releasing the
+    least recently freed blocks, unless it alone exceeds the limit."""
     global _idle_bytes
     with _lock:
-        if _idle_bytes + block.nbytes <= limit():
-            _idle.setdefault(block.nbytes, []).append(block)
-            _idle_bytes += block.nbytes
+        if block.nbytes > limit():
+            return
+        while _idle_bytes + block.nbytes > limit():
+            token, old = _idle.popitem(last=False)
+            _tokens[old.nbytes].remove(token)
+            _idle_bytes -= old.nbytes
+        token = next(_counter)
+        _idle[token] = block
+        _tokens.setdefault(block.nbytes, []).append(token)
+        _idle_bytes += block.nbytes
 
 
 def _take(size: int) -> np.ndarray:
     global _idle_bytes
     with _lock:
-        blocks = _idle.get(size)
-        if blocks:
+        tokens = _tokens.get(size)
+        if tokens:
             _idle_bytes -= size
-            return blocks.pop()
+            return _idle.pop(tokens.pop())
     return np.empty(size, np.uint8)
 
 
