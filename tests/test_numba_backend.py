@@ -295,10 +295,14 @@ def test_a_row_alone_equals_the_row_in_a_batch(m, n, row, dtype):
 def test_streaming_stores_give_the_same_bits(dtype, monkeypatch):
     x, r = torch.randn(37, 1001).to(dtype), torch.randn(37, 1001).to(dtype)
     w, b = torch.randn(1001), torch.randn(1001)
-    plain = numba_.forward(x, r, w, b, 1e-5, False)
-    monkeypatch.setattr(numba_, "STREAM_BYTES", 0)  # every output streams
-    streamed = numba_.forward(x, r, w, b, 1e-5, False)
-    assert all(torch.equal(a, c) for a, c in zip(plain, streamed, strict=True))
+    dy = torch.randn(37, 1001).to(dtype)
+    runs = []
+    for stream_bytes in (1 << 62, 0):  # nothing streams, then every output streams
+        monkeypatch.setattr(numba_, "STREAM_BYTES", stream_bytes)
+        y, h, mean, rstd = numba_.forward(x, r, w, b, 1e-5, False)
+        grads = numba_.backward(dy, h, w, mean, rstd, dy, False, True, True)
+        runs.append((y, h, mean, rstd, *grads))
+    assert all(torch.equal(a, c) for a, c in zip(*runs, strict=True))
     assert torch.equal(numba_.forward(x[5:6], None, w, None, 1e-5, True)[0],
                        numba_.forward(x, None, w, None, 1e-5, True)[0][5:6])  # fmt: skip
 

@@ -318,6 +318,21 @@ def _normalize_vector_nt(typingctx, z, y, k, m1, delta, rstd, w, b):
 
 
 @intrinsic
+def _copy_vector_nt(typingctx, src, dst, k):
+    """dst[k:k+8] = src[k:k+8], streamed; dst + k must be 32-aligned."""
+    sig = types.void(src, dst, k)
+
+    def codegen(context, builder, signature, args):
+        sa, da, k = args
+        at = signature.args
+        value = _load(builder, _vector_ptr(context, builder, at[0], sa, k))
+        _store_streaming(builder, value, _vector_ptr(context, builder, at[1], da, k))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def _store_fence(typingctx):
     """sfence: the row's streaming stores are globally visible before anything after."""
     sig = types.void()
@@ -358,6 +373,35 @@ def _normalize_row_streaming(z, y, m1, delta, rstd, w, b):
             k += _WIDTH
         for j in range(k, n):
             y[j] = (((z[j] - m1) - delta) * rstd) * w[j] + b[j]
+        _store_fence()
+
+    return impl
+
+
+def copy_row_streaming(src, dst):
+    """``dst[:] = src`` with streaming stores where both are float32 (on x86)."""
+
+
+@overload(copy_row_streaming)
+def _copy_row_streaming(src, dst):
+    if not (_X86 and src.dtype == dst.dtype == types.float32):
+
+        def plain(src, dst):
+            dst[:] = src
+
+        return plain
+
+    def impl(src, dst):
+        n = dst.shape[0]
+        head = _aligned_head(dst, n)
+        for k in range(head):
+            dst[k] = src[k]
+        k = head
+        while k + _WIDTH <= n:
+            _copy_vector_nt(src, dst, k)
+            k += _WIDTH
+        for j in range(k, n):
+            dst[j] = src[j]
         _store_fence()
 
     return impl
@@ -423,15 +467,18 @@ def forward_kernel_serial(
 
 
 @_jit()
-def _backward_block(blk, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms):
+def _backward_block(blk, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms, stream):
     """dx for the rows of block ``blk`` (rows ``blk*ROW_BLOCK`` to
     ``(blk+1)*ROW_BLOCK - 1``; ``+ dro``: without a residual, dro is one row of ``-0.0``
     with ``ds = 0``, and ``v + -0.0 == v`` bitwise) and the block's partial sums
     ``pw[blk*N:(blk+1)*N] = sum(g * u)``, ``pb[...] = sum(g)``, in row order.
 
     For RMSNorm the mean is 0 and ``c2`` is 0: ``(z - 0) * rstd`` and ``gh - 0`` are exact.
+    ``stream``: each float32 dx row is computed into a cached scratch row, then written
+    with non-temporal stores (no read-for-ownership of dx; same bits).
     """
     zero = nf - nf
+    scratch = np.empty(n if stream else 0, dx.dtype)
     pw_blk = pw[blk * n : (blk + 1) * n]
     pb_blk = pb[blk * n : (blk + 1) * n]
     pw_blk[:] = zero
@@ -447,21 +494,31 @@ def _backward_block(blk, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n
         c1 = r_i * (s1 / nf - delta * c2)  # mean(gh * u), u = (d - delta) * rstd
         dro_i = dro[i * ds : i * ds + n]
         dx_i = dx[i * n : (i + 1) * n]
-        _dx_row(dy_i, x_i, dro_i, dx_i, w, mu, delta, r_i, c1, c2, pw_blk, pb_blk)
+        if stream:
+            _dx_row(dy_i, x_i, dro_i, scratch, w, mu, delta, r_i, c1, c2, pw_blk, pb_blk)
+            copy_row_streaming(scratch, dx_i)
+        else:
+            _dx_row(dy_i, x_i, dro_i, dx_i, w, mu, delta, r_i, c1, c2, pw_blk, pb_blk)
 
 
 @_jit(parallel=True)
-def backward_kernel(dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms):
+def backward_kernel(dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms, stream):
     """:func:`_backward_block` for every block of rows, blocks spread over the threads."""
     for blk in prange((m + ROW_BLOCK - 1) // ROW_BLOCK):
-        _backward_block(blk, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms)
+        _backward_block(
+            blk, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms, stream
+        )
 
 
 @_jit()
-def backward_kernel_serial(dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms):
+def backward_kernel_serial(
+    dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms, stream
+):
     """:func:`backward_kernel` in the calling thread."""
     for blk in range((m + ROW_BLOCK - 1) // ROW_BLOCK):
-        _backward_block(blk, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms)
+        _backward_block(
+            blk, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms, stream
+        )
 
 
 @_jit()
@@ -584,7 +641,9 @@ def _column_sums(at, pw, pb, dweight, dbias, nblocks, n):
 
 
 @_jit()
-def backward_serial(xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, dweight, dbias, m, n, rms):
+def backward_serial(
+    xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, dweight, dbias, m, n, rms, stream
+):
     """The backward on addresses, in the calling thread (for small inputs).
 
     ``dro``: the residual gradient with row stride ``ds`` (or one row of ``-0.0`` with
@@ -598,12 +657,16 @@ def backward_serial(xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, dweight, 
     pw = np.empty(nblocks * n, at.dtype)
     pb = np.empty(nblocks * n, at.dtype)
     nf = _cast(at, n)
-    backward_kernel_serial(dya, gs, xa, xs, droa, ds, wa, ma, sa, dxa, pw, pb, m, n, nf, rms)
+    backward_kernel_serial(
+        dya, gs, xa, xs, droa, ds, wa, ma, sa, dxa, pw, pb, m, n, nf, rms, stream
+    )
     _column_sums(at, pw, pb, dweight, dbias, nblocks, n)
 
 
 @_jit()
-def backward_parallel(xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, dweight, dbias, m, n, rms):
+def backward_parallel(
+    xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, dweight, dbias, m, n, rms, stream
+):
     """:func:`backward_serial`, blocks of rows spread over numba's threads."""
     dya, xa, droa, wa, ma, sa, dxa = _backward_views(
         xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, m, n, rms
@@ -612,5 +675,5 @@ def backward_parallel(xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, dweight
     pw = np.empty(nblocks * n, at.dtype)
     pb = np.empty(nblocks * n, at.dtype)
     nf = _cast(at, n)
-    backward_kernel(dya, gs, xa, xs, droa, ds, wa, ma, sa, dxa, pw, pb, m, n, nf, rms)
+    backward_kernel(dya, gs, xa, xs, droa, ds, wa, ma, sa, dxa, pw, pb, m, n, nf, rms, stream)
     _column_sums(at, pw, pb, dweight, dbias, nblocks, n)

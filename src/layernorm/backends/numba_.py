@@ -242,5 +242,6 @@ def backward(
         m,
         n,
         rms,
+        m * n * x.dtype.itemsize >= STREAM_BYTES,
     )
     return dx, dweight, dbias
