@@ -39,6 +39,7 @@ BACKENDS: dict[str, str] = {
     "numba": "layernorm.backends.numba_",
     "triton": "layernorm.backends.triton_",
 }
+_NAMES = {path: name for name, path in BACKENDS.items()}
 #: the automatic choice tries these in order; "torch" runs everything.
 AUTO_ORDER: tuple[str, ...] = ("triton", "numba", "torch")
 
@@ -74,18 +75,7 @@ def available_backends() -> list[str]:
 
 
 def pick(x: torch.Tensor, backend: str | None = None) -> ModuleType:
-    """The module of :func:`choose`'s backend (one lookup fewer, for the hot path)."""
-    name = backend or os.environ.get("LAYERNORM_BACKEND") or None
-    if name is None:
-        for candidate in AUTO_ORDER:
-            module = _modules.get(candidate) if candidate in _unavailable else _load(candidate)
-            if module is not None and module.cannot_run(x) is None and module.prefers(x):
-                return module
-    return get(choose(x, name))
-
-
-def choose(x: torch.Tensor, backend: str | None = None) -> str:
-    """The backend to run ``x`` (an (M, N) tensor) on.
+    """The module of the backend to run ``x`` (an (M, N) tensor) on.
 
     ``backend`` (or else the ``LAYERNORM_BACKEND`` environment variable) names one
     explicitly, and an explicit choice that cannot run raises. ``None`` takes the first
@@ -93,12 +83,18 @@ def choose(x: torch.Tensor, backend: str | None = None) -> str:
     """
     name = backend or os.environ.get("LAYERNORM_BACKEND") or None
     if name is not None:
-        reason = get(name).cannot_run(x)
+        module = get(name)
+        reason = module.cannot_run(x)
         if reason is not None:
             raise RuntimeError(f"backend {name!r} cannot run this input: {reason}")
-        return name
+        return module
     for candidate in AUTO_ORDER:
         module = _load(candidate)
         if module is not None and module.cannot_run(x) is None and module.prefers(x):
-            return candidate
-    return "torch"
+            return module
+    return get("torch")
+
+
+def choose(x: torch.Tensor, backend: str | None = None) -> str:
+    """The name of :func:`pick`'s backend for ``x``."""
+    return _NAMES[pick(x, backend).__name__]
