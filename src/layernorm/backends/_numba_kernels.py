@@ -387,7 +387,8 @@ def _copy_row_streaming(src, dst):
     if not (_X86 and src.dtype == dst.dtype == types.float32):
 
         def plain(src, dst):
-            dst[:] = src
+            for k in range(dst.shape[0]):
+                dst[k] = src[k]
 
         return plain
 
@@ -481,8 +482,9 @@ def _backward_block(blk, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n
     scratch = np.empty(n if stream else 0, dx.dtype)
     pw_blk = pw[blk * n : (blk + 1) * n]
     pb_blk = pb[blk * n : (blk + 1) * n]
-    pw_blk[:] = zero
-    pb_blk[:] = zero
+    for k in range(n):
+        pw_blk[k] = zero
+        pb_blk[k] = zero
     for i in range(blk * ROW_BLOCK, min(m, (blk + 1) * ROW_BLOCK)):
         mu = zero if rms else mean[i]
         r_i = rstd[i]
