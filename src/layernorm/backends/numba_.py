@@ -8,12 +8,17 @@ dtypes, same SPEC §3 numerics) with one kernel per direction:
   and a large float32 ``y`` is written with non-temporal stores (:data:`STREAM_BYTES`).
 - backward: per block of ``_numba_kernels.ROW_BLOCK`` (32) rows, ``dx``
   (``+ dresidual_out``) for each row and float32 partial sums of ``g * u`` and ``g``; a
-  tiny serial kernel adds the block partials in block order (float64) for dweight/dbias.
+  tiny serial loop adds the block partials in block order (float64) for dweight/dbias.
 
-Outputs are allocated by NumPy and shared with torch (``torch.from_numpy``): NumPy advises
-Linux to back arrays of 4 MiB or more with transparent huge pages, and a fresh large
-tensor otherwise page-faults once per 4 KiB on first write, which costs more than the
-normalization itself (``benchmarks/RESULTS.md``).
+Tensors reach the kernels as addresses (``data_ptr()``) and sizes, which numba's
+dispatcher types in about a microsecond; inputs under :data:`SERIAL_NUMEL` elements run in
+the calling thread (no parallel region to wake), larger ones over numba's threads. Both
+variants run the same compiled row function, so a row's bits do not depend on which ran.
+
+Outputs of 1 MiB or more come from :mod:`layernorm.backends._host_memory`, a cache of
+freed output blocks: a fresh large tensor is a fresh ``mmap`` whose pages Linux clears on
+first touch, which costs more than the normalization itself (``benchmarks/RESULTS.md``).
+``layernorm.empty_cache()`` releases the idle blocks; ``LAYERNORM_HOST_CACHE_MB`` caps them.
 
 float16 and bfloat16 are converted inside the kernels (no full-size float32 copies);
 strided rows (``stride(0) != N``) are read in place. Results are bitwise identical run to
@@ -32,7 +37,7 @@ kernels still run, compiled in memory.
 
 Automatic choice: :func:`prefers` is True for every CPU input of at least
 :data:`MIN_NUMEL` elements (measured against the portable torch backend, see
-``benchmarks/RESULTS.md``: no crossover; numba is faster from 64 elements up).
+``benchmarks/RESULTS.md``: no crossover; numba is faster at every size).
 """
 
 from __future__ import annotations
