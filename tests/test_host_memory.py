@@ -57,6 +57,21 @@ def test_sizes_round_up_to_huge_pages_and_dtypes_share_blocks(cache):
     assert b.data_ptr() == address and b.dtype == torch.float32
 
 
+def test_a_slightly_smaller_request_takes_a_larger_idle_block(cache):
+    a = cache.empty((2 * MIB,), torch.float32)  # 8 MiB
+    address = a.data_ptr()
+    del a
+    gc.collect()
+    b = cache.empty((3 * MIB // 2,), torch.float32)  # 6 MiB: the 8 MiB block fits
+    assert b.data_ptr() == address and b.shape == (3 * MIB // 2,)
+    assert cache.cached_bytes() == 0
+    del b
+    gc.collect()
+    assert cache.cached_bytes() == 8 * MIB  # the whole block comes back
+    c = cache.empty((MIB,), torch.float32)  # 4 MiB: 8 MiB would waste too much
+    assert c.data_ptr() != address and cache.cached_bytes() == 8 * MIB
+
+
 def test_idle_bytes_never_exceed_the_limit(cache, monkeypatch):
     monkeypatch.setattr(_host_memory, "_limit", 6 * MIB)
     blocks = [cache.empty((MIB,), torch.float32) for _ in range(3)]  # 4 MiB each
@@ -155,3 +170,25 @@ def test_large_layer_norm_outputs_come_from_the_cache_and_stay_correct(cache):
     torch.testing.assert_close(
         second, torch.nn.functional.layer_norm(x, (1024,), w, b), rtol=1e-5, atol=1e-5
     )
+
+
+def test_threads_never_get_the_same_live_block(cache):
+    import threading
+
+    failures = []
+
+    def work(tag: float) -> None:
+        for _ in range(50):
+            t = cache.empty((MIB // 2,), torch.float32)  # 2 MiB blocks, shared cache
+            t.fill_(tag)
+            if not bool((t == tag).all()):
+                failures.append(tag)
+            del t
+
+    threads = [threading.Thread(target=work, args=(float(k),)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert cache.cached_bytes() <= 4 * 2 * MIB

@@ -8,8 +8,9 @@ returns blocks above 32 MiB to the system at once); its CUDA allocator caches, a
 module does the same for the numba backend's outputs.
 
 Blocks of at least :data:`MIN_BYTES` are rounded up to a 2 MiB multiple and, when the last
-tensor viewing one dies, kept for the next request of that size class instead of being
-unmapped. At most :func:`limit` bytes sit idle in the cache (default: 1 GiB or 1/8 of
+tensor viewing one dies, kept for a later request instead of being unmapped. A request
+takes the smallest idle block that fits and is at most :data:`SLACK` times its size, so
+inputs whose length varies a little from call to call (sequence lengths) still reuse. At most :func:`limit` bytes sit idle in the cache (default: 1 GiB or 1/8 of
 physical memory, whichever is smaller; ``LAYERNORM_HOST_CACHE_MB`` overrides it, ``0``
 turns caching off): to keep a newly freed block, the least recently freed ones are
 released first (a model's shapes change rarely, and the newest are the likeliest to be
@@ -37,6 +38,8 @@ __all__ = ["MIN_BYTES", "cached_bytes", "empty", "empty_cache", "limit"]
 
 #: smaller requests go to NumPy's allocator directly (glibc reuses small blocks itself)
 MIN_BYTES = 1 << 20
+#: a request may take an idle block up to this many times its (rounded) size
+SLACK = 1.5
 _GRANULE = 2 << 20  # size classes: multiples of a huge page
 
 _NUMPY_DTYPES = {
@@ -110,12 +113,15 @@ def _release(block: np.ndarray) -> None:
 
 
 def _take(size: int) -> np.ndarray:
+    """The smallest idle block of ``size`` to ``SLACK * size`` bytes (the most recently
+    freed of that size), else a new one of ``size`` bytes."""
     global _idle_bytes
     with _lock:
-        tokens = _tokens.get(size)
-        if tokens:
-            _idle_bytes -= size
-            return _idle.pop(tokens.pop())
+        fits = [have for have, tokens in _tokens.items() if tokens and size <= have <= SLACK * size]
+        if fits:
+            have = min(fits)
+            _idle_bytes -= have
+            return _idle.pop(_tokens[have].pop())
     return np.empty(size, np.uint8)
 
 
