@@ -562,8 +562,10 @@ def report_section(out_dir: Path, quick: bool) -> str:
         + "): median of 10 samples, side by side in one process. GB/s from stated byte "
         + "counts (forward 2 tensors, backward 3; add_layer_norm 4 and 4); <em>vs torch</em> "
         + "is torch eager's time over ours, <em>of copy</em> our GB/s over "
-        + "<code>out.copy_(x)</code>'s into a preallocated tensor. Every call returns fresh "
-        + "tensors, so first-touch page faults are part of both sides' time.</p>"
+        + "<code>out.copy_(x)</code>'s into a preallocated tensor. Every call returns new "
+        + "tensors: torch's come from fresh pages (cleared by Linux on first touch), ours "
+        + "from the memory of outputs that have died (layernorm's host cache, 1 MiB and up)."
+        + "</p>"
         + table(["op", "dir", "M x N", "provider", "ms", "GB/s", "vs torch", "of copy"], rows)
         + img_tag(png, "benchmark plot")
     )
