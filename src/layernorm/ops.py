@@ -157,20 +157,27 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _Norm(torch.autograd.Function):
-    """The eager path: the same forward, context and backward as the custom op, without
-    the custom-op dispatch (which costs hundreds of microseconds a call)."""
+    """The eager path: the same kernels, context and backward as the custom op, without
+    the custom-op dispatch (which costs hundreds of microseconds a call). Its outputs are
+    only ``y`` and ``residual_out`` (None without a residual): the statistics stay in the
+    context instead of becoming placeholder outputs."""
 
     # forward(ctx, ...) rather than setup_context: the latter binds the signature with
     # inspect on every call (~50 us).
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, rms, backend):
-        output = _forward_impl(x, residual, weight, bias, eps, rms, backend)
-        _setup_context(ctx, (x, residual, weight, bias, eps, rms, backend), output)
+        y, residual_out, mean, rstd = _kernels(x, backend).forward(
+            x, residual, weight, bias, eps, rms
+        )
+        _setup_context(
+            ctx, (x, residual, weight, bias, eps, rms, backend), (y, residual_out, mean, rstd)
+        )
         ctx.custom_op = False
-        ctx.mark_non_differentiable(output[2], output[3])
-        return output
+        return y, residual_out
 
-    backward = staticmethod(_backward)
+    @staticmethod
+    def backward(ctx, dy, dresidual_out):
+        return _backward(ctx, dy, dresidual_out, None, None)
 
 
 def _composite_backward(
@@ -349,7 +356,7 @@ def _norm(
         or _requires_grad(weight)
         or _requires_grad(bias)
     ):
-        y, residual_out, _, _ = _Norm.apply(*args)  # eager autograd, without op dispatch
+        y, residual_out = _Norm.apply(*args)  # eager autograd, without op dispatch
     else:  # inference: straight to the kernel
         y, residual_out, _, _ = _kernels(args[0], name).forward(*args[:6], stats=False)
     return _unrows(y, x, n), None if residual is None else _unrows(residual_out, x, n)
