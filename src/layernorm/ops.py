@@ -212,9 +212,9 @@ def _composite_backward(
 
 
 def _normalized_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
-    one_int = type(normalized_shape) is tuple and len(normalized_shape) == 1
-    if one_int and type(normalized_shape[0]) is int:  # e.g. the modules' own
-        return normalized_shape
+    one = isinstance(normalized_shape, tuple) and len(normalized_shape) == 1
+    if one and type(normalized_shape[0]) is int:  # type: ignore[index]  # the modules' own
+        return normalized_shape  # type: ignore[return-value]
     if isinstance(normalized_shape, int):
         return (normalized_shape,)
     shape = tuple(int(s) for s in normalized_shape)

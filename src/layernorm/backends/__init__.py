@@ -89,9 +89,9 @@ def pick(x: torch.Tensor, backend: str | None = None) -> ModuleType:
             raise RuntimeError(f"backend {name!r} cannot run this input: {reason}")
         return module
     for candidate in AUTO_ORDER:
-        module = _load(candidate)
-        if module is not None and module.cannot_run(x) is None and module.prefers(x):
-            return module
+        loaded = _load(candidate)
+        if loaded is not None and loaded.cannot_run(x) is None and loaded.prefers(x):
+            return loaded
     return get("torch")
 
 

@@ -622,7 +622,10 @@ def forward_parallel(
 
 
 @_jit()
-def _backward_views(xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, m, n, rms):
+def _backward_arrays(xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, m, n, rms):
+    """The views over the addresses, and the per-block partial sums (see
+    :func:`backward_kernel`)."""
+    nblocks = (m + ROW_BLOCK - 1) // ROW_BLOCK
     return (
         _view(dy, (m - 1) * gs + n, xt),
         _view(x, (m - 1) * xs + n, xt),
@@ -631,11 +634,15 @@ def _backward_views(xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, m, n, rms
         _view(mean, 0 if rms else m, at),
         _view(rstd, m, at),
         _view(dx, m * n, xt),
+        np.empty(nblocks * n, at.dtype),
+        np.empty(nblocks * n, at.dtype),
     )
 
 
 @_jit()
-def _column_sums(at, pw, pb, dweight, dbias, nblocks, n):
+def _column_sums(at, pw, pb, dweight, dbias, n):
+    """dweight and dbias (addresses; 0 when not wanted) from the block partial sums."""
+    nblocks = pw.shape[0] // n
     if dweight != 0:
         column_sum_kernel(pw, nblocks, n, _view(dweight, n, at))
     if dbias != 0:
@@ -652,17 +659,13 @@ def backward_serial(
     ``ds = 0``); ``dweight``/``dbias``: (N,) outputs in the accumulation dtype, or 0 when
     not wanted.
     """
-    dya, xa, droa, wa, ma, sa, dxa = _backward_views(
+    g, xa, r, wa, ma, sa, d, pw, pb = _backward_arrays(
         xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, m, n, rms
     )
-    nblocks = (m + ROW_BLOCK - 1) // ROW_BLOCK
-    pw = np.empty(nblocks * n, at.dtype)
-    pb = np.empty(nblocks * n, at.dtype)
-    nf = _cast(at, n)
     backward_kernel_serial(
-        dya, gs, xa, xs, droa, ds, wa, ma, sa, dxa, pw, pb, m, n, nf, rms, stream
+        g, gs, xa, xs, r, ds, wa, ma, sa, d, pw, pb, m, n, _cast(at, n), rms, stream
     )
-    _column_sums(at, pw, pb, dweight, dbias, nblocks, n)
+    _column_sums(at, pw, pb, dweight, dbias, n)
 
 
 @_jit()
@@ -670,12 +673,8 @@ def backward_parallel(
     xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, dweight, dbias, m, n, rms, stream
 ):
     """:func:`backward_serial`, blocks of rows spread over numba's threads."""
-    dya, xa, droa, wa, ma, sa, dxa = _backward_views(
+    g, xa, r, wa, ma, sa, d, pw, pb = _backward_arrays(
         xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, m, n, rms
     )
-    nblocks = (m + ROW_BLOCK - 1) // ROW_BLOCK
-    pw = np.empty(nblocks * n, at.dtype)
-    pb = np.empty(nblocks * n, at.dtype)
-    nf = _cast(at, n)
-    backward_kernel(dya, gs, xa, xs, droa, ds, wa, ma, sa, dxa, pw, pb, m, n, nf, rms, stream)
-    _column_sums(at, pw, pb, dweight, dbias, nblocks, n)
+    backward_kernel(g, gs, xa, xs, r, ds, wa, ma, sa, d, pw, pb, m, n, _cast(at, n), rms, stream)
+    _column_sums(at, pw, pb, dweight, dbias, n)
