@@ -1,10 +1,13 @@
 """Numba CPU kernels for layer norm and RMSNorm: fused, multithreaded, deterministic.
 
 Imported only on the numba backend's first call (``import layernorm`` compiles nothing).
-Every kernel is ``@njit(parallel=True, cache=True)``: the first call of each dtype
-specialization compiles (a few seconds), later processes load it from numba's on-disk
-cache (``NUMBA_CACHE_DIR``, else ``__pycache__`` beside this file, else numba's user-wide
-cache when the package directory is read-only).
+Python calls the four entry points at the end (``forward_serial``/``forward_parallel``,
+``backward_serial``/``backward_parallel``) with tensor addresses; the parallel ones run
+their rows over numba's threads (``prange``), the serial ones in the calling thread, and
+both run the same compiled row functions. Everything is ``@njit(cache=True)``: the first
+call of each dtype specialization compiles (2–3 s), later processes load it from numba's
+on-disk cache (``NUMBA_CACHE_DIR``, else ``__pycache__`` beside this file, else numba's
+user-wide cache when the package directory is read-only).
 
 Data layout. Each (M, N) tensor arrives as a flat 1-D array over its storage plus a row
 stride, so row ``i`` is ``a[i * stride : i * stride + N]``: strided rows are read in place
@@ -23,9 +26,10 @@ memory; the three reductions and the output pass re-read it from cache.
 Determinism. A row's reductions run in one function whose summation order LLVM fixes
 from the trip count N alone (the reduction adds carry only the ``reassoc`` fast-math flag,
 which lets the loop vectorizer keep several partial sums; the element arithmetic
-carries no flags, so ``(z - m1) - delta`` is never rewritten). The same compiled code runs
-every row, whatever M, the row's position or the thread count, so outputs are bitwise
-batch- and thread-invariant. dweight/dbias partial sums come from a fixed partition of the
+carries no flags, so ``(z - m1) - delta`` is never rewritten). The same row function runs
+every row, whatever M, the row's position, the thread count or the entry (serial or
+parallel; ``tests/test_numba_backend.py`` checks the two entries bit for bit), so outputs
+are bitwise batch- and thread-invariant. dweight/dbias partial sums come from a fixed partition of the
 rows into blocks of :data:`ROW_BLOCK` rows (independent of the thread count), summed row
 by row within a block, then over blocks in block order in float64.
 """
