@@ -324,6 +324,27 @@ def test_serial_and_parallel_kernels_give_the_same_bits(dtype, rms, shape, monke
     assert all(torch.equal(a, c) for a, c in zip(*runs, strict=True))
 
 
+@given(
+    m=st.integers(1, 40),
+    n=st.integers(1, 1100),
+    dtype=st.sampled_from(DTYPES),
+    rms=st.booleans(),
+)
+def test_serial_and_parallel_entries_agree_on_random_shapes(m, n, dtype, rms):
+    x, dy = torch.randn(m, n).to(dtype) * 3 + 1, torch.randn(m, n).to(dtype)
+    w = torch.randn(n)
+    runs, saved = [], numba_.SERIAL_NUMEL  # (hypothesis cannot use monkeypatch)
+    for serial_numel in (0, 1 << 62):
+        numba_.SERIAL_NUMEL = serial_numel
+        try:
+            y, _, mean, rstd = numba_.forward(x, None, w, None, 1e-5, rms)
+            grads = numba_.backward(dy, x, w, mean, rstd, None, rms, True, False)
+        finally:
+            numba_.SERIAL_NUMEL = saved
+        runs.append([t for t in (y, rstd, *grads) if t is not None])
+    assert all(torch.equal(a, c) for a, c in zip(*runs, strict=True))
+
+
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 def test_inference_may_skip_the_statistics(rms):
     x, w = torch.randn(9, 130), torch.randn(130)
