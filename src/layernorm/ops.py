@@ -282,13 +282,15 @@ def _rows(t: Tensor, n: int) -> Tensor:
     """Flattens ``t`` to (M, N) with contiguous rows, without a copy where it can."""
     if t.dim() == 2 and t.shape[1] == n:  # already rows (a view costs ~1.5 us)
         return t if t.is_contiguous() else _contiguous_rows(t)
-    m = math.prod(t.shape) // n if n else math.prod(t.shape[:-1])
-    return _contiguous_rows(t.reshape(m, n))
+    if n == 0:  # M cannot be inferred from zero elements
+        return t.reshape(math.prod(t.shape[:-1]), 0)
+    return _contiguous_rows(t.reshape(-1, n))
 
 
 def _unrows(y: Tensor, like: Tensor, n: int) -> Tensor:
-    """``y`` (M, N) back in the shape of ``like``."""
-    return y if like.dim() == 2 and like.shape[1] == n else y.view(like.shape)
+    """``y`` (M, N) back in the shape of ``like`` (``view_as``: ~1.3 us, a third of
+    ``view(like.shape)``)."""
+    return y if like.dim() == 2 and like.shape[1] == n else y.view_as(like)
 
 
 def _plain(t: Tensor | None) -> bool:
