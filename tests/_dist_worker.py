@@ -316,6 +316,10 @@ def main() -> None:
     except Exception:
         results["crash"] = traceback.format_exc()
     torch.save(results, f"{outdir}/rank{rank}.pt")
+    # Every rank is done before any tears its gloo connections down: a rank whose peer
+    # has already gone can abort in gloo's teardown ("terminate called without an active
+    # exception", seen once in a CI run).
+    dist.barrier()
     dist.destroy_process_group()
 
 
