@@ -145,6 +145,7 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"torch": torch.__version__, "world": world, "rows": rows}, f, indent=1)
+    dist.barrier()  # nobody tears gloo down while a peer still uses it
     dist.destroy_process_group()
 
 
