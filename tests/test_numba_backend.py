@@ -479,3 +479,10 @@ def test_numba_cache_dir_is_honoured(tmp_path):
     out = _run_isolated(_copy_package(tmp_path), {"NUMBA_CACHE_DIR": str(cache)})
     assert out.split() == ["ok"]
     assert list(cache.rglob("*.nbi"))
+
+
+def test_default_rows_tell_minus_zero_from_zero():
+    # -0.0 == 0.0, so a cache keyed on the value alone would hand one out for the other
+    minus = numba_._constant(5, torch.float32, -0.0)
+    plus = numba_._constant(5, torch.float32, 0.0)
+    assert torch.signbit(minus).all() and not torch.signbit(plus).any()

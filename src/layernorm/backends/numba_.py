@@ -43,6 +43,7 @@ Automatic choice: :func:`prefers` is True for every CPU input of at least
 from __future__ import annotations
 
 import importlib.util
+import math
 from types import ModuleType
 
 import numpy as np
@@ -130,14 +131,14 @@ def _stride(t: torch.Tensor) -> int:
     return t.stride()[0] if m > 1 else n
 
 
-_constants: dict[tuple[int, torch.dtype, float], torch.Tensor] = {}
+_constants: dict[tuple[int, torch.dtype, float, float], torch.Tensor] = {}
 
 
 def _constant(n: int, dtype: torch.dtype, value: float) -> torch.Tensor:
     """A cached (N,) tensor full of ``value``: ones for a missing weight, ``-0.0`` for a
     missing bias or residual gradient (``v * 1 + -0.0 == v`` bitwise, so the kernels have
     no branches for absent arguments)."""
-    key = (n, dtype, value)
+    key = (n, dtype, value, math.copysign(1.0, value))  # -0.0 == 0.0 as a dict key
     t = _constants.get(key)
     if t is None:
         if len(_constants) > 64:
