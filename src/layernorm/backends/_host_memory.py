@@ -26,6 +26,7 @@ reference to it.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 import weakref
@@ -36,18 +37,12 @@ import torch
 
 __all__ = ["MIN_BYTES", "cached_bytes", "empty", "empty_cache", "limit"]
 
-#: smaller requests go to NumPy's allocator directly (glibc reuses small blocks itself)
+#: smaller requests go to ``torch.empty`` directly (glibc reuses small blocks itself)
 MIN_BYTES = 1 << 20
 #: a request may take an idle block up to this many times its (rounded) size
 SLACK = 1.5
 _GRANULE = 2 << 20  # size classes: multiples of a huge page
 
-_NUMPY_DTYPES = {
-    torch.float16: np.float16,
-    torch.bfloat16: np.uint16,  # bit patterns; viewed back as bfloat16
-    torch.float32: np.float32,
-    torch.float64: np.float64,
-}
 
 _lock = threading.RLock()
 _idle: OrderedDict[int, np.ndarray] = OrderedDict()  # token -> block nobody uses, oldest first
@@ -127,17 +122,12 @@ def _take(size: int) -> np.ndarray:
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized contiguous CPU tensor, from the cache when it is large."""
-    numpy_dtype = np.dtype(_NUMPY_DTYPES[dtype])
-    nbytes = numpy_dtype.itemsize
-    for size in shape:
-        nbytes *= size
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MIN_BYTES or limit() == 0:
-        array = np.empty(shape, numpy_dtype)
-    else:
-        block = _take(-(-nbytes // _GRANULE) * _GRANULE)
-        array = block[:nbytes].view(numpy_dtype).reshape(shape)
-        # ``array`` is what the tensor's storage keeps alive (its base is ``block``); when
-        # it dies, the block goes back to the cache.
-        weakref.finalize(array, _release, block).atexit = False
-    t = torch.from_numpy(array)
-    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+        return torch.empty(shape, dtype=dtype)
+    block = _take(-(-nbytes // _GRANULE) * _GRANULE)
+    array = block[:nbytes]
+    # ``array`` is what the tensor's storage keeps alive (its base is ``block``); when it
+    # dies, the block goes back to the cache.
+    weakref.finalize(array, _release, block).atexit = False
+    return torch.from_numpy(array).view(dtype).view(shape)
