@@ -54,8 +54,7 @@ WIDE_N = 300  # several chunks per row under the ``wide`` fixture, last one part
 
 def _forget_triton() -> None:
     # The registry caches availability; TRITON_INTERPRET changes it.
-    backends._unavailable.pop("triton", None)
-    backends._modules.pop("triton", None)
+    backends.forget("triton")
 
 
 @pytest.fixture(autouse=True)

@@ -31,7 +31,7 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["AUTO_ORDER", "BACKENDS", "available_backends", "choose", "get", "pick"]
+__all__ = ["AUTO_ORDER", "BACKENDS", "available_backends", "choose", "forget", "get", "pick"]
 
 #: name -> module path, in no particular order.
 BACKENDS: dict[str, str] = {
@@ -45,6 +45,8 @@ AUTO_ORDER: tuple[str, ...] = ("triton", "numba", "torch")
 
 _modules: dict[str, ModuleType] = {}
 _unavailable: dict[str, str | None] = {}
+#: the loaded, available modules of AUTO_ORDER, in order (None: not yet looked up)
+_auto: list[ModuleType] | None = None
 
 
 def _load(name: str) -> ModuleType | None:
@@ -57,6 +59,16 @@ def _load(name: str) -> ModuleType | None:
             _modules[name] = module
             _unavailable[name] = module.unavailable_reason()
     return _modules.get(name) if _unavailable[name] is None else None
+
+
+def forget(name: str) -> None:
+    """Drops what the registry remembers of backend ``name`` (its module and whether it
+    is available), so the next use looks again: for a setting that changed availability
+    at run time, such as ``TRITON_INTERPRET``."""
+    global _auto
+    _unavailable.pop(name, None)
+    _modules.pop(name, None)
+    _auto = None
 
 
 def get(name: str) -> ModuleType:
@@ -74,6 +86,23 @@ def available_backends() -> list[str]:
     return [name for name in BACKENDS if _load(name) is not None]
 
 
+_ENV = "LAYERNORM_BACKEND"
+# os.environ.get raises and catches a KeyError inside when the variable is unset: 0.9 us,
+# a sixth of a whole small call. os.environ's own dict (CPython's ``_data``, which every
+# write through os.environ updates) answers in 0.05 us; elsewhere, the public way.
+_environ_data = getattr(os.environ, "_data", None)
+_environ_key = None if _environ_data is None else os.environ.encodekey(_ENV)  # type: ignore[attr-defined]
+
+
+def _environment_choice() -> str | None:
+    """The ``LAYERNORM_BACKEND`` environment variable, read at every call (so setting it
+    at run time works)."""
+    if _environ_data is None:
+        return os.environ.get(_ENV)
+    value = _environ_data.get(_environ_key)
+    return None if value is None else os.environ.decodevalue(value)  # type: ignore[attr-defined]
+
+
 def pick(x: torch.Tensor, backend: str | None = None) -> ModuleType:
     """The module of the backend to run ``x`` (an (M, N) tensor) on.
 
@@ -81,17 +110,19 @@ def pick(x: torch.Tensor, backend: str | None = None) -> ModuleType:
     explicitly, and an explicit choice that cannot run raises. ``None`` takes the first
     backend in :data:`AUTO_ORDER` that can run ``x`` and prefers it, falling back quietly.
     """
-    name = backend or os.environ.get("LAYERNORM_BACKEND") or None
-    if name is not None:
+    global _auto
+    name = backend or _environment_choice()
+    if name:
         module = get(name)
         reason = module.cannot_run(x)
         if reason is not None:
             raise RuntimeError(f"backend {name!r} cannot run this input: {reason}")
         return module
-    for candidate in AUTO_ORDER:
-        loaded = _load(candidate)
-        if loaded is not None and loaded.cannot_run(x) is None and loaded.prefers(x):
-            return loaded
+    if _auto is None:
+        _auto = [m for m in map(_load, AUTO_ORDER) if m is not None]
+    for module in _auto:
+        if module.cannot_run(x) is None and module.prefers(x):
+            return module
     return get("torch")
 
 

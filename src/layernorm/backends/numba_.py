@@ -45,6 +45,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from types import ModuleType
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -98,30 +99,35 @@ def _kernels() -> ModuleType:
 #: costs more than it saves (measured, benchmarks/RESULTS.md). Same bits either way.
 SERIAL_NUMEL = 1 << 15
 
-# x's storage dtype as numba sees it (16-bit floats as their bit patterns), and the
-# accumulation dtype: empty arrays that only carry a dtype into the kernels.
-_STORAGE = {
-    torch.float16: np.empty(0, np.int16),
-    torch.bfloat16: np.empty(0, np.uint16),
-    torch.float32: np.empty(0, np.float32),
-    torch.float64: np.empty(0, np.float64),
+
+class _Types(NamedTuple):
+    """What the kernels need to know of an input dtype."""
+
+    storage: np.ndarray  # an empty array of x's storage dtype as numba sees it (16-bit
+    #                      floats as their bit patterns): it carries the dtype into the kernels
+    acc: np.ndarray  # the same for the accumulation dtype
+    acc_dtype: torch.dtype
+    itemsize: int
+
+
+_F32, _F64 = np.empty(0, np.float32), np.empty(0, np.float64)
+_TYPES = {
+    torch.float16: _Types(np.empty(0, np.int16), _F32, torch.float32, 2),
+    torch.bfloat16: _Types(np.empty(0, np.uint16), _F32, torch.float32, 2),
+    torch.float32: _Types(_F32, _F32, torch.float32, 4),
+    torch.float64: _Types(_F64, _F64, torch.float64, 8),
 }
-_ACC = {
-    dtype: _STORAGE[torch.float64 if dtype == torch.float64 else torch.float32] for dtype in _DTYPES
-}
 
 
-def _empty(m: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized (M, N) output: from the host cache when large (see
-    :mod:`layernorm.backends._host_memory`: a fresh large tensor costs a page clear per
-    page, more than the normalization itself), else ``torch.empty``."""
-    if m * n * dtype.itemsize >= _host_memory.MIN_BYTES:
-        return _host_memory.empty((m, n), dtype)
-    return torch.empty(m, n, dtype=dtype)
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def _empty(like: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """An uninitialized contiguous output shaped like the (M, N) ``like``, of ``nbytes``:
+    from the host cache when large (see :mod:`layernorm.backends._host_memory`: a fresh
+    large tensor costs a page clear per page, more than the normalization itself), else
+    ``torch.empty_like`` (contiguous for every input the kernels see: rows that are not
+    dense, ``stride(0) > N``, give a contiguous result)."""
+    if nbytes >= _host_memory.MIN_BYTES:
+        return _host_memory.empty(like.shape, like.dtype)
+    return torch.empty_like(like)
 
 
 def _stride(t: torch.Tensor) -> int:
@@ -163,30 +169,34 @@ def forward(
     rms: bool,
     stats: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    kernels = _kernels()
+    # Every Python step here costs ~0.1 us, and a small call is a few us in all: the body
+    # is written flat on purpose.
+    kernels = _kernels_module or _kernels()
     m, n = x.shape
-    acc = _acc(x.dtype)
-    y = _empty(m, n, x.dtype)
-    w = _param(weight, n, acc, 1.0)
-    b = _param(bias, n, acc, -0.0)
-    mean = rstd = None
-    if stats:
-        mean = torch.empty(0 if rms else m, dtype=acc)
-        rstd = torch.empty(m, dtype=acc)
+    types = _TYPES[x.dtype]
+    nbytes = m * n * types.itemsize
+    y = _empty(x, nbytes)
+    w = _param(weight, n, types.acc_dtype, 1.0)
+    b = _param(bias, n, types.acc_dtype, -0.0)
     x_address = x.data_ptr()
-    # without stats the kernel writes none: any valid address will do
-    mean_address = x_address if mean is None or rms else mean.data_ptr()
-    rstd_address = x_address if rstd is None else rstd.data_ptr()
+    if stats:
+        mean = None if rms else torch.empty(m, dtype=types.acc_dtype)
+        rstd = torch.empty(m, dtype=types.acc_dtype)
+        mean_address = x_address if mean is None else mean.data_ptr()
+        rstd_address = rstd.data_ptr()
+    else:  # the kernel writes no statistics: any valid address will do
+        mean = rstd = None
+        mean_address = rstd_address = x_address
     if residual is None:
         residual_out = None
         r_address, rs, h_address = x_address, 0, x_address
     else:
-        residual_out = _empty(m, n, x.dtype)
+        residual_out = _empty(x, nbytes)
         r_address, rs, h_address = residual.data_ptr(), _stride(residual), residual_out.data_ptr()
     run = kernels.forward_serial if m * n < SERIAL_NUMEL else kernels.forward_parallel
     run(
-        _STORAGE[x.dtype],
-        _ACC[x.dtype],
+        types.storage,
+        types.acc,
         x_address,
         _stride(x),
         r_address,
@@ -202,10 +212,10 @@ def forward(
         n,
         eps,
         rms,
-        m * n * x.dtype.itemsize >= STREAM_BYTES,
+        nbytes >= STREAM_BYTES,
         stats,
     )
-    return y, residual_out, None if rms else mean, rstd
+    return y, residual_out, mean, rstd
 
 
 def backward(
@@ -219,20 +229,22 @@ def backward(
     need_dweight: bool,
     need_dbias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    kernels = _kernels()
+    kernels = _kernels_module or _kernels()
     m, n = x.shape
-    acc = _acc(x.dtype)
+    types = _TYPES[x.dtype]
+    acc = types.acc_dtype
+    nbytes = m * n * types.itemsize
     w = _param(weight, n, acc, 1.0)
     stats_rstd = _param(rstd, m, acc, 0.0)
     stats_mean = stats_rstd if mean is None else _param(mean, m, acc, 0.0)
     dro = _constant(n, x.dtype, -0.0) if dresidual_out is None else dresidual_out
-    dx = _empty(m, n, x.dtype)
+    dx = _empty(x, nbytes)
     dweight = torch.empty(n, dtype=acc) if need_dweight else None
     dbias = torch.empty(n, dtype=acc) if need_dbias else None
     run = kernels.backward_serial if m * n < SERIAL_NUMEL else kernels.backward_parallel
     run(
-        _STORAGE[x.dtype],
-        _ACC[x.dtype],
+        types.storage,
+        types.acc,
         dy.data_ptr(),
         _stride(dy),
         x.data_ptr(),
@@ -248,6 +260,6 @@ def backward(
         m,
         n,
         rms,
-        m * n * x.dtype.itemsize >= STREAM_BYTES,
+        nbytes >= STREAM_BYTES,
     )
     return dx, dweight, dbias
