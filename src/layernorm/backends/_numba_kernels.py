@@ -256,15 +256,38 @@ def _normalize_row(z, y, m1, delta, rstd, w, b):
 
 
 @_jit()
+def _dx_element(k, dy, x, dro, dx, w, mean, delta, rstd, c1, c2, pw, pb):
+    g = ld(dy, k)
+    u = ((ld(x, k) - mean) - delta) * rstd
+    gh = g * w[k]
+    dz = rstd * ((gh - c2) - u * c1) + ld(dro, k)
+    st(dx, k, dz)
+    pw[k] += g * u
+    pb[k] += g
+
+
+@_jit()
 def _dx_row(dy, x, dro, dx, w, mean, delta, rstd, c1, c2, pw, pb):
     for k in range(dx.shape[0]):
-        g = ld(dy, k)
-        u = ((ld(x, k) - mean) - delta) * rstd
-        gh = g * w[k]
-        dz = rstd * ((gh - c2) - u * c1) + ld(dro, k)
-        st(dx, k, dz)
-        pw[k] += g * u
-        pb[k] += g
+        _dx_element(k, dy, x, dro, dx, w, mean, delta, rstd, c1, c2, pw, pb)
+
+
+@_jit(fastmath=_REASSOC)
+def _dx_row_loading_next(
+    dy, x, dro, dx, w, mean, delta, rstd, c1, c2, pw, pb, dy_next, x_next, zero
+):
+    """:func:`_dx_row` (the same element function, so the same bits) that also loads the
+    next row's ``dy`` and ``x`` and returns their sum, which the caller stores so that
+    the loads stay. Rows much larger than the caches come from memory: this way the next
+    row streams in while this row's arithmetic runs, instead of after it (measured: the
+    large backward 10-15% faster on rows of 4096 and more, no change on 768 and 1024;
+    ``llvm.prefetch`` hints did not do it, and the same loads in the forward's output
+    pass made it slower: benchmarks/RESULTS.md)."""
+    touched = zero
+    for k in range(dx.shape[0]):
+        _dx_element(k, dy, x, dro, dx, w, mean, delta, rstd, c1, c2, pw, pb)
+        touched += ld(dy_next, k) + ld(x_next, k)
+    return touched
 
 
 # ---------------------------------------------------------------------------------------
@@ -479,10 +502,13 @@ def _backward_block(blk, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n
     ``pw[blk*N:(blk+1)*N] = sum(g * u)``, ``pb[...] = sum(g)``, in row order.
 
     For RMSNorm the mean is 0 and ``c2`` is 0: ``(z - 0) * rstd`` and ``gh - 0`` are exact.
-    ``stream``: each float32 dx row is computed into a cached scratch row, then written
-    with non-temporal stores (no read-for-ownership of dx; same bits).
+    ``stream`` (inputs far larger than the caches): each float32 dx row is computed into
+    a cached scratch row, then written with non-temporal stores (no read-for-ownership of
+    dx; same bits), and the next row is loaded meanwhile (:func:`_dx_row_loading_next`).
+    Returns the sum of those loads, for the caller to store (it means nothing).
     """
     zero = nf - nf
+    touched = zero
     scratch = np.empty(n if stream else 0, dx.dtype)
     pw_blk = pw[blk * n : (blk + 1) * n]
     pb_blk = pb[blk * n : (blk + 1) * n]
@@ -501,28 +527,49 @@ def _backward_block(blk, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n
         dro_i = dro[i * ds : i * ds + n]
         dx_i = dx[i * n : (i + 1) * n]
         if stream:
-            _dx_row(dy_i, x_i, dro_i, scratch, w, mu, delta, r_i, c1, c2, pw_blk, pb_blk)
+            j = min(i + 1, m - 1)
+            touched += _dx_row_loading_next(
+                dy_i,
+                x_i,
+                dro_i,
+                scratch,
+                w,
+                mu,
+                delta,
+                r_i,
+                c1,
+                c2,
+                pw_blk,
+                pb_blk,
+                dy[j * gs : j * gs + n],
+                x[j * xs : j * xs + n],
+                zero,
+            )
             copy_row_streaming(scratch, dx_i)
         else:
             _dx_row(dy_i, x_i, dro_i, dx_i, w, mu, delta, r_i, c1, c2, pw_blk, pb_blk)
+    return touched
 
 
 @_jit(parallel=True)
-def backward_kernel(dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms, stream):
-    """:func:`_backward_block` for every block of rows, blocks spread over the threads."""
+def backward_kernel(
+    dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, touched, m, n, nf, rms, stream
+):
+    """:func:`_backward_block` for every block of rows, blocks spread over the threads
+    (``touched``: one throwaway value per block)."""
     for blk in prange((m + ROW_BLOCK - 1) // ROW_BLOCK):
-        _backward_block(
+        touched[blk] = _backward_block(
             blk, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms, stream
         )
 
 
 @_jit()
 def backward_kernel_serial(
-    dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms, stream
+    dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, touched, m, n, nf, rms, stream
 ):
     """:func:`backward_kernel` in the calling thread."""
     for blk in range((m + ROW_BLOCK - 1) // ROW_BLOCK):
-        _backward_block(
+        touched[blk] = _backward_block(
             blk, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms, stream
         )
 
@@ -627,8 +674,8 @@ def forward_parallel(
 
 @_jit()
 def _backward_arrays(xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, m, n, rms):
-    """The views over the addresses, and the per-block partial sums (see
-    :func:`backward_kernel`)."""
+    """The views over the addresses, the per-block partial sums and the per-block
+    throwaway values (see :func:`backward_kernel`)."""
     nblocks = (m + ROW_BLOCK - 1) // ROW_BLOCK
     return (
         _view(dy, (m - 1) * gs + n, xt),
@@ -640,6 +687,7 @@ def _backward_arrays(xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, m, n, rm
         _view(dx, m * n, xt),
         np.empty(nblocks * n, at.dtype),
         np.empty(nblocks * n, at.dtype),
+        np.empty(nblocks, at.dtype),
     )
 
 
@@ -663,11 +711,11 @@ def backward_serial(
     ``ds = 0``); ``dweight``/``dbias``: (N,) outputs in the accumulation dtype, or 0 when
     not wanted.
     """
-    g, xa, r, wa, ma, sa, d, pw, pb = _backward_arrays(
+    g, xa, r, wa, ma, sa, d, pw, pb, touched = _backward_arrays(
         xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, m, n, rms
     )
     backward_kernel_serial(
-        g, gs, xa, xs, r, ds, wa, ma, sa, d, pw, pb, m, n, _cast(at, n), rms, stream
+        g, gs, xa, xs, r, ds, wa, ma, sa, d, pw, pb, touched, m, n, _cast(at, n), rms, stream
     )
     _column_sums(at, pw, pb, dweight, dbias, n)
 
@@ -677,8 +725,9 @@ def backward_parallel(
     xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, dweight, dbias, m, n, rms, stream
 ):
     """:func:`backward_serial`, blocks of rows spread over numba's threads."""
-    g, xa, r, wa, ma, sa, d, pw, pb = _backward_arrays(
+    g, xa, r, wa, ma, sa, d, pw, pb, touched = _backward_arrays(
         xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, m, n, rms
     )
-    backward_kernel(g, gs, xa, xs, r, ds, wa, ma, sa, d, pw, pb, m, n, _cast(at, n), rms, stream)
+    nf = _cast(at, n)
+    backward_kernel(g, gs, xa, xs, r, ds, wa, ma, sa, d, pw, pb, touched, m, n, nf, rms, stream)
     _column_sums(at, pw, pb, dweight, dbias, n)
