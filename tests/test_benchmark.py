@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -97,3 +98,17 @@ def test_report_section_is_html_with_an_inline_plot(tmp_path, monkeypatch):
     html = benchmark.report_section(tmp_path, quick=False)
     assert html.startswith("<p>") and "<table>" in html and "data:image/png;base64," in html
     assert (tmp_path / "bench.png").exists()
+
+
+def test_small_calls_script_measures_both_providers():
+    spec = importlib.util.spec_from_file_location(
+        "small_calls", ROOT / "benchmarks" / "small_calls.py"
+    )
+    small_calls = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(small_calls)
+    calls = []
+    timings = small_calls.rr({"a": lambda: calls.append(1), "b": lambda: None}, rounds=3, inner=5)
+    assert set(timings) == {"a", "b"} and all(t > 0 for t in timings.values())
+    assert len(calls) == 300 + 3 * 5  # warm-up, then every round
+    line = small_calls.measure((2, 8))  # the real thing, on one tiny shape
+    assert line.startswith("(2, 8): inference torch") and "with grad" in line
