@@ -242,13 +242,13 @@ def _row_sums_backward(dy, x, w, mean, zero):
 # Row passes without reductions (no fast-math flags at all)
 
 
-@_jit()
+@_jit(inline="always")
 def _add_row(x, r, h):
     for k in range(h.shape[0]):
         st(h, k, ld(x, k) + ld(r, k))
 
 
-@_jit()
+@_jit(inline="always")
 def _normalize_row(z, y, m1, delta, rstd, w, b):
     for k in range(y.shape[0]):
         u = ((ld(z, k) - m1) - delta) * rstd
@@ -384,7 +384,7 @@ def normalize_row_streaming(z, y, m1, delta, rstd, w, b):
     """:func:`_normalize_row` with streaming stores where y is float32 (on x86)."""
 
 
-@overload(normalize_row_streaming)
+@overload(normalize_row_streaming, inline="always")
 def _normalize_row_streaming(z, y, m1, delta, rstd, w, b):
     if not (_X86 and y.dtype == z.dtype == w.dtype == b.dtype == types.float32):
         return lambda z, y, m1, delta, rstd, w, b: _normalize_row(z, y, m1, delta, rstd, w, b)
@@ -439,7 +439,7 @@ def _copy_row_streaming(src, dst):
 # Kernels
 
 
-@_jit()
+@_jit(inline="always")
 def _forward_row(i, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, n, nf, eps, rms, stream, st):
     """Row ``i`` of the forward: ``h = x + r`` (when ``has_r``), statistics, ``y``.
 
