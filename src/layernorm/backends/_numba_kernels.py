@@ -5,7 +5,7 @@ Python calls the four entry points at the end (``forward_serial``/``forward_para
 ``backward_serial``/``backward_parallel``) with tensor addresses; the parallel ones run
 their rows over numba's threads (``prange``), the serial ones in the calling thread, and
 both run the same compiled row functions. Everything is ``@njit(cache=True)``: the first
-call of each dtype specialization compiles (2–3 s), later processes load it from numba's
+call of each dtype specialization compiles (3–4 s), later processes load it from numba's
 on-disk cache (``NUMBA_CACHE_DIR``, else ``__pycache__`` beside this file, else numba's
 user-wide cache when the package directory is read-only).
 
@@ -25,13 +25,19 @@ memory; the three reductions and the output pass re-read it from cache.
 
 Determinism. A row's reductions run in one function whose summation order LLVM fixes
 from the trip count N alone (the reduction adds carry only the ``reassoc`` fast-math flag,
-which lets the loop vectorizer keep several partial sums; the element arithmetic
-carries no flags, so ``(z - m1) - delta`` is never rewritten). The same row function runs
-every row, whatever M, the row's position, the thread count or the entry (serial or
-parallel; ``tests/test_numba_backend.py`` checks the two entries bit for bit), so outputs
-are bitwise batch- and thread-invariant. dweight/dbias partial sums come from a fixed partition of the
-rows into blocks of :data:`ROW_BLOCK` rows (independent of the thread count), summed row
-by row within a block, then over blocks in block order in float64.
+which lets the loop vectorizer keep several partial sums; the element arithmetic carries
+no flags, so ``(z - m1) - delta`` is never rewritten). The same row function runs every
+row, whatever M, the row's position, the thread count or the entry (serial or parallel;
+``tests/test_numba_backend.py`` checks the two entries bit for bit), so outputs are
+bitwise batch- and thread-invariant. dweight/dbias partial sums come from a fixed
+partition of the rows into blocks of :data:`ROW_BLOCK` rows (independent of the thread
+count), summed row by row within a block, then over blocks in block order in float64.
+
+Inlining. Code that numba inlines itself (``inline="always"``) is lowered with the
+caller's fast-math flags, so only flag-free functions are marked so: the forward's row
+function and its add and normalize passes (a call per row passing a dozen array structs
+cost 20-30% on rows of 768-1024). The reductions stay calls, which LLVM compiles with
+their own flags.
 """
 
 from __future__ import annotations
