@@ -446,14 +446,13 @@ def _copy_row_streaming(src, dst):
 
 
 @_jit(inline="always")
-def _forward_row(i, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, n, nf, eps, rms, stream, st):
-    """Row ``i`` of the forward: ``h = x + r`` (when ``has_r``), statistics, ``y``.
+def _row_statistics(i, x, xs, r, rs, has_r, h, mean, rstd, n, nf, eps, rms, st):
+    """Row ``i``'s input ``z`` (``h = x + r``, written first, when ``has_r``) and its
+    statistics ``(z, m1, delta, rstd_i)``: the forward's first three passes.
 
-    ``x``, ``r``: flat storage with row strides ``xs``, ``rs``; ``h`` and ``y``: contiguous
-    (M*N,) outputs in x's dtype; ``mean`` (unused for RMSNorm) and ``rstd``: (M,) in the
-    accumulation dtype, like ``w``, ``b``, ``nf`` (N as a float) and ``eps``, written only
-    when ``st``. ``stream``: write float32 ``y`` with non-temporal stores (same bits, no
-    cache pollution).
+    ``x``, ``r``: flat storage with row strides ``xs``, ``rs``; ``h``: contiguous (M*N,)
+    output in x's dtype; ``mean`` (unused for RMSNorm) and ``rstd``: (M,) in the
+    accumulation dtype, like ``nf`` (N as a float) and ``eps``, written only when ``st``.
     """
     zero = nf - nf
     one = nf / nf
@@ -477,27 +476,34 @@ def _forward_row(i, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, n, nf, eps, rms
     r_i = one / np.sqrt(var + eps)
     if st:
         rstd[i] = r_i
-    if stream:
-        normalize_row_streaming(z, y[i * n : (i + 1) * n], m1, delta, r_i, w, b)
-    else:
-        _normalize_row(z, y[i * n : (i + 1) * n], m1, delta, r_i, w, b)
+    return z, m1, delta, r_i
 
 
 @_jit(parallel=True)
 def forward_kernel(x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, nf, eps, rms, stream, st):
-    """:func:`_forward_row` for every row, rows spread over numba's threads."""
+    """Every row's statistics (:func:`_row_statistics`) and output ``y`` (contiguous
+    (M*N,)), rows spread over numba's threads. ``stream``: write float32 ``y`` with
+    non-temporal stores (same bits, no cache pollution)."""
     for i in prange(m):
-        _forward_row(i, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, n, nf, eps, rms, stream, st)
+        z, m1, delta, r_i = _row_statistics(
+            i, x, xs, r, rs, has_r, h, mean, rstd, n, nf, eps, rms, st
+        )
+        if stream:
+            normalize_row_streaming(z, y[i * n : (i + 1) * n], m1, delta, r_i, w, b)
+        else:
+            _normalize_row(z, y[i * n : (i + 1) * n], m1, delta, r_i, w, b)
 
 
 @_jit()
-def forward_kernel_serial(
-    x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, nf, eps, rms, stream, st
-):
-    """:func:`forward_kernel` in the calling thread (no parallel region to launch): the same
-    compiled row function, so the same bits."""
+def forward_kernel_serial(x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, nf, eps, rms, st):
+    """:func:`forward_kernel` in the calling thread (no parallel region to launch), without
+    streaming stores (inputs this small stay in cache; nor does it compile them): the same
+    row functions, so the same bits."""
     for i in range(m):
-        _forward_row(i, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, n, nf, eps, rms, stream, st)
+        z, m1, delta, r_i = _row_statistics(
+            i, x, xs, r, rs, has_r, h, mean, rstd, n, nf, eps, rms, st
+        )
+        _normalize_row(z, y[i * n : (i + 1) * n], m1, delta, r_i, w, b)
 
 
 @_jit()
@@ -655,15 +661,14 @@ def forward_serial(xt, at, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, ep
     Rows ``i`` of x and r start at ``x + i * xs`` and ``r + i * rs`` elements; without a
     residual, ``r`` and ``h`` may be any valid address (``has_r`` False). The outputs
     ``h``, ``y`` are contiguous (M*N); ``mean`` (ignored for RMSNorm) and ``rstd`` (M,),
-    written only when ``st`` (any address otherwise).
+    written only when ``st`` (any address otherwise). ``stream`` is ignored: inputs small
+    enough to run here are never streamed (see :func:`forward_kernel_serial`).
     """
     xa, ra, ha, wa, ba, ya, ma, sa = _forward_views(
         xt, at, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, rms, st
     )
     nf, e = _cast(at, n), _cast(at, eps)
-    forward_kernel_serial(
-        xa, xs, ra, rs, has_r, ha, wa, ba, ya, ma, sa, m, n, nf, e, rms, stream, st
-    )
+    forward_kernel_serial(xa, xs, ra, rs, has_r, ha, wa, ba, ya, ma, sa, m, n, nf, e, rms, st)
 
 
 @_jit()
