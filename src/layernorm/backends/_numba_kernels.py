@@ -245,7 +245,7 @@ def _row_sums_backward(dy, x, w, mean, zero):
 
 
 # ---------------------------------------------------------------------------------------
-# Row passes without reductions (no fast-math flags at all)
+# Row passes without reductions (no fast-math flags at all), and the dx pass
 
 
 @_jit(inline="always")
@@ -272,23 +272,21 @@ def _dx_element(k, dy, x, dro, dx, w, mean, delta, rstd, c1, c2, pw, pb):
     pb[k] += g
 
 
-@_jit()
-def _dx_row(dy, x, dro, dx, w, mean, delta, rstd, c1, c2, pw, pb):
-    for k in range(dx.shape[0]):
-        _dx_element(k, dy, x, dro, dx, w, mean, delta, rstd, c1, c2, pw, pb)
-
-
 @_jit(fastmath=_REASSOC)
-def _dx_row_loading_next(
-    dy, x, dro, dx, w, mean, delta, rstd, c1, c2, pw, pb, dy_next, x_next, zero
-):
-    """:func:`_dx_row` (the same element function, so the same bits) that also loads the
-    next row's ``dy`` and ``x`` and returns their sum, which the caller stores so that
-    the loads stay. Rows much larger than the caches come from memory: this way the next
-    row streams in while this row's arithmetic runs, instead of after it (measured: the
-    large backward 10-15% faster on rows of 4096 and more, no change on 768 and 1024;
-    ``llvm.prefetch`` hints did not do it, and the same loads in the forward's output
-    pass made it slower: benchmarks/RESULTS.md)."""
+def _dx_row(dy, x, dro, dx, w, mean, delta, rstd, c1, c2, pw, pb, dy_next, x_next, zero):
+    """dx of one row (``+ dro``) and the row's terms added to the partial sums ``pw``
+    and ``pb``, element by element (:func:`_dx_element`, which carries no fast-math flags).
+
+    It also loads ``dy_next`` and ``x_next`` and returns their sum, which the caller stores
+    so the loads stay. For inputs much larger than the caches these are the next row,
+    which then streams in from memory while this row's arithmetic runs instead of after it
+    (measured: the large backward 10-15% faster on rows of 4096 and more, no change on 768
+    and 1024; ``llvm.prefetch`` hints did not do it, and the same loads in the forward's
+    output pass made it slower: benchmarks/RESULTS.md). Other rows pass themselves, whose
+    values are in cache: every row runs this one loop. (A second, load-free loop cost
+    ~1 s of compilation; summing the loads as integers, to drop the fast-math flag, made
+    the loop 10-20% slower.)
+    """
     touched = zero
     for k in range(dx.shape[0]):
         _dx_element(k, dy, x, dro, dx, w, mean, delta, rstd, c1, c2, pw, pb)
@@ -516,8 +514,9 @@ def _backward_block(blk, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n
     For RMSNorm the mean is 0 and ``c2`` is 0: ``(z - 0) * rstd`` and ``gh - 0`` are exact.
     ``stream`` (inputs far larger than the caches): each float32 dx row is computed into
     a cached scratch row, then written with non-temporal stores (no read-for-ownership of
-    dx; same bits), and the next row is loaded meanwhile (:func:`_dx_row_loading_next`).
-    Returns the sum of those loads, for the caller to store (it means nothing).
+    dx; same bits), and the next row is loaded meanwhile (:func:`_dx_row`; every row
+    goes through that one call). Returns the sum of what :func:`_dx_row` loaded, for the
+    caller to store (it means nothing).
     """
     zero = nf - nf
     touched = zero
@@ -538,28 +537,27 @@ def _backward_block(blk, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n
         c1 = r_i * (s1 / nf - delta * c2)  # mean(gh * u), u = (d - delta) * rstd
         dro_i = dro[i * ds : i * ds + n]
         dx_i = dx[i * n : (i + 1) * n]
+        # Streamed: into the scratch row, loading the next row meanwhile (see _dx_row).
+        j = min(i + 1, m - 1) if stream else i
+        touched += _dx_row(
+            dy_i,
+            x_i,
+            dro_i,
+            scratch if stream else dx_i,
+            w,
+            mu,
+            delta,
+            r_i,
+            c1,
+            c2,
+            pw_blk,
+            pb_blk,
+            dy[j * gs : j * gs + n],
+            x[j * xs : j * xs + n],
+            zero,
+        )
         if stream:
-            j = min(i + 1, m - 1)
-            touched += _dx_row_loading_next(
-                dy_i,
-                x_i,
-                dro_i,
-                scratch,
-                w,
-                mu,
-                delta,
-                r_i,
-                c1,
-                c2,
-                pw_blk,
-                pb_blk,
-                dy[j * gs : j * gs + n],
-                x[j * xs : j * xs + n],
-                zero,
-            )
             copy_row_streaming(scratch, dx_i)
-        else:
-            _dx_row(dy_i, x_i, dro_i, dx_i, w, mu, delta, r_i, c1, c2, pw_blk, pb_blk)
     return touched
 
 
