@@ -32,6 +32,10 @@ row, whatever M, the row's position, the thread count or the entry (serial or pa
 bitwise batch- and thread-invariant. dweight/dbias partial sums come from a fixed
 partition of the rows into blocks of :data:`ROW_BLOCK` rows (independent of the thread
 count), summed row by row within a block, then over blocks in block order in float64.
+The vector order of a reduction is what LLVM picks where it is compiled, so every path a
+row can take (serial or parallel, streamed or not) reaches the reductions through the
+same code: one row-statistics function in the forward, one block function and one dx
+loop in the backward (a split into two block functions changed one path's bits).
 
 Inlining. Code that numba inlines itself (``inline="always"``) is lowered with the
 caller's fast-math flags, so only flag-free functions are marked so: the forward's row
