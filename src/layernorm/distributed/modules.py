@@ -11,6 +11,7 @@ loads into :class:`layernorm.LayerNorm` or :class:`torch.nn.LayerNorm` unchanged
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -122,7 +123,7 @@ class _ShardedNorm(torch.nn.Module):
         )
         self.offset = sum(self.shard_sizes[: self.rank])
         local = (*self.normalized_shape[:-1], self.shard_sizes[self.rank])
-        kw = {"device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
         if elementwise_affine:
             self.weight = torch.nn.Parameter(torch.empty(local, **kw))
             self.bias = torch.nn.Parameter(torch.empty(local, **kw)) if bias else None

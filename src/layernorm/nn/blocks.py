@@ -18,7 +18,7 @@ bias 0.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +91,7 @@ def make_norm(
         :class:`~layernorm.LayerNorm`, :class:`~layernorm.RMSNorm`, :class:`TokenBatchNorm` or
         :class:`torch.nn.Identity`.
     """
-    kw = {"device": device, "dtype": dtype}
+    kw: dict[str, Any] = {"device": device, "dtype": dtype}
     if norm == "layer":
         return LayerNorm(d_model, eps=eps, **kw)
     if norm == "rms":
@@ -141,7 +141,7 @@ class SelfAttention(torch.nn.Module):
         super().__init__()
         if d_model % n_heads != 0:
             raise ValueError(f"n_heads={n_heads} must divide d_model={d_model}")
-        kw = {"device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.n_heads = n_heads
         self.dropout = dropout
         self.qkv = torch.nn.Linear(d_model, 3 * d_model, bias=bias, **kw)
@@ -198,7 +198,7 @@ class FeedForward(torch.nn.Module):
         super().__init__()
         if activation not in ("relu", "gelu"):
             raise ValueError(f"activation must be 'relu' or 'gelu', got {activation!r}")
-        kw = {"device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.linear1 = torch.nn.Linear(d_model, d_ff, bias=bias, **kw)
         self.linear2 = torch.nn.Linear(d_ff, d_model, bias=bias, **kw)
         self.activation = F.relu if activation == "relu" else F.gelu
@@ -264,7 +264,7 @@ class TransformerBlock(torch.nn.Module):
         super().__init__()
         if norm_position not in ("pre", "post"):
             raise ValueError(f"norm_position must be 'pre' or 'post', got {norm_position!r}")
-        kw = {"device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.norm_position = norm_position
         self.attn = SelfAttention(d_model, n_heads, dropout, bias, **kw)
         self.ffn = FeedForward(d_model, d_ff, dropout, activation, bias, **kw)
@@ -334,7 +334,7 @@ class TransformerStack(torch.nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        kw = {"device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.layers = torch.nn.ModuleList(
             TransformerBlock(
                 d_model, n_heads, d_ff, norm_position, norm, dropout, eps, activation, bias, **kw
@@ -394,7 +394,7 @@ class SequenceTransformer(torch.nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        kw = {"device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.embed = torch.nn.Embedding(vocab_size, d_model, **kw)
         self.position = torch.nn.Parameter(torch.empty(max_len, d_model, **kw))
         self.stack = TransformerStack(

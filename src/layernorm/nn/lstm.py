@@ -15,7 +15,7 @@ as in the paper. The gates are stacked in torch's order ``(i, f, g, o)``, so tha
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
@@ -89,7 +89,7 @@ class LayerNormLSTMCell(torch.nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        kw = {"device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.input_size = input_size
         self.hidden_size = hidden_size
         self.norm = norm
@@ -110,8 +110,9 @@ class LayerNormLSTMCell(torch.nn.Module):
             self.bias.zero_()
             self.bias[self.hidden_size : 2 * self.hidden_size] = self.forget_bias
         for m in (self.norm_ih, self.norm_hh, self.norm_c):
-            if hasattr(m, "reset_parameters"):
-                m.reset_parameters()
+            reset = getattr(m, "reset_parameters", None)  # nn.Identity has none
+            if callable(reset):
+                reset()
 
     def input_gates(self, x: Tensor) -> Tensor:
         """``LN_x(W_ih x)``: the input's part of the gates, for any number of leading dims.
@@ -187,7 +188,7 @@ class LayerNormLSTM(torch.nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        kw = {"device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.hidden_size = hidden_size
         self.num_layers = num_layers
         self.batch_first = batch_first
@@ -207,7 +208,8 @@ class LayerNormLSTM(torch.nn.Module):
             zeros = x.new_zeros(self.num_layers, x.shape[1], self.hidden_size)
             state = (zeros, zeros)
         h_n, c_n = [], []
-        for k, cell in enumerate(self.cells):
+        for k, module in enumerate(self.cells):
+            cell = cast(LayerNormLSTMCell, module)
             gx = cell.input_gates(x)
             hc = (state[0][k], state[1][k])
             outputs = []
