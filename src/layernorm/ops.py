@@ -344,11 +344,13 @@ def _norm(
     rows = _rows(x, n)
     residual_rows = None if residual is None else _rows(residual, n)
     weight, bias = _flat(weight, n), _flat(bias, n)
-    plain = type(x) in _PLAIN and type(residual) in _PLAIN
-    if (
-        not (plain and type(weight) in _PLAIN and type(bias) in _PLAIN)
-        or torch.compiler.is_compiling()
-    ):
+    plain = (
+        type(x) in _PLAIN
+        and type(residual) in _PLAIN
+        and type(weight) in _PLAIN
+        and type(bias) in _PLAIN
+    )
+    if not plain or torch.compiler.is_compiling():
         # the custom op: torch.compile traces it, and DTensor dispatches on it
         y, residual_out, _, _ = _forward_op(rows, residual_rows, weight, bias, eps, rms, name)
     elif torch.is_grad_enabled() and (
