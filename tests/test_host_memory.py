@@ -15,11 +15,13 @@ MIB = 1 << 20
 
 @pytest.fixture
 def cache(monkeypatch):
-    """A fresh, empty cache with a 64 MiB limit (outputs of earlier tests that a cycle
-    still holds are collected first, so they cannot land in it mid-test)."""
+    """A fresh, empty cache with a 64 MiB limit that takes requests from 1 MiB (outputs of
+    earlier tests that a cycle still holds are collected first, so they cannot land in it
+    mid-test)."""
     gc.collect()
     layernorm.empty_cache()
     monkeypatch.setattr(_host_memory, "_limit", 64 * MIB)
+    monkeypatch.setattr(_host_memory, "MIN_BYTES", MIB)
     yield _host_memory
     layernorm.empty_cache()
 
@@ -33,6 +35,19 @@ def test_a_dead_output_block_is_reused(cache):
     assert cache.cached_bytes() == 4 * MIB
     b = cache.empty((1024, 1024), torch.float32)
     assert b.data_ptr() == address and cache.cached_bytes() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_blocks_start_on_a_cache_line(cache, dtype):
+    tensors = [cache.empty((n, 1024), dtype) for n in (1024, 1536, 2048, 3000)]
+    assert [t.data_ptr() % 64 for t in tensors] == [0, 0, 0, 0]
+
+
+def test_requests_below_min_bytes_bypass_the_cache(cache):
+    a = cache.empty((MIB // 4 - 1,), torch.float32)  # just under 1 MiB
+    del a
+    gc.collect()
+    assert cache.cached_bytes() == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])

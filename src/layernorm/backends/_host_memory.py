@@ -10,17 +10,18 @@ module does the same for the numba backend's outputs.
 Blocks of at least :data:`MIN_BYTES` are rounded up to a 2 MiB multiple and, when the last
 tensor viewing one dies, kept for a later request instead of being unmapped. A request
 takes the smallest idle block that fits and is at most :data:`SLACK` times its size, so
-inputs whose length varies a little from call to call (sequence lengths) still reuse. At most :func:`limit` bytes sit idle in the cache (default: 1 GiB or 1/8 of
-physical memory, whichever is smaller; ``LAYERNORM_HOST_CACHE_MB`` overrides it, ``0``
-turns caching off): to keep a newly freed block, the least recently freed ones are
-released first (a model's shapes change rarely, and the newest are the likeliest to be
-asked for again). Memory in use is never capped: the cache only keeps what would
-otherwise be freed. :func:`empty_cache` releases everything
-idle now. Reused memory is uninitialized, exactly like ``torch.empty``'s.
+inputs whose length varies a little from call to call (sequence lengths) still reuse. At
+most :func:`limit` bytes sit idle in the cache (default: 1 GiB or 1/8 of physical memory,
+whichever is smaller; ``LAYERNORM_HOST_CACHE_MB`` overrides it, ``0`` turns caching off):
+to keep a newly freed block, the least recently freed ones are released first (a model's
+shapes change rarely, and the newest are the likeliest to be asked for again). Memory in
+use is never capped: the cache only keeps what would otherwise be freed.
+:func:`empty_cache` releases everything idle now. Reused memory is uninitialized, exactly
+like ``torch.empty``'s.
 
 Blocks come from NumPy (``np.empty``), which advises Linux to back them with transparent
-huge pages. Thread-safe; a block returns to the cache from whichever thread drops the last
-reference to it.
+huge pages, and start on a 64-byte cache line. Thread-safe; a block returns to the cache
+from whichever thread drops the last reference to it.
 """
 
 from __future__ import annotations
@@ -38,11 +39,19 @@ import torch
 
 __all__ = ["MIN_BYTES", "cached_bytes", "empty", "empty_cache", "limit"]
 
-#: smaller requests go to ``torch.empty`` directly (glibc reuses small blocks itself)
-MIN_BYTES = 1 << 20
+#: smaller requests go to ``torch.empty`` directly. torch's CPU allocator is glibc's
+#: ``malloc``, which keeps freed blocks below 32 MiB in its heap once one such block has
+#: been freed (its mmap threshold adapts), so those come back without page clearing, and
+#: faster than this cache's bookkeeping: measured with the numba forward on 1-8 MiB
+#: outputs, ``torch.empty`` was 7-20% faster end to end, this cache from 16 MiB
+#: (benchmarks/RESULTS.md).
+MIN_BYTES = 16 << 20
 #: a request may take an idle block up to this many times its (rounded) size
 SLACK = 1.5
 _GRANULE = 2 << 20  # size classes: multiples of a huge page
+#: blocks start on a cache line, as torch's own allocations do (NumPy's large arrays start
+#: 16 bytes in: every other 32-byte vector store then straddles two lines, ~5% slower)
+_ALIGNMENT = 64
 
 
 _lock = threading.RLock()
@@ -118,10 +127,18 @@ def _take(size: int) -> np.ndarray:
         else:
             fits = [h for h, tokens in _tokens.items() if tokens and size <= h <= SLACK * size]
             if not fits:
-                return np.empty(size, np.uint8)
+                return _aligned(size)
             have = min(fits)
         _idle_bytes -= have
         return _idle.pop(_tokens[have].pop())
+
+
+def _aligned(size: int) -> np.ndarray:
+    """A new block of ``size`` bytes starting on a :data:`_ALIGNMENT` boundary (a view
+    into a slightly larger array, which it keeps alive)."""
+    owner = np.empty(size + _ALIGNMENT, np.uint8)
+    start = -owner.ctypes.data % _ALIGNMENT
+    return owner[start : start + size]
 
 
 @functools.cache
