@@ -35,7 +35,11 @@ count), summed row by row within a block, then over blocks in block order in flo
 The vector order of a reduction is what LLVM picks where it is compiled, so every path a
 row can take (serial or parallel, streamed or not) reaches the reductions through the
 same code: one row-statistics function in the forward, one block function and one dx
-loop in the backward (a split into two block functions changed one path's bits).
+loop in the backward (a split into two block functions changed one path's bits). That
+order also moves with code around the call: dropping the dx loop's throwaway loads (see
+:func:`_dx_row`) changed LLVM's inlining of the block's row sums, and with it 1-3 ulp in
+~10% of the dx elements. So bits are reproducible for one build of this file with one
+numba/LLVM on one CPU, which is what the tests pin, not across versions of them.
 
 Inlining. Code that numba inlines itself (``inline="always"``) is lowered with the
 caller's fast-math flags, so only flag-free functions are marked so: the forward's row
