@@ -15,15 +15,20 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 # (a torch built without distributed support has neither; group_info then says so)
-ProcessGroup = getattr(dist, "ProcessGroup", object)
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+else:
+    ProcessGroup = getattr(dist, "ProcessGroup", object)
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or getattr(
+_all_gather_flat: Callable[..., Any] | None = getattr(dist, "all_gather_single", None) or getattr(
     dist, "all_gather_into_tensor", None
 )
 
@@ -52,6 +57,8 @@ def gather(t: Tensor, group: ProcessGroup | None) -> Tensor:
     world = dist.get_world_size(group)
     out = t.new_empty(world * t.numel())
     if t.numel() > 0:
+        # every caller has passed group_info, so torch.distributed is available and has it
+        assert _all_gather_flat is not None
         _all_gather_flat(out, t.contiguous().view(-1), group=group)
     return out.view(world, *t.shape)
 

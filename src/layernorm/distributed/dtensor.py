@@ -57,10 +57,11 @@ def is_dtensor(t: object) -> bool:
 
 def _plan(x, k: int):
     """Placements to run with, and the mesh dim (or None) that shards the last dim."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Placement, Replicate, Shard
 
     first, last = x.ndim - k, x.ndim - 1
-    placements, tp_dim = [], None
+    placements: list[Placement] = []
+    tp_dim: int | None = None
     for i, p in enumerate(x.placements):
         if type(p) is Shard and p.dim % x.ndim < first:
             placements.append(p)

@@ -116,6 +116,7 @@ def _prepare(
     if eps is None:
         eps = torch.finfo(x.dtype).eps if is_tensor and x.is_floating_point() else 0.0
     eps = float(eps)
+    error: Exception | None
     try:  # an error on one rank alone must reach the others too
         shape = _normalized_shape(normalized_shape)
     except (TypeError, ValueError) as bad_shape:
@@ -165,21 +166,19 @@ def _combine(stats: Tensor, counts: list[int]) -> tuple[Tensor, Tensor, Tensor]:
         ``(pivot, o, M2)`` in float64, each ``(M,)``: the row mean is ``pivot + o``.
     """
     ranks = [r for r, n in enumerate(counts) if n > 0]
+    first = ranks[0]
     s = stats.double()
-    pivot = s[ranks[0], 0]
-    n_a, o_a, m2_a = 0, None, None
-    for r in ranks:
+    pivot = s[first, 0]
+    n_a, o_a, m2_a = counts[first], (s[first, 0] - pivot) + s[first, 1], s[first, 2]
+    for r in ranks[1:]:
         n_b = counts[r]
         o_b = (s[r, 0] - pivot) + s[r, 1]
-        if o_a is None:
-            n_a, o_a, m2_a = n_b, o_b, s[r, 2]
-            continue
         n_ab = n_a + n_b
         step = o_b - o_a  # exactly 0 when both parts have the same mean: o_a stays exact
         o_a = o_a + step * (n_b / n_ab)
         m2_a = m2_a + s[r, 2] + step * step * (n_a * n_b / n_ab)
         n_a = n_ab
-    return pivot, o_a, m2_a  # type: ignore[return-value]
+    return pivot, o_a, m2_a
 
 
 def _ordered_sum(parts: Tensor) -> Tensor:

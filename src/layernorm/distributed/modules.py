@@ -11,7 +11,7 @@ loads into :class:`layernorm.LayerNorm` or :class:`torch.nn.LayerNorm` unchanged
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -96,8 +96,21 @@ def gather_state_dict(module: _ShardedNorm) -> dict[str, Tensor]:
     return full
 
 
+class _FullNorm(Protocol):
+    """What :meth:`_ShardedNorm.from_full` reads of a full norm module."""
+
+    normalized_shape: int | Sequence[int]
+    eps: float | None
+    elementwise_affine: bool
+    weight: Tensor | None
+    bias: Tensor | None
+
+
 class _ShardedNorm(torch.nn.Module):
     """Common part: the shard geometry and the parameters of this rank."""
+
+    weight: torch.nn.Parameter | None
+    bias: torch.nn.Parameter | None
 
     def __init__(
         self,
@@ -150,12 +163,14 @@ class _ShardedNorm(torch.nn.Module):
         shard_sizes: Sequence[int] | None = None,
     ):
         """The sharded twin of a full ``torch.nn.LayerNorm``/``RMSNorm`` (or ours), on this rank."""
-        kwargs = {"bias": module.bias is not None} if cls is LayerNorm else {}
-        ref = module.weight if module.weight is not None else None
+        # (a torch.nn.Module's attributes are typed Tensor | Module: say which ones these are)
+        full = cast(_FullNorm, module)
+        kwargs = {"bias": full.bias is not None} if cls is LayerNorm else {}
+        ref = full.weight if full.weight is not None else None
         twin = cls(
-            module.normalized_shape,
-            module.eps,
-            module.elementwise_affine,
+            full.normalized_shape,
+            full.eps,
+            full.elementwise_affine,
             group=group,
             shard_sizes=shard_sizes,
             device=None if ref is None else ref.device,
@@ -205,6 +220,8 @@ class LayerNorm(_ShardedNorm):
         >>> y = m(m.shard(x))                                  # this rank's slice of full(x)
         >>> full.load_state_dict(gather_state_dict(m))         # and back
     """
+
+    eps: float  # the constructor's eps is a float (RMSNorm's may be None)
 
     def __init__(
         self,

@@ -82,21 +82,21 @@ def allreduce_param_grads(
     """
     _, world = group_info(group)
     params = _params(params)
-    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}  # the parameters' .grad tensors
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        by_dtype.setdefault(p.grad.dtype, []).append(p)
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
     for dtype in sorted(by_dtype, key=str):  # the same order on every rank
-        group_params = by_dtype[dtype]
-        flat = torch.cat([p.grad.reshape(-1) for p in group_params])
+        grads = by_dtype[dtype]
+        flat = torch.cat([g.reshape(-1) for g in grads])
         total = _ordered_sum(gather(flat, group))
         if average:
             total /= world
         offset = 0
-        for p in group_params:
-            n = p.grad.numel()
-            p.grad.copy_(total[offset : offset + n].view_as(p.grad))
+        for g in grads:
+            n = g.numel()
+            g.copy_(total[offset : offset + n].view_as(g))
             offset += n
 
 
