@@ -214,7 +214,9 @@ def set_threads(threads: int | None) -> None:
         import numba
     except ImportError:
         return
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    # (numba.config sets NUMBA_NUM_THREADS at import, from the environment: its types miss it)
+    max_threads = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
+    numba.set_num_threads(min(threads, max_threads))
 
 
 def run(
@@ -275,12 +277,15 @@ def run(
                         m,
                         n,
                         provider,
-                        *[float("nan")] * 4,
-                        moved,
-                        float("nan"),
-                        None,
-                        None,
-                        errors[provider],
+                        ms=float("nan"),
+                        min_ms=float("nan"),
+                        q25_ms=float("nan"),
+                        q75_ms=float("nan"),
+                        bytes=moved,
+                        gbps=float("nan"),
+                        vs_torch=None,
+                        of_copy=None,
+                        error=errors[provider],
                     )
                 )
                 continue
@@ -534,6 +539,8 @@ def report_section(out_dir: Path, quick: bool) -> str:
     """
     from ._html import img_tag, table
 
+    shapes: Sequence[tuple[int, int]]
+    ops: Sequence[str]
     if quick:
         shapes, ops = ((512, 1024), (2048, 2048)), ("layer_norm",)
     else:

@@ -121,6 +121,7 @@ def backward(
     else:
         # The saved mean is rounded to float32; re-centering by mean(z - mean) makes u exact
         # to the ulp of the centered values, whatever the row's offset (as in the forward).
+        assert mean is not None  # the contract: mean is None only for RMSNorm
         d = z - mean[:, None]
         delta = row_sum(d) / n
         u = (d - delta[:, None]) * rstd[:, None]

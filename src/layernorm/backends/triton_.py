@@ -32,6 +32,7 @@ import importlib.util
 import os
 import sys
 from types import ModuleType
+from typing import overload
 
 import numpy as np
 import torch
@@ -172,6 +173,12 @@ def _chunk_columns(n: int) -> int:
     return min(CHUNK_N, _next_power_of_2(n))
 
 
+@overload
+def _rows(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def _rows(t: None) -> None: ...
+@overload
+def _rows(t: torch.Tensor | None) -> torch.Tensor | None: ...
 def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
     # The kernels index columns with unit stride. The contract promises that, but autograd
     # hands the backward expanded gradients (``y.sum().backward()``: strides (0, 0)).

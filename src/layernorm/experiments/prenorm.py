@@ -21,13 +21,13 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..nn.blocks import TransformerStack
+from ..nn.blocks import NormPosition, TransformerBlock, TransformerStack
 from ._common import finish, new_figure, one_thread, progress_bar, seeded, settings
 
 NAME = "prenorm"
@@ -61,8 +61,18 @@ SLOPE_TOLERANCE = 0.15
 FLAT_TOLERANCE = 0.15
 
 
+#: the two norm positions compared, in the order they are run
+POSITIONS: tuple[NormPosition, ...] = ("post", "pre")
+
+
+def _grad_norm(layer: torch.nn.Linear) -> float:
+    grad = layer.weight.grad
+    assert grad is not None  # called after the backward pass, which reaches every FFN
+    return grad.norm().item()
+
+
 def gradient_norms(
-    n_layers: int, norm_position: str, seed: int, s: dict[str, Any]
+    n_layers: int, norm_position: NormPosition, seed: int, s: dict[str, Any]
 ) -> tuple[np.ndarray, float]:
     """Per-layer ``(‖∇W1‖_F, ‖∇W2‖_F)`` (shape ``(L, 2)``) and the RMS entering the final norm."""
     with seeded(seed):
@@ -77,14 +87,9 @@ def gradient_norms(
     stack.final_norm.register_forward_pre_hook(lambda _, args: stream.append(args[0].detach()))
     logits = readout(stack(x)).reshape(-1, s["classes"])
     F.cross_entropy(logits, labels).backward()
+    blocks = [cast(TransformerBlock, block) for block in stack.layers]
     grads = np.array(
-        [
-            [
-                block.ffn.linear1.weight.grad.norm().item(),
-                block.ffn.linear2.weight.grad.norm().item(),
-            ]
-            for block in stack.layers
-        ]
+        [[_grad_norm(block.ffn.linear1), _grad_norm(block.ffn.linear2)] for block in blocks]
     )
     return grads, stream[0].pow(2).mean().sqrt().item()
 
@@ -120,7 +125,7 @@ def run(out: Path, seed: int = 0, progress: bool = True, **sizes: Any) -> dict:
 def _measure(depths: list[int], seed: int, progress: bool, s: dict[str, Any]) -> dict:
     bar = progress_bar(2 * len(depths) * s["seeds"], NAME, progress)
     per: dict[str, dict[int, dict[str, Any]]] = {"post": {}, "pre": {}}
-    for position in ("post", "pre"):
+    for position in POSITIONS:
         for depth in depths:
             runs = []
             for k in range(s["seeds"]):

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..nn.lstm import LayerNormLSTM
+from ..nn.lstm import LayerNormLSTM, LSTMNorm
 from ._common import finish, moving_average, new_figure, one_thread, progress_bar, seeded, settings
 
 NAME = "rnn"
@@ -44,7 +44,7 @@ DEFAULTS: dict[str, Any] = {
 }
 QUICK: dict[str, Any] = {"seq_len": 8, "hidden": 8, "batch": 8, "steps": 6, "eval_size": 32}
 BASELINE = 1.0 / 6.0
-RUNS = {"LSTM": "none", "LN-LSTM": "layer"}
+RUNS: dict[str, LSTMNorm] = {"LSTM": "none", "LN-LSTM": "layer"}
 
 
 def adding_batch(
@@ -64,7 +64,7 @@ def adding_batch(
 class Regressor(torch.nn.Module):
     """An LSTM (``norm`` as in :class:`~layernorm.nn.LayerNormLSTM`) and a linear read-out of its last state."""
 
-    def __init__(self, hidden: int, norm: str) -> None:
+    def __init__(self, hidden: int, norm: LSTMNorm) -> None:
         super().__init__()
         self.lstm = LayerNormLSTM(2, hidden, norm=norm, batch_first=True)
         self.readout = torch.nn.Linear(hidden, 1)
@@ -74,7 +74,7 @@ class Regressor(torch.nn.Module):
         return self.readout(out[:, -1]).squeeze(-1)
 
 
-def train(norm: str, seed: int, s: dict[str, Any], bar) -> dict[str, Any]:
+def train(norm: LSTMNorm, seed: int, s: dict[str, Any], bar) -> dict[str, Any]:
     """Trains one regressor; returns its per-step losses, final loss and held-out MSE."""
     with seeded(seed):
         model = Regressor(s["hidden"], norm)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..nn.blocks import SequenceTransformer
+from ..nn.blocks import NormPosition, SequenceTransformer
 from ._common import finish, moving_average, new_figure, one_thread, progress_bar, seeded, settings
 
 NAME = "warmup"
@@ -60,6 +60,8 @@ QUICK: dict[str, Any] = {
     "eval_size": 32,
 }
 TASKS = ("copy", "reverse", "sort")
+#: the two norm positions compared, in the order they are run
+POSITIONS: tuple[NormPosition, ...] = ("post", "pre")
 #: a run counts as having learned the task at this held-out token accuracy
 SOLVED = 0.9
 
@@ -76,7 +78,7 @@ def make_batch(task: str, n: int, seq_len: int, vocab: int, generator: torch.Gen
     raise ValueError(f"task must be one of {list(TASKS)}, got {task!r}")
 
 
-def train(position: str, warmup: int, seed: int, s: dict[str, Any], bar) -> dict[str, Any]:
+def train(position: NormPosition, warmup: int, seed: int, s: dict[str, Any], bar) -> dict[str, Any]:
     """Trains one model; returns its per-step losses, final loss and held-out token accuracy."""
     with seeded(seed):
         model = SequenceTransformer(
@@ -134,7 +136,7 @@ def run(out: Path, seed: int = 0, progress: bool = True, **sizes: Any) -> dict:
     bar = progress_bar(4 * s["steps"], NAME, progress)
     runs: dict[str, dict[str, Any]] = {}
     with one_thread():
-        for position in ("post", "pre"):
+        for position in POSITIONS:
             runs[position] = train(position, 0, seed, s, bar)
             runs[f"{position}+warmup"] = train(position, s["warmup"], seed, s, bar)
     bar.close()
