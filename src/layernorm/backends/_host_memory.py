@@ -40,12 +40,12 @@ import torch
 __all__ = ["MIN_BYTES", "cached_bytes", "empty", "empty_cache", "limit"]
 
 #: smaller requests go to ``torch.empty`` directly. torch's CPU allocator is glibc's
-#: ``malloc``, which keeps freed blocks below 32 MiB in its heap once one such block has
-#: been freed (its mmap threshold adapts), so those come back without page clearing, and
-#: faster than this cache's bookkeeping: measured with the numba forward on 1-8 MiB
-#: outputs, ``torch.empty`` was 7-20% faster end to end, this cache from 16 MiB
-#: (benchmarks/RESULTS.md).
-MIN_BYTES = 16 << 20
+#: ``malloc``, which keeps freed blocks below 32 MiB (its largest adaptive mmap threshold)
+#: in its heap once one such block has been freed, so those come back without page
+#: clearing, and without this cache's Python bookkeeping (~5 us a call). Measured with the
+#: numba forward, both ways interleaved in one process (benchmarks/RESULTS.md):
+#: ``torch.empty`` as fast or faster from 1 to 31 MiB, 3-4x slower at 32 MiB.
+MIN_BYTES = 32 << 20
 #: a request may take an idle block up to this many times its (rounded) size
 SLACK = 1.5
 _GRANULE = 2 << 20  # size classes: multiples of a huge page

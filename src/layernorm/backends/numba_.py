@@ -15,7 +15,7 @@ dispatcher types in about a microsecond; inputs under :data:`SERIAL_NUMEL` eleme
 the calling thread (no parallel region to wake), larger ones over numba's threads. Both
 variants run the same compiled row function, so a row's bits do not depend on which ran.
 
-Outputs of 16 MiB or more come from :mod:`layernorm.backends._host_memory`, a cache of
+Outputs of 32 MiB or more come from :mod:`layernorm.backends._host_memory`, a cache of
 freed output blocks: a fresh large tensor is a fresh ``mmap`` whose pages Linux clears on
 first touch, which costs more than the normalization itself (``benchmarks/RESULTS.md``).
 ``layernorm.empty_cache()`` releases the idle blocks; ``LAYERNORM_HOST_CACHE_MB`` caps them.
