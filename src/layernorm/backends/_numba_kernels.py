@@ -20,32 +20,30 @@ no inner-loop branches).
 
 Numerics (SPEC §3). Accumulation in float32 (float64 for float64 input). Statistics are
 the corrected two-pass: ``m1 = mean(z)``, ``d = z - m1``, ``delta = mean(d)``,
-``mean = m1 + delta``, ``c = d - delta``, ``var = mean(c²)``. A row is read once from
-memory; the three reductions and the output pass re-read it from cache.
+``mean = m1 + delta``, ``var = mean((d - delta)²)``, computed as
+``mean(d²) - delta²`` so that ``sum(d)`` and ``sum(d²)`` share one pass (``delta`` is a
+rounding error of ``m1``: the subtraction cancels nothing). A row is read once from
+memory; the two reduction passes and the output pass re-read it from cache.
 
-Determinism. A row's reductions run in one function whose summation order LLVM fixes
-from the trip count N alone (the reduction adds carry only the ``reassoc`` fast-math flag,
-which lets the loop vectorizer keep several partial sums; the element arithmetic carries
-no flags, so ``(z - m1) - delta`` is never rewritten). The same row function runs every
-row, whatever M, the row's position, the thread count or the entry (serial or parallel;
-``tests/test_numba_backend.py`` checks the two entries bit for bit), so outputs are
-bitwise batch- and thread-invariant. dweight/dbias partial sums come from a fixed
-partition of the rows into blocks of :data:`ROW_BLOCK` rows (independent of the thread
-count), summed row by row within a block, then over blocks in block order in float64.
-The vector order of a reduction is what LLVM picks where it is compiled, so every path a
-row can take (serial or parallel, streamed or not) reaches the reductions through the
-same code: one row-statistics function in the forward, one block function and one dx
-loop in the backward (a split into two block functions changed one path's bits). That
-order also moves with code around the call: dropping the dx loop's throwaway loads (see
-:func:`_dx_row`) changed LLVM's inlining of the block's row sums, and with it 1-3 ulp in
-~10% of the dx elements. So bits are reproducible for one build of this file with one
-numba/LLVM on one CPU, which is what the tests pin, not across versions of them.
+Determinism. Every row sum goes through :mod:`layernorm.backends._numba_reductions`,
+whose summation order is written out in LLVM IR and depends on N alone: not on M, the
+row's position, the thread count, the entry (serial or parallel), streaming, or the code
+the sum is compiled into (``tests/test_numba_reductions.py`` replays the order in NumPy
+bit for bit; ``tests/test_numba_backend.py`` compares the entries and paths). The element
+arithmetic carries no fast-math flags, so ``(z - m1) - delta`` is never rewritten, and
+no function that computes a statistic is compiled with ``fastmath``. So outputs are
+bitwise batch- and thread-invariant, and the same from build to build.
+dweight/dbias partial sums come from a fixed partition of the rows into blocks of
+:data:`ROW_BLOCK` rows (independent of the thread count), summed row by row within a
+block, then over blocks in block order in float64. (Before the explicit order, the sums
+were ``reassoc`` loops whose vector order LLVM chose where they were compiled: dropping
+an unrelated loop's loads from the backward's block function changed 1-3 ulp in ~10% of
+dx; benchmarks/RESULTS.md.)
 
 Inlining. Code that numba inlines itself (``inline="always"``) is lowered with the
 caller's fast-math flags, so only flag-free functions are marked so: the forward's row
 function and its add and normalize passes (a call per row passing a dozen array structs
-cost 20-30% on rows of 768-1024). The reductions stay calls, which LLVM compiles with
-their own flags.
+cost 20-30% on rows of 768-1024). The reductions are intrinsics, emitted inline.
 """
 
 from __future__ import annotations
@@ -57,6 +55,15 @@ from llvmlite import ir
 from numba import carray, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
+
+from ._numba_reductions import (
+    row_sum,
+    row_sum_sq,
+    row_sums_backward,
+    row_sums_centered,
+    splat,
+    widen,
+)
 
 ROW_BLOCK = 32  # rows per dweight/dbias partial sum (fixed: never depends on threads)
 _REASSOC = {"reassoc"}
@@ -84,7 +91,7 @@ def _jit(**options):
 @intrinsic
 def _half_to_f32(typingctx, bits):
     def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        return widen(builder, args[0], types.int16)
 
     return types.float32(types.int16), codegen
 
@@ -101,9 +108,7 @@ def _f32_to_half(typingctx, value):
 @intrinsic
 def _bf16_to_f32(typingctx, bits):
     def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        wide = builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16))
-        return builder.bitcast(wide, ir.FloatType())
+        return widen(builder, args[0], types.uint16)
 
     return types.float32(types.uint16), codegen
 
@@ -160,96 +165,6 @@ def _st(a, j, value):
         a[j] = value
 
     return store
-
-
-# ---------------------------------------------------------------------------------------
-# Row reductions. The adds carry ``reassoc`` (vectorized partial sums in an order fixed by
-# N); each element's arithmetic lives in a flag-free function, so it is never reordered.
-# Helpers take row slices and index them from 0, so LLVM sees non-negative indices
-# (no wraparound checks) and vectorizes.
-
-
-@_jit()
-def _centered(z, j, m1):
-    return ld(z, j) - m1
-
-
-@_jit()
-def _centered_sq(z, j, m1, delta):
-    c = (ld(z, j) - m1) - delta
-    return c * c
-
-
-@_jit()
-def _sq(z, j):
-    v = ld(z, j)
-    return v * v
-
-
-@_jit(fastmath=_REASSOC)
-def _row_sum(z, zero):
-    s = zero
-    for j in range(z.shape[0]):
-        s += ld(z, j)
-    return s
-
-
-@_jit(fastmath=_REASSOC)
-def _row_sum_centered(z, m1, zero):
-    s = zero
-    for j in range(z.shape[0]):
-        s += _centered(z, j, m1)
-    return s
-
-
-@_jit(fastmath=_REASSOC)
-def _row_sums_centered(z, m1, zero):
-    s1 = zero
-    s2 = zero
-    for j in range(z.shape[0]):
-        d = _centered(z, j, m1)
-        s1 += d
-        s2 += d * d
-    return s1, s2
-
-
-@_jit(fastmath=_REASSOC)
-def _row_sum_centered_sq(z, m1, delta, zero):
-    s = zero
-    for j in range(z.shape[0]):
-        s += _centered_sq(z, j, m1, delta)
-    return s
-
-
-@_jit(fastmath=_REASSOC)
-def _row_sum_sq(z, zero):
-    s = zero
-    for j in range(z.shape[0]):
-        s += _sq(z, j)
-    return s
-
-
-@_jit()
-def _gh_d(dy, x, k, w, mean):
-    gh = ld(dy, k) * w[k]
-    d = ld(x, k) - mean
-    return gh * d, gh, d
-
-
-@_jit(fastmath=_REASSOC)
-def _row_sums_backward(dy, x, w, mean, zero):
-    """``(sum(d), sum(gh * d), sum(gh))`` with ``d = x - mean``: the saved mean is rounded
-    to float32, so the backward re-centers by ``delta = mean(d)`` (SPEC's corrected
-    two-pass again), which keeps the gradient's error independent of the row offset."""
-    s0 = zero
-    s1 = zero
-    s2 = zero
-    for k in range(x.shape[0]):
-        ghd, gh, d = _gh_d(dy, x, k, w, mean)
-        s0 += d
-        s1 += ghd
-        s2 += gh
-    return s0, s1, s2
 
 
 # ---------------------------------------------------------------------------------------
@@ -320,13 +235,6 @@ def _vector_ptr(context, builder, array_type, array, k):
     return builder.bitcast(builder.gep(data, [k]), vector.as_pointer())
 
 
-def _splat(builder, value):
-    vector = ir.VectorType(ir.FloatType(), _WIDTH)
-    one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.IntType(32)(0))
-    zeros = ir.Constant(ir.VectorType(ir.IntType(32), _WIDTH), [0] * _WIDTH)
-    return builder.shuffle_vector(one, one, zeros)
-
-
 def _load(builder, ptr):
     return builder.load(ptr, align=4)
 
@@ -345,8 +253,10 @@ def _normalize_vector_nt(typingctx, z, y, k, m1, delta, rstd, w, b):
         za, ya, k, m1, delta, rstd, wa, ba = args
         at = signature.args
         zv = _load(builder, _vector_ptr(context, builder, at[0], za, k))
-        u = builder.fsub(builder.fsub(zv, _splat(builder, m1)), _splat(builder, delta))
-        u = builder.fmul(u, _splat(builder, rstd))
+        u = builder.fsub(
+            builder.fsub(zv, splat(builder, m1, _WIDTH)), splat(builder, delta, _WIDTH)
+        )
+        u = builder.fmul(u, splat(builder, rstd, _WIDTH))
         wv = _load(builder, _vector_ptr(context, builder, at[6], wa, k))
         bv = _load(builder, _vector_ptr(context, builder, at[7], ba, k))
         yv = builder.fadd(builder.fmul(u, wv), bv)
@@ -469,12 +379,12 @@ def _row_statistics(i, x, xs, r, rs, has_r, h, mean, rstd, n, nf, eps, rms, st):
     if rms:
         m1 = zero
         delta = zero
-        var = _row_sum_sq(z, zero) / nf
+        var = row_sum_sq(z, zero) / nf
     else:
-        m1 = _row_sum(z, zero) / nf
+        m1 = row_sum(z, zero) / nf
         # One pass for Σd and Σd², d = z − m1: Σ(d − delta)² = Σd² − N·delta², and
         # delta is a rounding error of m1, so the subtraction cancels nothing.
-        s1, s2 = _row_sums_centered(z, m1, zero)
+        s1, s2 = row_sums_centered(z, m1, zero)
         delta = s1 / nf
         if st:
             mean[i] = m1 + delta
@@ -539,7 +449,7 @@ def _backward_block(blk, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n
         r_i = rstd[i]
         dy_i = dy[i * gs : i * gs + n]
         x_i = x[i * xs : i * xs + n]
-        s0, s1, s2 = _row_sums_backward(dy_i, x_i, w, mu, zero)
+        s0, s1, s2 = row_sums_backward(dy_i, x_i, w, mu, zero)
         delta = zero if rms else s0 / nf
         c2 = zero if rms else s2 / nf
         c1 = r_i * (s1 / nf - delta * c2)  # mean(gh * u), u = (d - delta) * rstd

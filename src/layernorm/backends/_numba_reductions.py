@@ -1,0 +1,241 @@
+"""Row reductions for the numba kernels, in LLVM IR, with one fixed summation order.
+
+Every sum over a row's N elements adds them in the same order, whatever the row's dtype,
+the function the sum is inlined into, LLVM's vectorizer or the CPU's vector width:
+
+1. ``UNROLL`` vector accumulators of ``LANES`` lanes: in block ``b`` (``LANES * UNROLL``
+   elements), accumulator ``u`` lane ``l`` adds element ``b * LANES * UNROLL + u * LANES + l``;
+2. the whole vectors left after the last block go, in order, into accumulator 0;
+3. the accumulators are combined as ``(a0 + a1) + (a2 + a3)`` and the lanes halved in a
+   tree (lane ``l`` plus lane ``l + LANES / 2``, down to one);
+4. the last ``N % LANES`` elements are added one by one to a scalar, added last.
+
+The adds carry no fast-math flags, so LLVM keeps exactly this order (it may still unroll
+or interleave, which changes no bits); functions that call these must not be compiled
+with ``fastmath`` either (numba's fast-math pass flags every instruction of a function,
+inlined intrinsics included). Before, the sums were loops with the ``reassoc`` flag whose
+vector order was whatever LLVM picked where they were compiled: code around the call
+(inlining, a neighbouring loop) changed it, and with it the last bits of the outputs.
+Here the order is part of the code: the same bits on every path (serial or parallel,
+streamed or not), in every build, and on any x86 CPU (``LANES = 8`` is one AVX register
+of float32; a machine with narrower vectors splits each into pieces, lane for lane).
+
+Each reduction is an ``@intrinsic`` that emits its loops inline where it is called: no
+call per row, no array structs passed by value.
+
+Elements are loaded in their storage dtype and widened in registers to the accumulation
+dtype (given by the ``zero`` argument: float32, or float64 for float64 rows): float16
+and bfloat16 arrive as their 16-bit patterns (int16 and uint16 arrays, as everywhere in
+these kernels).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.core.typing import signature
+from numba.extending import intrinsic
+
+LANES = 8  # lanes per accumulator (float32: one 256-bit register)
+UNROLL = 4  # accumulators (independent add chains, so the adds' latency overlaps)
+
+_I16 = ir.IntType(16)
+_I32 = ir.IntType(32)
+
+
+def _shaped(scalar_type: ir.Type, like: ir.Value) -> ir.Type:
+    """``scalar_type``, as a vector when ``like`` is one (of as many lanes)."""
+    if isinstance(like.type, ir.VectorType):
+        return ir.VectorType(scalar_type, like.type.count)
+    return scalar_type
+
+
+def widen(builder: ir.IRBuilder, raw: ir.Value, dtype: types.Type) -> ir.Value:
+    """Storage values (a scalar or a vector) of numba dtype ``dtype`` in the accumulation
+    dtype: float16 bits (int16) and bfloat16 bits (uint16) become float32; float32 and
+    float64 stay as they are."""
+    if dtype == types.int16:
+        return builder.fpext(
+            builder.bitcast(raw, _shaped(ir.HalfType(), raw)), _shaped(ir.FloatType(), raw)
+        )
+    if dtype == types.uint16:
+        wide = builder.zext(raw, _shaped(_I32, raw))
+        shift = ir.Constant(_shaped(_I32, raw), 16)
+        if isinstance(raw.type, ir.VectorType):
+            shift = ir.Constant(_shaped(_I32, raw), [16] * raw.type.count)
+        return builder.bitcast(builder.shl(wide, shift), _shaped(ir.FloatType(), raw))
+    return raw
+
+
+def splat(builder: ir.IRBuilder, value: ir.Value, lanes: int) -> ir.Value:
+    """A vector of ``lanes`` copies of the scalar ``value``."""
+    vector = ir.VectorType(value.type, lanes)
+    one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, _I32(0))
+    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, lanes), [0] * lanes))
+
+
+def _halve(builder: ir.IRBuilder, vector: ir.Value) -> ir.Value:
+    """The tree sum of a vector's lanes: the low half plus the high half, repeatedly."""
+    lanes = vector.type.count
+    while lanes > 1:
+        lanes //= 2
+        mask = ir.VectorType(_I32, lanes)
+        low = builder.shuffle_vector(vector, vector, ir.Constant(mask, list(range(lanes))))
+        high = builder.shuffle_vector(
+            vector, vector, ir.Constant(mask, list(range(lanes, 2 * lanes)))
+        )
+        vector = builder.fadd(low, high)
+    return builder.extract_element(vector, _I32(0))
+
+
+Terms = Callable[[ir.IRBuilder, list[ir.Value], list[ir.Value]], list[ir.Value]]
+
+
+def _reduce(
+    context,
+    builder: ir.IRBuilder,
+    arrays: Sequence[tuple[types.Array, ir.Value]],
+    scalars: Sequence[ir.Value],
+    terms: Terms,
+    count: int,
+) -> list[ir.Value]:
+    """``count`` sums over the rows ``arrays`` (numba 1-D C arrays of one length N, the
+    first one's): ``terms(builder, elements, scalars)`` gives each element's ``count``
+    terms from the arrays' elements (widened) and ``scalars`` (splat to match), as
+    vectors of ``LANES`` in the body and as scalars in the tail."""
+    structs = [context.make_array(t)(context, builder, v) for t, v in arrays]
+    data = [
+        (s.data, t.dtype, context.get_abi_sizeof(s.data.type.pointee))
+        for (t, _), s in zip(arrays, structs, strict=True)
+    ]
+    n = builder.extract_value(structs[0].shape, 0)
+    intp = n.type
+    acc = scalars[-1].type  # the zero argument's: the accumulation type
+    vector = ir.VectorType(acc, LANES)
+    vector_scalars = [splat(builder, s, LANES) for s in scalars]
+
+    def load(index: ir.Value, lanes: int) -> list[ir.Value]:
+        values = []
+        for pointer, dtype, itemsize in data:
+            address = builder.gep(pointer, [index])
+            if lanes > 1:
+                address = builder.bitcast(
+                    address, ir.VectorType(pointer.type.pointee, lanes).as_pointer()
+                )
+            values.append(widen(builder, builder.load(address, align=itemsize), dtype))
+        return values
+
+    zero_vector = ir.Constant(vector, [ir.Constant(acc, 0.0)] * LANES)
+    sums = [
+        [cgutils.alloca_once_value(builder, zero_vector) for _ in range(UNROLL)]
+        for _ in range(count)
+    ]
+    block = LANES * UNROLL
+    blocks = builder.udiv(n, intp(block))
+    with cgutils.for_range(builder, blocks) as loop:
+        base = builder.mul(loop.index, intp(block))
+        for u in range(UNROLL):
+            values = terms(builder, load(builder.add(base, intp(u * LANES)), LANES), vector_scalars)
+            for k in range(count):
+                builder.store(builder.fadd(builder.load(sums[k][u]), values[k]), sums[k][u])
+    start = builder.mul(blocks, intp(block))
+    vectors = builder.udiv(builder.sub(n, start), intp(LANES))
+    with cgutils.for_range(builder, vectors) as loop:
+        index = builder.add(start, builder.mul(loop.index, intp(LANES)))
+        values = terms(builder, load(index, LANES), vector_scalars)
+        for k in range(count):
+            builder.store(builder.fadd(builder.load(sums[k][0]), values[k]), sums[k][0])
+    tail_start = builder.add(start, builder.mul(vectors, intp(LANES)))
+    tails = [cgutils.alloca_once_value(builder, ir.Constant(acc, 0.0)) for _ in range(count)]
+    with cgutils.for_range(builder, builder.sub(n, tail_start)) as loop:
+        values = terms(builder, load(builder.add(tail_start, loop.index), 1), list(scalars))
+        for k in range(count):
+            builder.store(builder.fadd(builder.load(tails[k]), values[k]), tails[k])
+    results = []
+    for k in range(count):
+        a = [builder.load(s) for s in sums[k]]
+        combined = builder.fadd(builder.fadd(a[0], a[1]), builder.fadd(a[2], a[3]))
+        results.append(builder.fadd(_halve(builder, combined), builder.load(tails[k])))
+    return results
+
+
+def _result(context, builder, sig, values: list[ir.Value]) -> ir.Value:
+    if len(values) == 1:
+        return values[0]
+    return context.make_tuple(builder, sig.return_type, values)
+
+
+@intrinsic
+def row_sum(typingctx, z, zero):
+    """``sum(z)`` in ``zero``'s dtype."""
+
+    def codegen(context, builder, sig, args):
+        def terms(b, values, scalars):
+            return [values[0]]
+
+        z, zero = args
+        return _result(
+            context, builder, sig, _reduce(context, builder, [(sig.args[0], z)], [zero], terms, 1)
+        )
+
+    return signature(zero, z, zero), codegen
+
+
+@intrinsic
+def row_sum_sq(typingctx, z, zero):
+    """``sum(z * z)`` in ``zero``'s dtype."""
+
+    def codegen(context, builder, sig, args):
+        def terms(b, values, scalars):
+            return [b.fmul(values[0], values[0])]
+
+        z, zero = args
+        return _result(
+            context, builder, sig, _reduce(context, builder, [(sig.args[0], z)], [zero], terms, 1)
+        )
+
+    return signature(zero, z, zero), codegen
+
+
+@intrinsic
+def row_sums_centered(typingctx, z, m1, zero):
+    """``(sum(d), sum(d * d))`` with ``d = z - m1``, in ``zero``'s dtype."""
+
+    def codegen(context, builder, sig, args):
+        def terms(b, values, scalars):
+            d = b.fsub(values[0], scalars[0])
+            return [d, b.fmul(d, d)]
+
+        z, m1, zero = args
+        return _result(
+            context,
+            builder,
+            sig,
+            _reduce(context, builder, [(sig.args[0], z)], [m1, zero], terms, 2),
+        )
+
+    return signature(types.UniTuple(zero, 2), z, m1, zero), codegen
+
+
+@intrinsic
+def row_sums_backward(typingctx, dy, x, w, mean, zero):
+    """``(sum(d), sum(gh * d), sum(gh))`` with ``gh = dy * w``, ``d = x - mean``, in
+    ``zero``'s dtype (``w`` is in it too)."""
+
+    def codegen(context, builder, sig, args):
+        def terms(b, values, scalars):
+            g, xv, wv = values
+            gh = b.fmul(g, wv)
+            d = b.fsub(xv, scalars[0])
+            return [d, b.fmul(gh, d), gh]
+
+        dy, x, w, mean, zero = args
+        arrays = [(sig.args[0], dy), (sig.args[1], x), (sig.args[2], w)]
+        return _result(
+            context, builder, sig, _reduce(context, builder, arrays, [mean, zero], terms, 3)
+        )
+
+    return signature(types.UniTuple(zero, 3), dy, x, w, mean, zero), codegen

@@ -1,0 +1,119 @@
+"""The numba kernels' row reductions add in the documented order, bit for bit.
+
+``layernorm.backends._numba_reductions`` promises one summation order, whatever the
+function the sum is compiled into; these tests replay that order in NumPy (elementwise
+IEEE adds of the same dtype) and compare bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+from numba import njit
+
+from layernorm.backends._numba_reductions import (
+    LANES,
+    UNROLL,
+    row_sum,
+    row_sum_sq,
+    row_sums_backward,
+    row_sums_centered,
+)
+
+LENGTHS = [1, 7, 8, 9, 31, 32, 33, 63, 64, 65, 100, 257, 1000]
+
+
+def _documented_sum(terms: np.ndarray) -> np.generic:
+    """The module docstring's order, step by step, in ``terms``' dtype."""
+    dtype = terms.dtype.type
+    n, block = len(terms), LANES * UNROLL
+    acc = np.zeros((UNROLL, LANES), terms.dtype)
+    blocks = n // block
+    for b in range(blocks):
+        for u in range(UNROLL):
+            acc[u] += terms[b * block + u * LANES : b * block + (u + 1) * LANES]
+    start = blocks * block
+    vectors = (n - start) // LANES
+    for v in range(vectors):
+        acc[0] += terms[start + v * LANES : start + (v + 1) * LANES]
+    tail = dtype(0)
+    for j in range(start + vectors * LANES, n):
+        tail = dtype(tail + terms[j])
+    lanes = (acc[0] + acc[1]) + (acc[2] + acc[3])
+    while len(lanes) > 1:
+        half = len(lanes) // 2
+        lanes = lanes[:half] + lanes[half:]
+    return dtype(lanes[0] + tail)
+
+
+@njit(cache=False)
+def _sum(z, zero):
+    return row_sum(z, zero)
+
+
+@njit(cache=False)
+def _sum_among_other_work(z, zero, out):
+    # another context: a loop before and after, results stored, a different caller
+    for j in range(z.shape[0]):
+        out[j] = z[j] * zero
+    s = row_sum(z, zero)
+    for j in range(z.shape[0]):
+        out[j] += s
+    return s
+
+
+@njit(cache=False)
+def _sums(z, dy, w, m1, zero):
+    return (
+        row_sum_sq(z, zero),
+        row_sums_centered(z, m1, zero),
+        row_sums_backward(dy, z, w, m1, zero),
+    )
+
+
+def _row(n: int, dtype, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed + n)
+    # a wide range of magnitudes, so that a different order would change the bits
+    return (rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4, n)).astype(dtype)
+
+
+def _bits(value, dtype=np.float32) -> int:
+    """The bit pattern of ``value`` as a ``dtype`` (numba returns float32 sums as Python
+    floats, which hold them exactly)."""
+    return int(np.asarray(value, dtype).view(np.uint64 if dtype == np.float64 else np.uint32))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", LENGTHS)
+def test_row_sum_adds_in_the_documented_order(n, dtype):
+    z = _row(n, dtype)
+    expected = _documented_sum(z)
+    assert _bits(_sum(z, dtype(0)), dtype) == _bits(expected, dtype)
+    other = _sum_among_other_work(z, dtype(0), np.empty_like(z))
+    assert _bits(other, dtype) == _bits(expected, dtype)
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_every_reduction_uses_the_same_order(n):
+    z, dy, w = _row(n, np.float32), _row(n, np.float32, 1), _row(n, np.float32, 2)
+    m1 = np.float32(z.mean())
+    sq, (s1, s2), (t0, t1, t2) = _sums(z, dy, w, m1, np.float32(0))
+    d = z - m1
+    gh = dy * w
+    assert _bits(sq) == _bits(_documented_sum(z * z))
+    assert (_bits(s1), _bits(s2)) == (_bits(_documented_sum(d)), _bits(_documented_sum(d * d)))
+    assert _bits(t0) == _bits(_documented_sum(d))
+    assert _bits(t1) == _bits(_documented_sum(gh * d))
+    assert _bits(t2) == _bits(_documented_sum(gh))
+
+
+@pytest.mark.parametrize("storage", ["float16", "bfloat16"])
+def test_half_rows_are_widened_to_float32_exactly(storage):
+    torch = pytest.importorskip("torch")
+    n = 100
+    values = torch.from_numpy(_row(n, np.float32)).to(getattr(torch, storage))
+    bits = values.view(torch.int16 if storage == "float16" else torch.uint16).numpy()
+    widened = values.float().numpy()
+    assert _bits(_sum(bits, np.float32(0))) == _bits(_documented_sum(widened))
