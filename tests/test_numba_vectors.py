@@ -1,8 +1,9 @@
-"""The numba kernels' row reductions add in the documented order, bit for bit.
+"""The numba kernels' explicit-vector code, bit for bit.
 
 ``layernorm.backends._numba_reductions`` promises one summation order, whatever the
 function the sum is compiled into; these tests replay that order in NumPy (elementwise
-IEEE adds of the same dtype) and compare bits.
+IEEE adds of the same dtype) and compare bits. The output pass on explicit vectors
+(``_numba_kernels.normalize_row``) must give the bits of the plain loop it replaces.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 pytest.importorskip("numba")
 from numba import njit
 
+from layernorm.backends._numba_kernels import _normalize_row, normalize_row
 from layernorm.backends._numba_reductions import (
     UNROLL,
     row_sum,
@@ -120,3 +122,19 @@ def test_half_rows_are_widened_to_float32_exactly(storage):
     bits = values.view(torch.int16 if storage == "float16" else torch.uint16).numpy()
     widened = values.float().numpy()
     assert _bits(_sum(bits, np.float32(0))) == _bits(_documented_sum(widened))
+
+
+@njit(cache=False)
+def _outputs(z, w, b, m1, delta, rstd):
+    vectors, plain = np.empty_like(z), np.empty_like(z)
+    normalize_row(z, vectors, m1, delta, rstd, w, b)
+    _normalize_row(z, plain, m1, delta, rstd, w, b)
+    return vectors, plain
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", LENGTHS)
+def test_the_vector_output_pass_gives_the_plain_loops_bits(n, dtype):
+    z, w, b = _row(n, dtype), _row(n, dtype, 1), _row(n, dtype, 2)
+    vectors, plain = _outputs(z, w, b, dtype(z.mean()), dtype(1e-3), dtype(0.37))
+    assert np.array_equal(vectors.view(np.uint8), plain.view(np.uint8))
