@@ -1,6 +1,6 @@
 """The numba kernels' explicit-vector code, bit for bit.
 
-``layernorm.backends._numba_reductions`` promises one summation order, whatever the
+``layernorm.backends._numba_vectors`` promises one summation order, whatever the
 function the sum is compiled into; these tests replay that order in NumPy (elementwise
 IEEE adds of the same dtype) and compare bits. The output pass on explicit vectors
 (``_numba_kernels.normalize_row``) must give the bits of the plain loop it replaces.
@@ -15,7 +15,7 @@ pytest.importorskip("numba")
 from numba import njit
 
 from layernorm.backends._numba_kernels import _normalize_row, normalize_row
-from layernorm.backends._numba_reductions import (
+from layernorm.backends._numba_vectors import (
     UNROLL,
     row_sum,
     row_sum_sq,

@@ -25,10 +25,10 @@ the corrected two-pass: ``m1 = mean(z)``, ``d = z - m1``, ``delta = mean(d)``,
 rounding error of ``m1``: the subtraction cancels nothing). A row is read once from
 memory; the two reduction passes and the output pass re-read it from cache.
 
-Determinism. Every row sum goes through :mod:`layernorm.backends._numba_reductions`,
+Determinism. Every row sum goes through :mod:`layernorm.backends._numba_vectors`,
 whose summation order is written out in LLVM IR and depends on N alone: not on M, the
 row's position, the thread count, the entry (serial or parallel), streaming, or the code
-the sum is compiled into (``tests/test_numba_reductions.py`` replays the order in NumPy
+the sum is compiled into (``tests/test_numba_vectors.py`` replays the order in NumPy
 bit for bit; ``tests/test_numba_backend.py`` compares the entries and paths). The element
 arithmetic carries no fast-math flags, so ``(z - m1) - delta`` is never rewritten, and
 no function that computes a statistic is compiled with ``fastmath``. So outputs are
@@ -56,7 +56,10 @@ from numba import carray, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ._numba_reductions import (
+from ._numba_vectors import (
+    dx_row,
+    dx_row_touching,
+    narrow,
     row_sum,
     row_sum_sq,
     row_sums_backward,
@@ -66,7 +69,6 @@ from ._numba_reductions import (
 )
 
 ROW_BLOCK = 32  # rows per dweight/dbias partial sum (fixed: never depends on threads)
-_REASSOC = {"reassoc"}
 
 
 def _jit(**options):
@@ -85,48 +87,25 @@ def _jit(**options):
 
 
 # ---------------------------------------------------------------------------------------
-# 16-bit float conversions, in LLVM IR (bit patterns in, bit patterns out)
+# 16-bit float conversions (bit patterns in, bit patterns out; the IR is shared with the
+# vector code: ``_numba_vectors.widen`` and ``narrow``)
 
 
-@intrinsic
-def _half_to_f32(typingctx, bits):
-    def codegen(context, builder, signature, args):
-        return widen(builder, args[0], types.int16)
+def _conversion(result, argument, dtype, convert):
+    @intrinsic
+    def conversion(typingctx, value):
+        def codegen(context, builder, signature, args):
+            return convert(builder, args[0], dtype)
 
-    return types.float32(types.int16), codegen
+        return result(argument), codegen
 
-
-@intrinsic
-def _f32_to_half(typingctx, value):
-    # fptrunc rounds to nearest even, overflows to inf and keeps NaN, as torch does.
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-
-    return types.int16(types.float32), codegen
+    return conversion
 
 
-@intrinsic
-def _bf16_to_f32(typingctx, bits):
-    def codegen(context, builder, signature, args):
-        return widen(builder, args[0], types.uint16)
-
-    return types.float32(types.uint16), codegen
-
-
-@intrinsic
-def _f32_to_bf16(typingctx, value):
-    # Round to nearest even on the bit pattern; NaN becomes the quiet NaN 0x7FC0
-    # (torch's c10::round_to_nearest_even, bit for bit).
-    def codegen(context, builder, signature, args):
-        i32, i16 = ir.IntType(32), ir.IntType(16)
-        bits = builder.bitcast(args[0], i32)
-        lsb = builder.and_(builder.lshr(bits, ir.Constant(i32, 16)), ir.Constant(i32, 1))
-        rounded = builder.add(builder.add(bits, ir.Constant(i32, 0x7FFF)), lsb)
-        upper = builder.trunc(builder.lshr(rounded, ir.Constant(i32, 16)), i16)
-        is_nan = builder.fcmp_unordered("uno", args[0], args[0])
-        return builder.select(is_nan, ir.Constant(i16, 0x7FC0), upper)
-
-    return types.uint16(types.float32), codegen
+_half_to_f32 = _conversion(types.float32, types.int16, types.int16, widen)
+_f32_to_half = _conversion(types.int16, types.float32, types.int16, narrow)
+_bf16_to_f32 = _conversion(types.float32, types.uint16, types.uint16, widen)
+_f32_to_bf16 = _conversion(types.uint16, types.float32, types.uint16, narrow)
 
 
 def ld(a, j):
@@ -182,39 +161,6 @@ def _normalize_row(z, y, m1, delta, rstd, w, b):
     for k in range(y.shape[0]):
         u = ((ld(z, k) - m1) - delta) * rstd
         st(y, k, u * w[k] + b[k])
-
-
-@_jit()
-def _dx_element(k, dy, x, dro, dx, w, mean, delta, rstd, c1, c2, pw, pb):
-    g = ld(dy, k)
-    u = ((ld(x, k) - mean) - delta) * rstd
-    gh = g * w[k]
-    dz = rstd * ((gh - c2) - u * c1) + ld(dro, k)
-    st(dx, k, dz)
-    pw[k] += g * u
-    pb[k] += g
-
-
-@_jit(fastmath=_REASSOC)
-def _dx_row(dy, x, dro, dx, w, mean, delta, rstd, c1, c2, pw, pb, dy_next, x_next, zero):
-    """dx of one row (``+ dro``) and the row's terms added to the partial sums ``pw``
-    and ``pb``, element by element (:func:`_dx_element`, which carries no fast-math flags).
-
-    It also loads ``dy_next`` and ``x_next`` and returns their sum, which the caller stores
-    so the loads stay. For inputs much larger than the caches these are the next row,
-    which then streams in from memory while this row's arithmetic runs instead of after it
-    (measured: the large backward 10-15% faster on rows of 4096 and more, no change on 768
-    and 1024; ``llvm.prefetch`` hints did not do it, and the same loads in the forward's
-    output pass made it slower: benchmarks/RESULTS.md). Other rows pass themselves, whose
-    values are in cache: every row runs this one loop. (A second, load-free loop cost
-    ~1 s of compilation; summing the loads as integers, to drop the fast-math flag, made
-    the loop 10-20% slower.)
-    """
-    touched = zero
-    for k in range(dx.shape[0]):
-        _dx_element(k, dy, x, dro, dx, w, mean, delta, rstd, c1, c2, pw, pb)
-        touched += ld(dy_next, k) + ld(x_next, k)
-    return touched
 
 
 # ---------------------------------------------------------------------------------------
@@ -487,9 +433,12 @@ def _backward_block(blk, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n
     For RMSNorm the mean is 0 and ``c2`` is 0: ``(z - 0) * rstd`` and ``gh - 0`` are exact.
     ``stream`` (inputs far larger than the caches): each float32 dx row is computed into
     a cached scratch row, then written with non-temporal stores (no read-for-ownership of
-    dx; same bits), and the next row is loaded meanwhile (:func:`_dx_row`; every row
-    goes through that one call). Returns the sum of what :func:`_dx_row` loaded, for the
-    caller to store (it means nothing).
+    dx; same bits), and the next row of dy and x is loaded meanwhile (``dx_row_touching``):
+    it then arrives from memory while this row's arithmetic runs instead of after it
+    (measured: the large backward 10-15% faster on rows of 4096 and more; ``llvm.prefetch``
+    hints did not do it, and the same loads in the forward's output pass made it slower:
+    benchmarks/RESULTS.md). Returns the sum of those loads, for the caller to store so
+    they stay (it means nothing).
     """
     zero = nf - nf
     touched = zero
@@ -510,27 +459,27 @@ def _backward_block(blk, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n
         c1 = r_i * (s1 / nf - delta * c2)  # mean(gh * u), u = (d - delta) * rstd
         dro_i = dro[i * ds : i * ds + n]
         dx_i = dx[i * n : (i + 1) * n]
-        # Streamed: into the scratch row, loading the next row meanwhile (see _dx_row).
-        j = min(i + 1, m - 1) if stream else i
-        touched += _dx_row(
-            dy_i,
-            x_i,
-            dro_i,
-            scratch if stream else dx_i,
-            w,
-            mu,
-            delta,
-            r_i,
-            c1,
-            c2,
-            pw_blk,
-            pb_blk,
-            dy[j * gs : j * gs + n],
-            x[j * xs : j * xs + n],
-            zero,
-        )
-        if stream:
+        if stream:  # into the scratch row, loading the next row meanwhile
+            j = min(i + 1, m - 1)
+            touched += dx_row_touching(
+                dy_i,
+                x_i,
+                dro_i,
+                scratch,
+                w,
+                pw_blk,
+                pb_blk,
+                dy[j * gs : j * gs + n],
+                x[j * xs : j * xs + n],
+                mu,
+                delta,
+                r_i,
+                c1,
+                c2,
+            )
             copy_row_streaming(scratch, dx_i)
+        else:
+            dx_row(dy_i, x_i, dro_i, dx_i, w, pw_blk, pb_blk, mu, delta, r_i, c1, c2)
     return touched
 
 

@@ -1,4 +1,5 @@
-"""Row reductions for the numba kernels, in LLVM IR, with one fixed summation order.
+"""Explicit-vector LLVM IR for the numba kernels: the row sums, in one fixed summation
+order, the backward's dx pass, and the 16-bit float conversions they share.
 
 Every sum over a row's N elements adds them in the same order, whatever the row's dtype,
 the function the sum is inlined into, LLVM's vectorizer or the CPU's vector width:
@@ -72,11 +73,39 @@ def widen(builder: ir.IRBuilder, raw: ir.Value, dtype: types.Type) -> ir.Value:
         )
     if dtype == types.uint16:
         wide = builder.zext(raw, _shaped(_I32, raw))
-        shift = ir.Constant(_shaped(_I32, raw), 16)
-        if isinstance(raw.type, ir.VectorType):
-            shift = ir.Constant(_shaped(_I32, raw), [16] * raw.type.count)
+        shift = _constant(_I32, 16, raw)
         return builder.bitcast(builder.shl(wide, shift), _shaped(ir.FloatType(), raw))
     return raw
+
+
+def _constant(scalar_type: ir.Type, value: int, like: ir.Value) -> ir.Constant:
+    """``value`` as a ``scalar_type`` constant, splat when ``like`` is a vector."""
+    if isinstance(like.type, ir.VectorType):
+        return ir.Constant(ir.VectorType(scalar_type, like.type.count), [value] * like.type.count)
+    return ir.Constant(scalar_type, value)
+
+
+def narrow(builder: ir.IRBuilder, value: ir.Value, dtype: types.Type) -> ir.Value:
+    """Accumulation-dtype values (a scalar or a vector) stored as numba dtype ``dtype``:
+    float16 bits by ``fptrunc`` (round to nearest even, overflow to inf, NaN kept, as
+    torch does); bfloat16 bits rounded to nearest even on the bit pattern, NaN becoming the
+    quiet NaN 0x7FC0 (torch's ``c10::round_to_nearest_even``, bit for bit); float32 and
+    float64 as they are."""
+    if dtype == types.int16:
+        half = builder.fptrunc(value, _shaped(ir.HalfType(), value))
+        return builder.bitcast(half, _shaped(_I16, value))
+    if dtype == types.uint16:
+        bits = builder.bitcast(value, _shaped(_I32, value))
+        lsb = builder.and_(
+            builder.lshr(bits, _constant(_I32, 16, value)), _constant(_I32, 1, value)
+        )
+        rounded = builder.add(builder.add(bits, _constant(_I32, 0x7FFF, value)), lsb)
+        upper = builder.trunc(
+            builder.lshr(rounded, _constant(_I32, 16, value)), _shaped(_I16, value)
+        )
+        is_nan = builder.fcmp_unordered("uno", value, value)
+        return builder.select(is_nan, _constant(_I16, 0x7FC0, value), upper)
+    return value
 
 
 def splat(builder: ir.IRBuilder, value: ir.Value, lanes: int) -> ir.Value:
@@ -100,6 +129,35 @@ def _halve(builder: ir.IRBuilder, vector: ir.Value) -> ir.Value:
     return builder.extract_element(vector, _I32(0))
 
 
+class _Row:
+    """One numba 1-D C array (a row) seen from IR: loads widen to the accumulation dtype,
+    stores narrow to the row's dtype, ``lanes`` elements at a time (a vector) or one."""
+
+    def __init__(self, context, builder: ir.IRBuilder, array_type: types.Array, value: ir.Value):
+        struct = context.make_array(array_type)(context, builder, value)
+        self.builder = builder
+        self.data = struct.data
+        self.dtype = array_type.dtype
+        self.itemsize = context.get_abi_sizeof(self.data.type.pointee)
+        self.length = builder.extract_value(struct.shape, 0)
+
+    def _address(self, index: ir.Value, lanes: int) -> ir.Value:
+        address = self.builder.gep(self.data, [index])
+        if lanes == 1:
+            return address
+        return self.builder.bitcast(
+            address, ir.VectorType(self.data.type.pointee, lanes).as_pointer()
+        )
+
+    def load(self, index: ir.Value, lanes: int) -> ir.Value:
+        raw = self.builder.load(self._address(index, lanes), align=self.itemsize)
+        return widen(self.builder, raw, self.dtype)
+
+    def store(self, value: ir.Value, index: ir.Value, lanes: int) -> None:
+        stored = narrow(self.builder, value, self.dtype)
+        self.builder.store(stored, self._address(index, lanes), align=self.itemsize)
+
+
 Terms = Callable[[ir.IRBuilder, list[ir.Value], list[ir.Value]], list[ir.Value]]
 
 
@@ -115,12 +173,8 @@ def _reduce(
     first one's): ``terms(builder, elements, scalars)`` gives each element's ``count``
     terms from the arrays' elements (widened) and ``scalars`` (splat to match), as
     vectors of :func:`lanes` in the body and as scalars in the tail."""
-    structs = [context.make_array(t)(context, builder, v) for t, v in arrays]
-    data = [
-        (s.data, t.dtype, context.get_abi_sizeof(s.data.type.pointee))
-        for (t, _), s in zip(arrays, structs, strict=True)
-    ]
-    n = builder.extract_value(structs[0].shape, 0)
+    rows = [_Row(context, builder, t, v) for t, v in arrays]
+    n = rows[0].length
     intp = n.type
     acc = scalars[-1].type  # the zero argument's: the accumulation type
     width = lanes(acc)
@@ -128,15 +182,7 @@ def _reduce(
     vector_scalars = [splat(builder, s, width) for s in scalars]
 
     def load(index: ir.Value, lanes: int) -> list[ir.Value]:
-        values = []
-        for pointer, dtype, itemsize in data:
-            address = builder.gep(pointer, [index])
-            if lanes > 1:
-                address = builder.bitcast(
-                    address, ir.VectorType(pointer.type.pointee, lanes).as_pointer()
-                )
-            values.append(widen(builder, builder.load(address, align=itemsize), dtype))
-        return values
+        return [row.load(index, lanes) for row in rows]
 
     zero_vector = ir.Constant(vector, [ir.Constant(acc, 0.0)] * width)
     sums = [
@@ -250,3 +296,83 @@ def row_sums_backward(typingctx, dy, x, w, mean, zero):
         )
 
     return signature(types.UniTuple(zero, 3), dy, x, w, mean, zero), codegen
+
+
+# ---------------------------------------------------------------------------------------
+# The backward's dx pass
+
+
+def _dx_pass(context, builder, sig, args, touching: bool) -> ir.Value:
+    """One row's dx and its terms of the column partial sums, element by element::
+
+        u = ((x - mean) - delta) * rstd;  gh = dy * w
+        dx = rstd * ((gh - c2) - u * c1) + dro;  pw += dy * u;  pb += dy
+
+    (the same operations in the same order in every lane: no reductions, so the bits do
+    not depend on the vector width). ``touching``: the next row's ``dy`` and ``x`` (the
+    two arrays after ``pb``) are loaded too and summed, any which way, into the value
+    returned, which the caller stores so the loads stay (see ``_backward_block``)."""
+    arrays = len(args) - 5
+    rows = [
+        _Row(context, builder, t, v) for t, v in zip(sig.args[:arrays], args[:arrays], strict=True)
+    ]
+    dy, x, dro, dx, w, pw, pb = rows[:7]
+    scalars = args[arrays:]
+    acc = scalars[0].type
+    width = lanes(acc)
+    n = dx.length
+    intp = n.type
+    touched = cgutils.alloca_once_value(
+        builder, ir.Constant(ir.VectorType(acc, width), [ir.Constant(acc, 0.0)] * width)
+    )
+
+    def element(index: ir.Value, lanes: int) -> None:
+        mean, delta, rstd, c1, c2 = (
+            scalars if lanes == 1 else [splat(builder, v, lanes) for v in scalars]
+        )
+        g = dy.load(index, lanes)
+        u = builder.fmul(builder.fsub(builder.fsub(x.load(index, lanes), mean), delta), rstd)
+        gh = builder.fmul(g, w.load(index, lanes))
+        dz = builder.fmul(rstd, builder.fsub(builder.fsub(gh, c2), builder.fmul(u, c1)))
+        dx.store(builder.fadd(dz, dro.load(index, lanes)), index, lanes)
+        pw.store(builder.fadd(pw.load(index, lanes), builder.fmul(g, u)), index, lanes)
+        pb.store(builder.fadd(pb.load(index, lanes), g), index, lanes)
+        if touching and lanes > 1:
+            dy_next, x_next = rows[7:]
+            loaded = builder.fadd(dy_next.load(index, lanes), x_next.load(index, lanes))
+            builder.store(builder.fadd(builder.load(touched), loaded), touched)
+
+    vectors = builder.udiv(n, intp(width))
+    with cgutils.for_range(builder, vectors) as loop:
+        element(builder.mul(loop.index, intp(width)), width)
+    tail_start = builder.mul(vectors, intp(width))
+    with cgutils.for_range(builder, builder.sub(n, tail_start)) as loop:
+        element(builder.add(tail_start, loop.index), 1)
+    return _halve(builder, builder.load(touched))
+
+
+@intrinsic
+def dx_row(typingctx, dy, x, dro, dx, w, pw, pb, mean, delta, rstd, c1, c2):
+    """Writes one row's ``dx`` and adds its terms to ``pw`` and ``pb`` (see
+    :func:`_dx_pass`); ``pw``, ``pb``, ``w`` and the scalars are in the accumulation
+    dtype, the rows in theirs."""
+    sig = signature(types.void, dy, x, dro, dx, w, pw, pb, mean, delta, rstd, c1, c2)
+
+    def codegen(context, builder, sig, args):
+        _dx_pass(context, builder, sig, args, touching=False)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def dx_row_touching(
+    typingctx, dy, x, dro, dx, w, pw, pb, dy_next, x_next, mean, delta, rstd, c1, c2
+):
+    """:func:`dx_row`, also loading ``dy_next`` and ``x_next``: returns their sum."""
+    sig = signature(mean, dy, x, dro, dx, w, pw, pb, dy_next, x_next, mean, delta, rstd, c1, c2)
+
+    def codegen(context, builder, sig, args):
+        return _dx_pass(context, builder, sig, args, touching=True)
+
+    return sig, codegen
