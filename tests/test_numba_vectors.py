@@ -2,8 +2,10 @@
 
 ``layernorm.backends._numba_vectors`` promises one summation order, whatever the
 function the sum is compiled into; these tests replay that order in NumPy (elementwise
-IEEE adds of the same dtype) and compare bits. The output pass on explicit vectors
-(``_numba_kernels.normalize_row``) must give the bits of the plain loop it replaces.
+IEEE adds of the same dtype) and compare bits. The elementwise passes (the output, the
+residual add, dx) must give the bits of their formula computed element by element in
+NumPy (float32/float64 operations are IEEE, with no fused multiply-add), and 16-bit rows
+torch's own conversions.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ import pytest
 pytest.importorskip("numba")
 from numba import njit
 
-from layernorm.backends._numba_kernels import _normalize_row, normalize_row
 from layernorm.backends._numba_vectors import (
     UNROLL,
+    add_rows,
+    dx_row,
+    dx_row_touching,
+    normalize_row,
     row_sum,
     row_sum_sq,
     row_sums_backward,
@@ -125,16 +130,78 @@ def test_half_rows_are_widened_to_float32_exactly(storage):
 
 
 @njit(cache=False)
-def _outputs(z, w, b, m1, delta, rstd):
-    vectors, plain = np.empty_like(z), np.empty_like(z)
-    normalize_row(z, vectors, m1, delta, rstd, w, b)
-    _normalize_row(z, plain, m1, delta, rstd, w, b)
-    return vectors, plain
+def _passes(z, r, w, b, dro, pw, pb, m1, delta, rstd, c1, c2):
+    y, h, dx = np.empty_like(z), np.empty_like(z), np.empty_like(z)
+    normalize_row(z, y, m1, delta, rstd, w, b)
+    add_rows(z, r, h)
+    dx_row(r, z, dro, dx, w, pw, pb, m1, delta, rstd, c1, c2)
+    return y, h, dx
+
+
+@njit(cache=False)
+def _dx_touching(dy, x, dro, w, pw, pb, dy_next, x_next, mean, delta, rstd, c1, c2):
+    dx = np.empty_like(x)
+    touched = dx_row_touching(dy, x, dro, dx, w, pw, pb, dy_next, x_next, mean, delta, rstd, c1, c2)
+    return dx, touched
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("n", LENGTHS)
-def test_the_vector_output_pass_gives_the_plain_loops_bits(n, dtype):
-    z, w, b = _row(n, dtype), _row(n, dtype, 1), _row(n, dtype, 2)
-    vectors, plain = _outputs(z, w, b, dtype(z.mean()), dtype(1e-3), dtype(0.37))
-    assert np.array_equal(vectors.view(np.uint8), plain.view(np.uint8))
+def test_the_elementwise_passes_give_their_formulas_bits(n, dtype):
+    z, r, w, b, dro = (_row(n, dtype, seed) for seed in range(5))
+    pw, pb = _row(n, dtype, 5), _row(n, dtype, 6)
+    m1, delta, rstd, c1, c2 = (dtype(v) for v in (z.mean(), 1e-3, 0.37, -0.21, 0.05))
+    pw_out, pb_out = pw.copy(), pb.copy()
+    y, h, dx = _passes(z, r, w, b, dro, pw_out, pb_out, m1, delta, rstd, c1, c2)
+    u = ((z - m1) - delta) * rstd
+    assert _same(y, u * w + b)
+    assert _same(h, z + r)
+    g = r  # dy
+    assert _same(dx, rstd * ((g * w - c2) - u * c1) + dro)
+    assert _same(pw_out, pw + g * u) and _same(pb_out, pb + g)
+    # the streaming variant: the same dx, and it really loads the next row
+    pw2, pb2 = pw.copy(), pb.copy()
+    dx2, touched = _dx_touching(r, z, dro, w, pw2, pb2, b, w, m1, delta, rstd, c1, c2)
+    assert _same(dx2, dx) and _same(pw2, pw_out) and _same(pb2, pb_out)
+    whole = n - n % (64 // np.dtype(dtype).itemsize)  # the vector part: its loads are summed
+    assert touched == pytest.approx(
+        float((b[:whole] + w[:whole]).astype(np.float64).sum()), rel=1e-4, abs=1e-3
+    )
+
+
+@pytest.mark.parametrize("storage", ["float16", "bfloat16"])
+def test_16_bit_rows_convert_as_torch_does(storage):
+    torch = pytest.importorskip("torch")
+    dtype = getattr(torch, storage)
+    n = 100
+    z32, r32, w, b = (_row(n, np.float32, seed) for seed in range(4))
+    z32[[3, 40]] = np.nan, np.inf  # NaN and Inf stay what they are
+    z, r = (torch.from_numpy(v).to(dtype) for v in (z32, r32))
+    bits = torch.int16 if storage == "float16" else torch.uint16
+    m1, delta, rstd = np.float32(0.5), np.float32(1e-3), np.float32(0.37)
+    y, h, _ = _passes(
+        z.view(bits).numpy(),
+        r.view(bits).numpy(),
+        w,
+        b,
+        np.zeros(n, np.float32).view(np.int16 if storage == "float16" else np.uint16),
+        np.zeros(n, np.float32),
+        np.zeros(n, np.float32),
+        m1,
+        delta,
+        rstd,
+        np.float32(0),
+        np.float32(0),
+    )
+    widened = z.float().numpy()
+    expected_y = torch.from_numpy(((widened - m1) - delta) * rstd * w + b).to(dtype)
+    expected_h = torch.from_numpy(widened + r.float().numpy()).to(dtype)
+    for ours, expected in ((y, expected_y), (h, expected_h)):
+        ours = torch.from_numpy(ours).view(dtype)
+        nan = expected.isnan()  # NaN's bits differ between torch's own conversion paths
+        assert torch.equal(ours.isnan(), nan) and nan.any()
+        assert torch.equal(ours[~nan].view(bits), expected[~nan].view(bits))

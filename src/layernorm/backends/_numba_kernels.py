@@ -11,9 +11,10 @@ user-wide cache when the package directory is read-only).
 
 Data layout. Each (M, N) tensor arrives as a flat 1-D array over its storage plus a row
 stride, so row ``i`` is ``a[i * stride : i * stride + N]``: strided rows are read in place
-(no copy) and every inner loop runs over contiguous memory, which LLVM vectorizes.
-float16 and bfloat16 arrive as their raw 16-bit patterns (int16 and uint16 arrays; numba
-has no half types) and are converted in registers by :func:`ld` / :func:`st`, with
+(no copy). Every pass over a row (the sums, the residual add, the output, dx) is an
+intrinsic of :mod:`layernorm.backends._numba_vectors` that emits its loop inline, on
+explicit 64-byte vectors. float16 and bfloat16 arrive as their raw 16-bit patterns (int16
+and uint16 arrays; numba has no half types) and are converted in registers, with
 round-to-nearest-even on output. Weight and bias arrive in the accumulation dtype; a
 missing weight is ones and a missing bias is ``-0.0`` (``v * 1 + -0.0 == v`` bitwise, so
 no inner-loop branches).
@@ -41,9 +42,9 @@ an unrelated loop's loads from the backward's block function changed 1-3 ulp in 
 dx; benchmarks/RESULTS.md.)
 
 Inlining. Code that numba inlines itself (``inline="always"``) is lowered with the
-caller's fast-math flags, so only flag-free functions are marked so: the forward's row
-function and its add and normalize passes (a call per row passing a dozen array structs
-cost 20-30% on rows of 768-1024). The reductions are intrinsics, emitted inline.
+caller's fast-math flags; none of these kernels has any, and the forward's row function
+is inlined (a call per row passing a dozen array structs cost 20-30% on rows of
+768-1024). The row passes are intrinsics: inline by construction.
 """
 
 from __future__ import annotations
@@ -57,15 +58,16 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ._numba_vectors import (
+    add_rows,
     dx_row,
     dx_row_touching,
-    narrow,
+    normalize_row,
+    normalized,
     row_sum,
     row_sum_sq,
     row_sums_backward,
     row_sums_centered,
     splat,
-    widen,
 )
 
 ROW_BLOCK = 32  # rows per dweight/dbias partial sum (fixed: never depends on threads)
@@ -87,118 +89,26 @@ def _jit(**options):
 
 
 # ---------------------------------------------------------------------------------------
-# 16-bit float conversions (bit patterns in, bit patterns out; the IR is shared with the
-# vector code: ``_numba_vectors.widen`` and ``narrow``)
-
-
-def _conversion(result, argument, dtype, convert):
-    @intrinsic
-    def conversion(typingctx, value):
-        def codegen(context, builder, signature, args):
-            return convert(builder, args[0], dtype)
-
-        return result(argument), codegen
-
-    return conversion
-
-
-_half_to_f32 = _conversion(types.float32, types.int16, types.int16, widen)
-_f32_to_half = _conversion(types.int16, types.float32, types.int16, narrow)
-_bf16_to_f32 = _conversion(types.float32, types.uint16, types.uint16, widen)
-_f32_to_bf16 = _conversion(types.uint16, types.float32, types.uint16, narrow)
-
-
-def ld(a, j):
-    """Element ``j`` of ``a`` in the accumulation dtype (float32 or float64)."""
-
-
-def st(a, j, value):
-    """Stores the accumulation-dtype ``value`` into ``a[j]`` in ``a``'s dtype."""
-
-
-@overload(ld)
-def _ld(a, j):
-    if a.dtype == types.int16:  # float16 bits
-        return lambda a, j: _half_to_f32(a[j])
-    if a.dtype == types.uint16:  # bfloat16 bits
-        return lambda a, j: _bf16_to_f32(a[j])
-    return lambda a, j: a[j]
-
-
-@overload(st)
-def _st(a, j, value):
-    if a.dtype == types.int16:
-
-        def store_half(a, j, value):
-            a[j] = _f32_to_half(value)
-
-        return store_half
-    if a.dtype == types.uint16:
-
-        def store_bf16(a, j, value):
-            a[j] = _f32_to_bf16(value)
-
-        return store_bf16
-
-    def store(a, j, value):
-        a[j] = value
-
-    return store
-
-
-# ---------------------------------------------------------------------------------------
-# Row passes without reductions (no fast-math flags at all), and the dx pass
-
-
-@_jit(inline="always")
-def _add_row(x, r, h):
-    for k in range(h.shape[0]):
-        st(h, k, ld(x, k) + ld(r, k))
-
-
-@_jit(inline="always")
-def _normalize_row(z, y, m1, delta, rstd, w, b):
-    for k in range(y.shape[0]):
-        u = ((ld(z, k) - m1) - delta) * rstd
-        st(y, k, u * w[k] + b[k])
-
-
-# ---------------------------------------------------------------------------------------
-# The output pass on explicit vectors, for float32 and float64 rows: the same arithmetic,
-# element for element, as :func:`_normalize_row` (same bits), 64 bytes at a time, which
-# LLVM's own vectorizer, held to 32 (``prefer-vector-width``), does not do (measured:
-# the in-cache forward 6-11% faster, 1024x64 to 512x4096).
-#
-# Streaming (non-temporal) stores for large float32 forward outputs: explicit <8 x float>
-# vectors whose stores bypass the cache (no read-for-ownership of the output, which a
-# plain store costs). Used only when the output is larger than the caches, where it would
-# be evicted before anyone read it anyway. (Measured: it makes the forward ~20% faster;
-# the backward, which re-reads two rows per written one, got slower with it, so dx keeps
-# plain stores.)
+# Streaming (non-temporal) stores for large float32 outputs: explicit <8 x float> vectors
+# whose stores bypass the cache (no read-for-ownership of the output, which a plain store
+# costs), with the arithmetic of ``_numba_vectors.normalize_row`` (same bits). Used only
+# when the output is larger than the caches, where it would be evicted before anyone read
+# it anyway. (Measured: it makes the forward ~20% faster; the backward, which re-reads two
+# rows per written one, got slower with it, so dx keeps plain stores.)
 
 _WIDTH = 8  # floats per streamed vector (AVX); a row's unaligned head and tail go the plain way
-_VECTOR_BYTES = 64  # the plain output pass: 16 float32 or 8 float64 a vector
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")  # sfence
 
 
-def _vector_ptr(context, builder, array_type, array, k, width=_WIDTH):
+def _vector_ptr(context, builder, array_type, array, k):
     data = context.make_array(array_type)(context, builder, array).data
-    vector = ir.VectorType(data.type.pointee, width)
-    return builder.bitcast(builder.gep(data, [k]), vector.as_pointer())
-
-
-def _element_bytes(ptr) -> int:
-    """Bytes of an element of the float or double vector ``ptr`` points at (its
-    alignment: rows start anywhere)."""
-    return 8 if isinstance(ptr.type.pointee.element, ir.DoubleType) else 4
+    return builder.bitcast(
+        builder.gep(data, [k]), ir.VectorType(ir.FloatType(), _WIDTH).as_pointer()
+    )
 
 
 def _load(builder, ptr):
-    return builder.load(ptr, align=_element_bytes(ptr))
-
-
-def _store_plain(builder, value, ptr):
-    builder.store(value, ptr, align=_element_bytes(ptr))
+    return builder.load(ptr, align=4)
 
 
 def _store_streaming(builder, value, ptr):
@@ -206,65 +116,24 @@ def _store_streaming(builder, value, ptr):
     store.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
 
 
-def _normalize_codegen(lanes, store):
-    """Codegen of ``y[k:k+lanes] = ((z - m1) - delta) * rstd * w + b`` with ``store``."""
-
-    def codegen(context, builder, signature, args):
-        za, ya, k, m1, delta, rstd, wa, ba = args
-        at = signature.args
-        width = lanes(at[0].dtype)
-        zv = _load(builder, _vector_ptr(context, builder, at[0], za, k, width))
-        u = builder.fsub(builder.fsub(zv, splat(builder, m1, width)), splat(builder, delta, width))
-        u = builder.fmul(u, splat(builder, rstd, width))
-        wv = _load(builder, _vector_ptr(context, builder, at[6], wa, k, width))
-        bv = _load(builder, _vector_ptr(context, builder, at[7], ba, k, width))
-        yv = builder.fadd(builder.fmul(u, wv), bv)
-        store(builder, yv, _vector_ptr(context, builder, at[1], ya, k, width))
-        return context.get_dummy_value()
-
-    return codegen
-
-
-def _vector_lanes(dtype) -> int:
-    """Elements of ``dtype`` (float32 or float64) in one plain output-pass vector."""
-    return _VECTOR_BYTES // (8 if dtype == types.float64 else 4)
-
-
-@intrinsic
-def _normalize_vector(typingctx, z, y, k, m1, delta, rstd, w, b):
-    """y[k:k+L] = ((z - m1) - delta) * rstd * w + b, ``L = _vector_lanes(dtype)``."""
-    sig = types.void(z, y, k, m1, delta, rstd, w, b)
-    return sig, _normalize_codegen(_vector_lanes, _store_plain)
-
-
 @intrinsic
 def _normalize_vector_nt(typingctx, z, y, k, m1, delta, rstd, w, b):
     """y[k:k+8] = ((z - m1) - delta) * rstd * w + b, streamed; y + k must be 32-aligned."""
     sig = types.void(z, y, k, m1, delta, rstd, w, b)
-    return sig, _normalize_codegen(lambda dtype: _WIDTH, _store_streaming)
 
+    def codegen(context, builder, signature, args):
+        za, ya, k, m1, delta, rstd, wa, ba = args
+        at = signature.args
+        zv, wv, bv = (
+            _load(builder, _vector_ptr(context, builder, at[i], a, k))
+            for i, a in ((0, za), (6, wa), (7, ba))
+        )
+        scalars = (splat(builder, v, _WIDTH) for v in (m1, delta, rstd))
+        yv = normalized(builder, zv, wv, bv, *scalars)
+        _store_streaming(builder, yv, _vector_ptr(context, builder, at[1], ya, k))
+        return context.get_dummy_value()
 
-def normalize_row(z, y, m1, delta, rstd, w, b):
-    """:func:`_normalize_row` on explicit 64-byte vectors where every row is float32 or
-    float64 (the same bits)."""
-
-
-@overload(normalize_row, inline="always")
-def _normalize_row_vectors(z, y, m1, delta, rstd, w, b):
-    if not (y.dtype == z.dtype == w.dtype == b.dtype and y.dtype in (types.float32, types.float64)):
-        return lambda z, y, m1, delta, rstd, w, b: _normalize_row(z, y, m1, delta, rstd, w, b)
-    lanes = _vector_lanes(y.dtype)
-
-    def impl(z, y, m1, delta, rstd, w, b):
-        n = y.shape[0]
-        k = 0
-        while k + lanes <= n:
-            _normalize_vector(z, y, k, m1, delta, rstd, w, b)
-            k += lanes
-        for j in range(k, n):
-            y[j] = (((z[j] - m1) - delta) * rstd) * w[j] + b[j]
-
-    return impl
+    return sig, codegen
 
 
 @intrinsic
@@ -315,14 +184,12 @@ def _normalize_row_streaming(z, y, m1, delta, rstd, w, b):
     def impl(z, y, m1, delta, rstd, w, b):
         n = y.shape[0]
         head = _aligned_head(y, n)
-        for k in range(head):
-            y[k] = (((z[k] - m1) - delta) * rstd) * w[k] + b[k]
+        normalize_row(z[:head], y[:head], m1, delta, rstd, w[:head], b[:head])
         k = head
         while k + _WIDTH <= n:
             _normalize_vector_nt(z, y, k, m1, delta, rstd, w, b)
             k += _WIDTH
-        for j in range(k, n):
-            y[j] = (((z[j] - m1) - delta) * rstd) * w[j] + b[j]
+        normalize_row(z[k:], y[k:], m1, delta, rstd, w[k:], b[k:])
         _store_fence()
 
     return impl
@@ -376,7 +243,7 @@ def _row_statistics(i, x, xs, r, rs, has_r, h, mean, rstd, n, nf, eps, rms, st):
     z = x[i * xs : i * xs + n]
     if has_r:
         z = h[i * n : (i + 1) * n]
-        _add_row(x[i * xs : i * xs + n], r[i * rs : i * rs + n], z)
+        add_rows(x[i * xs : i * xs + n], r[i * rs : i * rs + n], z)
     if rms:
         m1 = zero
         delta = zero

@@ -88,9 +88,9 @@ def _constant(scalar_type: ir.Type, value: int, like: ir.Value) -> ir.Constant:
 def narrow(builder: ir.IRBuilder, value: ir.Value, dtype: types.Type) -> ir.Value:
     """Accumulation-dtype values (a scalar or a vector) stored as numba dtype ``dtype``:
     float16 bits by ``fptrunc`` (round to nearest even, overflow to inf, NaN kept, as
-    torch does); bfloat16 bits rounded to nearest even on the bit pattern, NaN becoming the
-    quiet NaN 0x7FC0 (torch's ``c10::round_to_nearest_even``, bit for bit); float32 and
-    float64 as they are."""
+    torch does); bfloat16 bits rounded to nearest even on the bit pattern, as torch does,
+    NaN becoming the quiet NaN 0x7FC0 (``c10::round_to_nearest_even``'s; torch's vectorized
+    CPU conversion writes 0xFFFF); float32 and float64 as they are."""
     if dtype == types.int16:
         half = builder.fptrunc(value, _shaped(ir.HalfType(), value))
         return builder.bitcast(half, _shaped(_I16, value))
@@ -299,6 +299,71 @@ def row_sums_backward(typingctx, dy, x, w, mean, zero):
 
 
 # ---------------------------------------------------------------------------------------
+# Elementwise passes: the forward's output, the backward's dx
+
+
+def normalized(builder: ir.IRBuilder, z, w, b, m1, delta, rstd) -> ir.Value:
+    """``((z - m1) - delta) * rstd * w + b`` (scalars or vectors alike)."""
+    u = builder.fmul(builder.fsub(builder.fsub(z, m1), delta), rstd)
+    return builder.fadd(builder.fmul(u, w), b)
+
+
+def _elementwise(
+    builder: ir.IRBuilder, n: ir.Value, width: int, element: Callable[[ir.Value, int], None]
+) -> None:
+    """``element(index, lanes)`` over ``range(n)``: vectors of ``width``, then one by one."""
+    intp = n.type
+    vectors = builder.udiv(n, intp(width))
+    with cgutils.for_range(builder, vectors) as loop:
+        element(builder.mul(loop.index, intp(width)), width)
+    tail_start = builder.mul(vectors, intp(width))
+    with cgutils.for_range(builder, builder.sub(n, tail_start)) as loop:
+        element(builder.add(tail_start, loop.index), 1)
+
+
+def _splat_all(builder: ir.IRBuilder, scalars: Sequence[ir.Value], lanes: int) -> list[ir.Value]:
+    return list(scalars) if lanes == 1 else [splat(builder, v, lanes) for v in scalars]
+
+
+@intrinsic
+def normalize_row(typingctx, z, y, m1, delta, rstd, w, b):
+    """``y = ((z - m1) - delta) * rstd * w + b``: the row ``z`` (its dtype) normalized into
+    the row ``y`` (its dtype) with ``w``, ``b`` and the scalars in the accumulation dtype."""
+    sig = signature(types.void, z, y, m1, delta, rstd, w, b)
+
+    def codegen(context, builder, sig, args):
+        z, y, w, b = (_Row(context, builder, sig.args[k], args[k]) for k in (0, 1, 5, 6))
+
+        def element(index: ir.Value, lanes: int) -> None:
+            m1, delta, rstd = _splat_all(builder, args[2:5], lanes)
+            zv, wv, bv = (row.load(index, lanes) for row in (z, w, b))
+            y.store(normalized(builder, zv, wv, bv, m1, delta, rstd), index, lanes)
+
+        _elementwise(builder, y.length, lanes(args[2].type), element)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def add_rows(typingctx, x, r, h):
+    """``h = x + r`` for three rows of one dtype (added in the accumulation dtype)."""
+    sig = signature(types.void, x, r, h)
+
+    def codegen(context, builder, sig, args):
+        x, r, h = (_Row(context, builder, t, v) for t, v in zip(sig.args, args, strict=True))
+        acc = ir.DoubleType() if sig.args[0].dtype == types.float64 else ir.FloatType()
+
+        def element(index: ir.Value, lanes: int) -> None:
+            h.store(builder.fadd(x.load(index, lanes), r.load(index, lanes)), index, lanes)
+
+        _elementwise(builder, h.length, lanes(acc), element)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# ---------------------------------------------------------------------------------------
 # The backward's dx pass
 
 
@@ -320,16 +385,12 @@ def _dx_pass(context, builder, sig, args, touching: bool) -> ir.Value:
     scalars = args[arrays:]
     acc = scalars[0].type
     width = lanes(acc)
-    n = dx.length
-    intp = n.type
     touched = cgutils.alloca_once_value(
         builder, ir.Constant(ir.VectorType(acc, width), [ir.Constant(acc, 0.0)] * width)
     )
 
     def element(index: ir.Value, lanes: int) -> None:
-        mean, delta, rstd, c1, c2 = (
-            scalars if lanes == 1 else [splat(builder, v, lanes) for v in scalars]
-        )
+        mean, delta, rstd, c1, c2 = _splat_all(builder, scalars, lanes)
         g = dy.load(index, lanes)
         u = builder.fmul(builder.fsub(builder.fsub(x.load(index, lanes), mean), delta), rstd)
         gh = builder.fmul(g, w.load(index, lanes))
@@ -342,12 +403,7 @@ def _dx_pass(context, builder, sig, args, touching: bool) -> ir.Value:
             loaded = builder.fadd(dy_next.load(index, lanes), x_next.load(index, lanes))
             builder.store(builder.fadd(builder.load(touched), loaded), touched)
 
-    vectors = builder.udiv(n, intp(width))
-    with cgutils.for_range(builder, vectors) as loop:
-        element(builder.mul(loop.index, intp(width)), width)
-    tail_start = builder.mul(vectors, intp(width))
-    with cgutils.for_range(builder, builder.sub(n, tail_start)) as loop:
-        element(builder.add(tail_start, loop.index), 1)
+    _elementwise(builder, dx.length, width, element)
     return _halve(builder, builder.load(touched))
 
 
