@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +113,24 @@ def test_small_calls_script_measures_both_providers():
     assert len(calls) == 300 + 3 * 5  # warm-up, then every round
     line = small_calls.measure((2, 8))  # the real thing, on one tiny shape
     assert line.startswith("(2, 8): inference torch") and "with grad" in line
+
+
+def test_kernel_ab_script_compares_two_revisions(capsys):
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs the git checkout")
+    spec = importlib.util.spec_from_file_location("kernel_ab", ROOT / "benchmarks" / "kernel_ab.py")
+    kernel_ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernel_ab)
+    kernel_ab.main(["--base", "HEAD", "--shapes", "4x16", "--rounds", "2", "--threads", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("base HEAD vs the working tree, float32, 1 threads")
+    assert [line.split(":")[0] for line in lines[1:]] == ["fwd 4x16", "bwd 4x16"]
+    assert all("new/base" in line for line in lines[1:])
+    unchanged = (
+        subprocess.run(
+            ["git", "diff", "--quiet", "HEAD", "--", "src/layernorm/backends"], cwd=ROOT
+        ).returncode
+        == 0
+    )
+    if unchanged:  # the same source, compiled twice in one process: the same bits
+        assert all(line.endswith("same bits: yes") for line in lines[1:])
