@@ -5,7 +5,7 @@ Python calls the four entry points at the end (``forward_serial``/``forward_para
 ``backward_serial``/``backward_parallel``) with tensor addresses; the parallel ones run
 their rows over numba's threads (``prange``), the serial ones in the calling thread, and
 both run the same compiled row functions. Everything is ``@njit(cache=True)``: the first
-call of each dtype specialization compiles (3–4 s), later processes load it from numba's
+call of each dtype specialization compiles (2–4 s), later processes load it from numba's
 on-disk cache (``NUMBA_CACHE_DIR``, else ``__pycache__`` beside this file, else numba's
 user-wide cache when the package directory is read-only).
 
