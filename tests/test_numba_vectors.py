@@ -10,12 +10,16 @@ torch's own conversions.
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 pytest.importorskip("numba")
 from numba import njit
 
+from layernorm.backends import _numba_kernels, _numba_vectors
 from layernorm.backends._numba_vectors import (
     UNROLL,
     add_rows,
@@ -205,3 +209,11 @@ def test_16_bit_rows_convert_as_torch_does(storage):
         nan = expected.isnan()  # NaN's bits differ between torch's own conversion paths
         assert torch.equal(ours.isnan(), nan) and nan.any()
         assert torch.equal(ours[~nan].view(bits), expected[~nan].view(bits))
+
+
+def test_the_kernels_record_the_vector_code_they_are_compiled_with():
+    # numba's cache sees only _numba_kernels.py: see VECTORS_SHA256 there
+    digest = hashlib.sha256(Path(_numba_vectors.__file__).read_bytes()).hexdigest()[:16]
+    assert digest == _numba_kernels.VECTORS_SHA256, (
+        f"_numba_vectors.py changed: set VECTORS_SHA256 in _numba_kernels.py to {digest!r}"
+    )

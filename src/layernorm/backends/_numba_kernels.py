@@ -71,6 +71,11 @@ from ._numba_vectors import (
 )
 
 ROW_BLOCK = 32  # rows per dweight/dbias partial sum (fixed: never depends on threads)
+#: The start of the SHA-256 of ``_numba_vectors.py``, whose intrinsics are compiled into
+#: these kernels. numba keys its on-disk cache on this file alone, so a change to that one
+#: must change this line, or a stale cached kernel would keep running the old code;
+#: ``tests/test_numba_vectors.py`` fails until it does.
+VECTORS_SHA256 = "50fcff3142f68cb1"
 
 
 def _jit(**options):
