@@ -58,6 +58,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ._numba_vectors import (
+    Row,
     add_rows,
     dx_row,
     dx_row_touching,
@@ -75,7 +76,7 @@ ROW_BLOCK = 32  # rows per dweight/dbias partial sum (fixed: never depends on th
 #: these kernels. numba keys its on-disk cache on this file alone, so a change to that one
 #: must change this line, or a stale cached kernel would keep running the old code;
 #: ``tests/test_numba_vectors.py`` fails until it does.
-VECTORS_SHA256 = "50fcff3142f68cb1"
+VECTORS_SHA256 = "e88c8081b0fe0a37"
 
 
 def _jit(**options):
@@ -105,22 +106,6 @@ _WIDTH = 8  # floats per streamed vector (AVX); a row's unaligned head and tail 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")  # sfence
 
 
-def _vector_ptr(context, builder, array_type, array, k):
-    data = context.make_array(array_type)(context, builder, array).data
-    return builder.bitcast(
-        builder.gep(data, [k]), ir.VectorType(ir.FloatType(), _WIDTH).as_pointer()
-    )
-
-
-def _load(builder, ptr):
-    return builder.load(ptr, align=4)
-
-
-def _store_streaming(builder, value, ptr):
-    store = builder.store(value, ptr, align=4 * _WIDTH)
-    store.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
-
-
 @intrinsic
 def _normalize_vector_nt(typingctx, z, y, k, m1, delta, rstd, w, b):
     """y[k:k+8] = ((z - m1) - delta) * rstd * w + b, streamed; y + k must be 32-aligned."""
@@ -130,12 +115,11 @@ def _normalize_vector_nt(typingctx, z, y, k, m1, delta, rstd, w, b):
         za, ya, k, m1, delta, rstd, wa, ba = args
         at = signature.args
         zv, wv, bv = (
-            _load(builder, _vector_ptr(context, builder, at[i], a, k))
-            for i, a in ((0, za), (6, wa), (7, ba))
+            Row(context, builder, at[i], a).load(k, _WIDTH) for i, a in ((0, za), (6, wa), (7, ba))
         )
         scalars = (splat(builder, v, _WIDTH) for v in (m1, delta, rstd))
         yv = normalized(builder, zv, wv, bv, *scalars)
-        _store_streaming(builder, yv, _vector_ptr(context, builder, at[1], ya, k))
+        Row(context, builder, at[1], ya).store(yv, k, _WIDTH, streaming=True)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -149,8 +133,8 @@ def _copy_vector_nt(typingctx, src, dst, k):
     def codegen(context, builder, signature, args):
         sa, da, k = args
         at = signature.args
-        value = _load(builder, _vector_ptr(context, builder, at[0], sa, k))
-        _store_streaming(builder, value, _vector_ptr(context, builder, at[1], da, k))
+        value = Row(context, builder, at[0], sa).load(k, _WIDTH)
+        Row(context, builder, at[1], da).store(value, k, _WIDTH, streaming=True)
         return context.get_dummy_value()
 
     return sig, codegen

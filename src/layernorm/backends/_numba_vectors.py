@@ -136,7 +136,7 @@ def _halve(builder: ir.IRBuilder, vector: ir.Value) -> ir.Value:
     return builder.extract_element(vector, _I32(0))
 
 
-class _Row:
+class Row:
     """One numba 1-D C array (a row) seen from IR: loads widen to the accumulation dtype,
     stores narrow to the row's dtype, ``lanes`` elements at a time (a vector) or one."""
 
@@ -160,9 +160,14 @@ class _Row:
         raw = self.builder.load(self._address(index, lanes), align=self.itemsize)
         return widen(self.builder, raw, self.dtype)
 
-    def store(self, value: ir.Value, index: ir.Value, lanes: int) -> None:
+    def store(self, value: ir.Value, index: ir.Value, lanes: int, streaming: bool = False) -> None:
+        """``streaming``: a non-temporal store, which bypasses the cache (the address must
+        then be aligned to the whole vector)."""
         stored = narrow(self.builder, value, self.dtype)
-        self.builder.store(stored, self._address(index, lanes), align=self.itemsize)
+        align = self.itemsize * lanes if streaming else self.itemsize
+        store = self.builder.store(stored, self._address(index, lanes), align=align)
+        if streaming:
+            store.set_metadata("nontemporal", self.builder.module.add_metadata([_I32(1)]))
 
 
 Terms = Callable[[ir.IRBuilder, list[ir.Value], list[ir.Value]], list[ir.Value]]
@@ -180,7 +185,7 @@ def _reduce(
     first one's): ``terms(builder, elements, scalars)`` gives each element's ``count``
     terms from the arrays' elements (widened) and ``scalars`` (splat to match), as
     vectors of :func:`lanes` in the body and as scalars in the tail."""
-    rows = [_Row(context, builder, t, v) for t, v in arrays]
+    rows = [Row(context, builder, t, v) for t, v in arrays]
     n = rows[0].length
     intp = n.type
     acc = scalars[-1].type  # the zero argument's: the accumulation type
@@ -339,7 +344,7 @@ def normalize_row(typingctx, z, y, m1, delta, rstd, w, b):
     sig = signature(types.void, z, y, m1, delta, rstd, w, b)
 
     def codegen(context, builder, sig, args):
-        z, y, w, b = (_Row(context, builder, sig.args[k], args[k]) for k in (0, 1, 5, 6))
+        z, y, w, b = (Row(context, builder, sig.args[k], args[k]) for k in (0, 1, 5, 6))
 
         def element(index: ir.Value, lanes: int) -> None:
             m1, delta, rstd = _splat_all(builder, args[2:5], lanes)
@@ -358,7 +363,7 @@ def add_rows(typingctx, x, r, h):
     sig = signature(types.void, x, r, h)
 
     def codegen(context, builder, sig, args):
-        x, r, h = (_Row(context, builder, t, v) for t, v in zip(sig.args, args, strict=True))
+        x, r, h = (Row(context, builder, t, v) for t, v in zip(sig.args, args, strict=True))
         acc = ir.DoubleType() if sig.args[0].dtype == types.float64 else ir.FloatType()
 
         def element(index: ir.Value, lanes: int) -> None:
@@ -386,7 +391,7 @@ def _dx_pass(context, builder, sig, args, touching: bool) -> ir.Value:
     returned, which the caller stores so the loads stay (see ``_backward_block``)."""
     arrays = len(args) - 5
     rows = [
-        _Row(context, builder, t, v) for t, v in zip(sig.args[:arrays], args[:arrays], strict=True)
+        Row(context, builder, t, v) for t, v in zip(sig.args[:arrays], args[:arrays], strict=True)
     ]
     dy, x, dro, dx, w, pw, pb = rows[:7]
     scalars = args[arrays:]
