@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import layernorm
+from _kernel_contract import check_any_dim
 from layernorm import reference
 
 B = "torch"
@@ -424,3 +425,103 @@ def test_portable_backend_is_bitwise_identical_at_one_and_two_threads():
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+# --- the common-call fast path and the kernel argument shapes ------------------------------
+
+
+def test_common_call_takes_only_calls_the_full_checks_pass_unchanged():
+    """``ops._common_call`` answers N only where the full checks would pass and change
+    nothing; any other call gets 0 and goes through the full checks (and their errors)."""
+    from layernorm import ops
+
+    x, w, b = torch.randn(2, 3, 8), torch.randn(8), torch.randn(8)
+    p = torch.nn.Parameter(torch.randn(8))
+
+    def common(x=x, residual=None, shape=(8,), weight=w, bias=b, eps=1e-5, backend=None):
+        return ops._common_call(x, residual, shape, weight, bias, eps, backend)
+
+    assert common() == common(shape=8) == common(weight=p, bias=None) == 8
+    assert common(residual=torch.randn(2, 3, 8), weight=None) == 8
+    assert common(x=torch.randn(8)) == 8  # one row
+    others = {
+        "backend named": common(backend="numba"),
+        "int eps": common(eps=1),
+        "eps None": common(eps=None),
+        "negative eps": common(eps=-1.0),
+        "nan eps": common(eps=float("nan")),
+        "two dims": common(x=torch.randn(2, 3, 8), shape=(3, 8), weight=None, bias=None),
+        "torch.Size": common(shape=torch.Size([8])),
+        "list": common(shape=[8]),
+        "wrong N": common(shape=(4,)),
+        "zero N": common(x=torch.randn(2, 0), shape=0, weight=None, bias=None),
+        "0-dim input": common(x=torch.tensor(1.0), shape=1, weight=None, bias=None),
+        "non-contiguous input": common(x=torch.randn(8, 6).t()),
+        "strided rows": common(x=torch.randn(4, 16)[:, :8]),
+        "integer input": common(x=torch.ones(2, 8, dtype=torch.long)),
+        "Parameter input": common(x=torch.nn.Parameter(torch.randn(2, 8))),
+        "meta input": common(x=torch.randn(2, 8, device="meta"), weight=None, bias=None),
+        "weight shape": common(weight=torch.randn(4)),
+        "weight 2-D": common(weight=torch.randn(1, 8)),
+        "weight integer": common(weight=torch.ones(8, dtype=torch.int32)),
+        "weight strided": common(weight=torch.randn(16)[::2]),
+        "weight meta": common(weight=torch.randn(8, device="meta")),
+        "weight list": common(weight=[1.0] * 8),
+        "bias strided": common(bias=torch.randn(16)[::2]),
+        "residual dtype": common(residual=x.double()),
+        "residual shape": common(residual=torch.randn(6, 8)),
+        "residual strided": common(residual=torch.randn(2, 3, 16)[..., :8]),
+    }
+    assert {k for k, v in others.items() if v != 0} == set()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(8,), (3, 8), (2, 3, 50), (2, 2, 2, 33)])
+def test_common_call_and_full_checks_agree_bitwise(monkeypatch, dtype, shape):
+    """The same results, gradients included, with the fast path turned off."""
+    from layernorm import ops
+
+    n = shape[-1]
+    x, r, dy = (torch.randn(shape, dtype=dtype) for _ in range(3))
+    w, b = torch.rand(n, dtype=dtype) + 0.5, torch.randn(n, dtype=dtype)
+
+    def run():
+        xs, rs, ws, bs = (t.clone().requires_grad_() for t in (x, r, w, b))
+        y, h = layernorm.add_layer_norm(xs, rs, n, ws, bs)
+        torch.autograd.backward((y, h), (dy, dy))
+        with torch.no_grad():
+            plain = layernorm.layer_norm(x, (n,), w, b), layernorm.rms_norm(x, n, w, eps=1e-6)
+        return (y, h, xs.grad, rs.grad, ws.grad, bs.grad, *plain)
+
+    fast = run()
+    assert ops._common_call(x, r, n, w, b, 1e-5, None) == n
+    monkeypatch.setattr(ops, "_common_call", lambda *args: 0)
+    full = run()
+    for a, c in zip(fast, full, strict=True):
+        assert a.shape == c.shape and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("name", ["torch", "numba"])
+def test_backends_take_contiguous_tensors_of_any_dim(name):
+    from layernorm import backends
+
+    if name not in layernorm.available_backends():
+        pytest.skip(f"{name} is not installed")
+    check_any_dim(backends.get(name))
+
+
+def test_automatic_choice_is_made_once_per_device_type_and_dtype(monkeypatch):
+    from layernorm import backends
+
+    monkeypatch.delenv("LAYERNORM_BACKEND", raising=False)
+    backends.forget("numba")
+    first = backends.pick(torch.randn(2, 8))
+    asked = []
+    monkeypatch.setattr(backends, "_automatic", lambda x: asked.append(x) or first)
+    assert backends.pick(torch.randn(5, 3)) is first and asked == []  # remembered
+    backends.pick(torch.randn(2, 8, dtype=torch.float64))  # another dtype: asks
+    assert len(asked) == 1
+    backends.forget("numba")  # forgets every remembered choice
+    backends.pick(torch.randn(2, 8))
+    assert len(asked) == 2
+    backends.forget("numba")  # (what the stand-in chose)

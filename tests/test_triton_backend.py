@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import layernorm
+from _kernel_contract import check_any_dim
 from layernorm import backends, reference
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -143,6 +144,10 @@ def test_automatic_choice_never_interprets_cpu_tensors():
     x = torch.randn(3, 8)
     assert not triton_.prefers(x)
     assert backends.choose(x) != "triton"
+
+
+def test_takes_contiguous_tensors_of_any_dim():
+    check_any_dim(triton_)
 
 
 # ---------------------------------------------------------------------------------------

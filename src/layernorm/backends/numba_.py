@@ -35,9 +35,9 @@ beside the kernels, else (read-only install) in numba's user-wide cache director
 (``~/.cache/numba`` or the platform's equivalent); with no writable place at all the
 kernels still run, compiled in memory.
 
-Automatic choice: :func:`prefers` is True for every CPU input of at least
-:data:`MIN_NUMEL` elements (measured against the portable torch backend, see
-``benchmarks/RESULTS.md``: no crossover; numba is faster at every size).
+Automatic choice: :func:`prefers` is True for every CPU input, whatever its size (measured
+against the portable torch backend, see ``benchmarks/RESULTS.md``: no crossover; numba
+was faster at every size from 64 elements up, forward and backward).
 """
 
 from __future__ import annotations
@@ -52,12 +52,8 @@ import torch
 
 from . import _host_memory
 
-__all__ = ["MIN_NUMEL", "SERIAL_NUMEL", "backward", "cannot_run", "forward", "prefers"]
+__all__ = ["SERIAL_NUMEL", "backward", "cannot_run", "forward", "prefers"]
 
-#: smallest M*N for which the automatic choice takes this backend. Measured against the
-#: portable torch backend (benchmarks/RESULTS.md): numba was faster at every size from 64
-#: elements up, forward and backward, so there is no crossover and the choice is size-blind.
-MIN_NUMEL = 1
 #: float32 outputs of at least this many bytes are written with non-temporal (streaming)
 #: stores, which skip the read-for-ownership of a plain store; smaller ones stay cached
 #: for whoever reads them next. Same bits either way.
@@ -83,7 +79,7 @@ def cannot_run(x: torch.Tensor) -> str | None:
 
 
 def prefers(x: torch.Tensor) -> bool:
-    return x.is_cpu and x.numel() >= MIN_NUMEL
+    return x.is_cpu
 
 
 def _kernels() -> ModuleType:
@@ -120,21 +116,21 @@ _TYPES = {
 
 
 def _empty(like: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """An uninitialized contiguous output shaped like the (M, N) ``like``, of ``nbytes``:
-    from the host cache when large (see :mod:`layernorm.backends._host_memory`: a fresh
-    large tensor costs a page clear per page, more than the normalization itself), else
-    ``torch.empty_like`` (contiguous for every input the kernels see: rows that are not
-    dense, ``stride(0) > N``, give a contiguous result)."""
+    """An uninitialized contiguous output shaped like ``like``, of ``nbytes``: from the
+    host cache when large (see :mod:`layernorm.backends._host_memory`: a fresh large
+    tensor costs a page clear per page, more than the normalization itself), else
+    ``torch.empty_like`` (contiguous for every input the kernels see: 2-D rows that are
+    not dense, ``stride(0) > N``, give a contiguous result)."""
     if nbytes >= _host_memory.MIN_BYTES:
         return _host_memory.empty(like.shape, like.dtype)
     return torch.empty_like(like)
 
 
-def _stride(t: torch.Tensor) -> int:
-    """Row stride of an (M, N) tensor with contiguous rows: row ``i`` starts ``i * stride``
-    elements after ``t.data_ptr()``. Strided and broadcast rows are read in place."""
-    m, n = t.shape
-    return t.stride()[0] if m > 1 else n
+def _stride(t: torch.Tensor, n: int) -> int:
+    """Row stride of a ``(*, N)`` kernel argument: row ``i`` starts ``i * stride``
+    elements after ``t.data_ptr()``. Contiguous tensors of any dim have stride N; the
+    others are 2-D with contiguous rows, read in place (strided and broadcast rows)."""
+    return n if t.is_contiguous() else t.stride(0)
 
 
 _constants: dict[tuple[int, torch.dtype, float, float], torch.Tensor] = {}
@@ -154,10 +150,11 @@ def _constant(n: int, dtype: torch.dtype, value: float) -> torch.Tensor:
 
 
 def _param(p: torch.Tensor | None, n: int, acc: torch.dtype, default: float) -> torch.Tensor:
-    """``p`` as a contiguous (N,) tensor in the accumulation dtype, or the default row."""
+    """``p`` (contiguous, as the contract promises) in the accumulation dtype, or the
+    default row."""
     if p is None:
         return _constant(n, acc, default)
-    return p if p.dtype == acc and p.is_contiguous() else p.to(acc).contiguous()
+    return p if p.dtype == acc else p.to(acc).contiguous()
 
 
 def forward(
@@ -172,9 +169,11 @@ def forward(
     # Every Python step here costs ~0.1 us, and a small call is a few us in all: the body
     # is written flat on purpose.
     kernels = _kernels_module or _kernels()
-    m, n = x.shape
+    n = x.shape[-1]
+    numel = x.numel()
+    m = numel // n
     types = _TYPES[x.dtype]
-    nbytes = m * n * types.itemsize
+    nbytes = numel * types.itemsize
     y = _empty(x, nbytes)
     w = _param(weight, n, types.acc_dtype, 1.0)
     b = _param(bias, n, types.acc_dtype, -0.0)
@@ -192,13 +191,17 @@ def forward(
         r_address, rs, h_address = x_address, 0, x_address
     else:
         residual_out = _empty(x, nbytes)
-        r_address, rs, h_address = residual.data_ptr(), _stride(residual), residual_out.data_ptr()
-    run = kernels.forward_serial if m * n < SERIAL_NUMEL else kernels.forward_parallel
+        r_address, rs, h_address = (
+            residual.data_ptr(),
+            _stride(residual, n),
+            residual_out.data_ptr(),
+        )
+    run = kernels.forward_serial if numel < SERIAL_NUMEL else kernels.forward_parallel
     run(
         types.storage,
         types.acc,
         x_address,
-        _stride(x),
+        _stride(x, n),
         r_address,
         rs,
         residual is not None,
@@ -230,10 +233,12 @@ def backward(
     need_dbias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     kernels = _kernels_module or _kernels()
-    m, n = x.shape
+    n = x.shape[-1]
+    numel = x.numel()
+    m = numel // n
     types = _TYPES[x.dtype]
     acc = types.acc_dtype
-    nbytes = m * n * types.itemsize
+    nbytes = numel * types.itemsize
     w = _param(weight, n, acc, 1.0)
     stats_rstd = _param(rstd, m, acc, 0.0)
     stats_mean = stats_rstd if mean is None else _param(mean, m, acc, 0.0)
@@ -241,16 +246,16 @@ def backward(
     dx = _empty(x, nbytes)
     dweight = torch.empty(n, dtype=acc) if need_dweight else None
     dbias = torch.empty(n, dtype=acc) if need_dbias else None
-    run = kernels.backward_serial if m * n < SERIAL_NUMEL else kernels.backward_parallel
+    run = kernels.backward_serial if numel < SERIAL_NUMEL else kernels.backward_parallel
     run(
         types.storage,
         types.acc,
         dy.data_ptr(),
-        _stride(dy),
+        _stride(dy, n),
         x.data_ptr(),
-        _stride(x),
+        _stride(x, n),
         dro.data_ptr(),
-        0 if dresidual_out is None else _stride(dresidual_out),
+        0 if dresidual_out is None else _stride(dresidual_out, n),
         w.data_ptr(),
         stats_mean.data_ptr(),
         stats_rstd.data_ptr(),

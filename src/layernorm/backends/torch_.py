@@ -2,16 +2,21 @@
 
 It defines the kernel contract every backend follows (see ``layernorm.backends``):
 
-- ``x``, ``residual``, ``dy``, ``dresidual_out``: ``(M, N)`` tensors of one floating dtype,
-  rows contiguous (``stride(1) == 1``), ``stride(0)`` arbitrary.
+- ``x``, ``residual``, ``dy``, ``dresidual_out``: ``(*, N)`` tensors of one floating
+  dtype holding M rows: contiguous of any dim (a 1-D one is one row), or 2-D with
+  contiguous rows (``stride(1) == 1``) and an arbitrary ``stride(0)``. The arguments of
+  one call have one shape, except that ``dy`` and ``dresidual_out`` may come as the
+  (M, N) rows of a tensor shaped like ``x``.
 - ``weight``, ``bias``: ``(N,)`` contiguous or ``None``; any floating dtype.
 - Arithmetic in the accumulation dtype: float64 for float64 input, else float32.
   ``mean`` and ``rstd`` are ``(M,)`` in that dtype; ``mean`` is ``None`` for RMSNorm.
-- ``forward`` returns ``y`` (contiguous, ``x``'s dtype), ``residual_out = x + residual``
+- ``forward`` returns ``y`` (contiguous, shaped like ``x``, ``x``'s dtype),
+  ``residual_out = x + residual``
   (``x``'s dtype, or ``None`` without a residual; the normalization reads the rounded
   ``residual_out``), ``mean`` and ``rstd``.
 - ``backward`` gets the normalized input (``residual_out`` when there was a residual) as
-  ``x`` and returns ``dx`` (``x``'s dtype, ``+ dresidual_out`` when given) and
+  ``x`` and returns ``dx`` (shaped like ``x``, ``x``'s dtype, ``+ dresidual_out`` when
+  given) and
   ``dweight``/``dbias`` in the accumulation dtype, or ``None`` when not asked for.
   ``mean`` is rounded to the statistics dtype, so ``backward`` re-centers: with
   ``d = x − mean``, ``u = (d − mean(d)) · rstd``; otherwise the gradient's error would grow
@@ -26,6 +31,8 @@ backends do not.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -47,6 +54,11 @@ def prefers(x: torch.Tensor) -> bool:
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def matrix(t: torch.Tensor) -> torch.Tensor:
+    """A ``(*, N)`` argument as the (M, N) matrix of its rows (a view where it can)."""
+    return t if t.dim() == 2 else t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 def row_sum(t: torch.Tensor) -> torch.Tensor:
@@ -78,7 +90,9 @@ def forward(
     stats: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     acc = accumulation_dtype(x.dtype)
-    residual_out = None if residual is None else (x.to(acc) + residual.to(acc)).to(x.dtype)
+    shape = x.shape
+    x = matrix(x)
+    residual_out = None if residual is None else (x.to(acc) + matrix(residual).to(acc)).to(x.dtype)
     z = (x if residual_out is None else residual_out).to(acc)
     n = z.shape[1]
     if rms:
@@ -95,7 +109,8 @@ def forward(
         u = c * rstd[:, None]
     y = u if weight is None else u * weight.to(acc)
     y = y if bias is None else y + bias.to(acc)
-    return y.to(x.dtype).contiguous(), residual_out, mean, rstd
+    y = y.to(x.dtype).contiguous().view(shape)
+    return y, None if residual_out is None else residual_out.view(shape), mean, rstd
 
 
 def backward(
@@ -110,8 +125,9 @@ def backward(
     need_dbias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     acc = accumulation_dtype(x.dtype)
-    z = x.to(acc)
-    g = dy.to(acc)
+    shape = x.shape
+    z = matrix(x).to(acc)
+    g = matrix(dy).to(acc)
     n = z.shape[1]
     gh = g if weight is None else g * weight.to(acc)
     if rms:
@@ -129,7 +145,7 @@ def backward(
         c2 = row_sum(gh) / n
         dx = rstd[:, None] * (gh - c2[:, None] - u * c1[:, None])
     if dresidual_out is not None:
-        dx = dx + dresidual_out.to(acc)
+        dx = dx + matrix(dresidual_out).to(acc)
     dweight = column_sum(g * u) if need_dweight else None
     dbias = column_sum(g) if need_dbias else None
-    return dx.to(x.dtype), dweight, dbias
+    return dx.to(x.dtype).reshape(shape), dweight, dbias

@@ -37,6 +37,8 @@ from typing import overload
 import numpy as np
 import torch
 
+from .torch_ import matrix
+
 #: rows of at most this many elements are held whole in one program's registers (forward)
 FUSED_FORWARD_N = 1 << 14
 #: wider rows of at most this many bytes get one program that loops over the row
@@ -219,9 +221,12 @@ def forward(
     stats: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     kernels = _kernels()
-    x, residual, weight, bias = _rows(x), _rows(residual), _rows(weight), _rows(bias)
+    shape = x.shape
+    x, residual = _rows(matrix(x)), None if residual is None else _rows(matrix(residual))
+    weight, bias = _rows(weight), _rows(bias)
     with _quiet(kernels):
-        return _forward(kernels, x, residual, weight, bias, eps, rms)
+        y, residual_out, mean, rstd = _forward(kernels, x, residual, weight, bias, eps, rms)
+    return y.view(shape), None if residual_out is None else residual_out.view(shape), mean, rstd
 
 
 def _forward(
@@ -296,11 +301,14 @@ def backward(
     need_dbias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     kernels = _kernels()
-    dy, x, weight, dresidual_out = _rows(dy), _rows(x), _rows(weight), _rows(dresidual_out)
+    shape = x.shape
+    dy, x, weight = _rows(matrix(dy)), _rows(matrix(x)), _rows(weight)
+    dresidual_out = None if dresidual_out is None else _rows(matrix(dresidual_out))
     with _quiet(kernels):
-        return _backward(
+        dx, dweight, dbias = _backward(
             kernels, dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias
         )
+    return dx.view(shape), dweight, dbias
 
 
 def _backward(
