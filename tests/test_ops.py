@@ -349,6 +349,8 @@ def test_bad_input_errors():
     x = torch.randn(2, 4)
     with pytest.raises(ValueError, match=r"at least 1-dimensional.*normalized_shape = \[\]"):
         layernorm.layer_norm(x, [])
+    with pytest.raises(ValueError, match=r"at least 1-dimensional.*normalized_shape = \[\]"):
+        layernorm.layer_norm(x, ())
     with pytest.raises(
         ValueError,
         match=r"normalized_shape=\[5\], expected input with shape \[\*, 5\], but got input of size \[2, 4\]",
@@ -453,6 +455,8 @@ def test_common_call_takes_only_calls_the_full_checks_pass_unchanged():
         "two dims": common(x=torch.randn(2, 3, 8), shape=(3, 8), weight=None, bias=None),
         "torch.Size": common(shape=torch.Size([8])),
         "list": common(shape=[8]),
+        "empty tuple": common(shape=()),
+        "nested tuple": common(shape=((8,),)),
         "wrong N": common(shape=(4,)),
         "zero N": common(x=torch.randn(2, 0), shape=0, weight=None, bias=None),
         "0-dim input": common(x=torch.tensor(1.0), shape=1, weight=None, bias=None),

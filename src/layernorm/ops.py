@@ -346,7 +346,8 @@ def _common_call(
     (N,) floating CPU parameters or None; a non-negative float ``eps``; the automatic
     backend; not under torch.compile. 0 for any other call (the full checks take it).
     (A small call's checks cost ~5 us spread over helpers, ~1.5 us here.)"""
-    n = normalized_shape[0] if type(normalized_shape) is tuple else normalized_shape
+    one = type(normalized_shape) is tuple and len(normalized_shape) == 1
+    n = normalized_shape[0] if one else normalized_shape  # type: ignore[index]
     if not (
         type(n) is int
         and n > 0
@@ -356,7 +357,6 @@ def _common_call(
         and x.is_contiguous()
         and x.dim() > 0
         and x.shape[-1] == n
-        and (type(normalized_shape) is int or len(normalized_shape) == 1)  # type: ignore[arg-type]
         and type(eps) is float
         and eps >= 0
         and backend is None
