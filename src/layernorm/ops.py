@@ -350,7 +350,7 @@ def _common_call(
     last dim, as an int or a 1-tuple; a residual like ``x`` or None; plain contiguous
     (N,) floating CPU parameters or None; a non-negative float ``eps``; the automatic
     backend; not under torch.compile. 0 for any other call (the full checks take it).
-    (A small call's checks cost ~5 us spread over helpers, ~1.5 us here.)"""
+    (Measured at (1, 1, 768): 3.9 us here, 5.2 us for the full checks.)"""
     one = type(normalized_shape) is tuple and len(normalized_shape) == 1
     n = normalized_shape[0] if one else normalized_shape  # type: ignore[index]
     if not (
