@@ -118,6 +118,19 @@ def test_layer_norm_gradcheck_and_gradgradcheck(affine):
     assert torch.autograd.gradgradcheck(f, inputs)
 
 
+@pytest.mark.parametrize("backend", [None, B])
+def test_gradcheck_and_gradgradcheck_on_a_3d_input_taken_as_it_is(backend):
+    """A contiguous 3-D input reaches the kernels (and the double backward's composite
+    formula) without an (M, N) view."""
+    x, r, w, b = _f64(2, 3, 6), _f64(2, 3, 6), _f64(6), _f64(6)
+
+    def f(x, r, w, b):
+        return layernorm.add_layer_norm(x, r, 6, w, b, eps=0.1, backend=backend)
+
+    assert torch.autograd.gradcheck(f, (x, r, w, b))
+    assert torch.autograd.gradgradcheck(f, (x, r, w, b))
+
+
 def test_every_op_gradcheck_and_gradgradcheck():
     x, r, w, b = _f64(4, 6), _f64(4, 6), _f64(6), _f64(6)
     ops = [
@@ -158,6 +171,24 @@ def test_regression_expanded_gradient_of_a_sum():
     xx = (x + r).detach().requires_grad_()
     (F.layer_norm(xx, (33,)).sum() + xx.sum()).backward()
     torch.testing.assert_close(x.grad, xx.grad)
+
+
+@pytest.mark.parametrize("backend", [None, B])
+def test_expanded_gradient_of_a_sum_on_a_3d_input(backend):
+    # a contiguous 3-D input reaches the kernels as it is; its gradient comes back
+    # expanded (strides (0, 0, 0)) and must be taken as rows
+    x = torch.randn(2, 5, 33, requires_grad=True)
+    r = torch.randn(2, 5, 33, requires_grad=True)
+    w = torch.randn(33, requires_grad=True)
+    y, h = layernorm.add_layer_norm(x, r, 33, w, backend=backend)
+    (y.sum() + h.sum()).backward()
+    xx = (x + r).detach().requires_grad_()
+    ww = w.detach().requires_grad_()
+    (F.layer_norm(xx, (33,), ww).sum() + xx.sum()).backward()
+    assert x.grad.shape == x.shape
+    torch.testing.assert_close(x.grad, xx.grad)
+    torch.testing.assert_close(r.grad, xx.grad)
+    torch.testing.assert_close(w.grad, ww.grad)
 
 
 def test_residual_gradients_reach_both_inputs_separately():
