@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from . import backends
+from .backends.torch_ import contiguous_rows as _contiguous_rows
 from .backends.torch_ import matrix as _matrix
 
 __all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
@@ -112,10 +113,6 @@ def _(dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias, b
         x.new_empty((n,) if need_dweight else (0,), dtype=stat),
         x.new_empty((n,) if need_dbias else (0,), dtype=stat),
     )
-
-
-def _contiguous_rows(t: Tensor) -> Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -323,12 +320,9 @@ def _requires_grad(t: Tensor | None) -> bool:
     return t is not None and t.requires_grad
 
 
-_PARAM_TYPES = (Tensor, torch.nn.Parameter)
-
-
 def _plain_param(p: Tensor | None, n: int) -> bool:
     return p is None or (
-        type(p) in _PARAM_TYPES
+        type(p) in _PLAIN
         and p.is_cpu
         and p.shape == (n,)
         and p.is_floating_point()

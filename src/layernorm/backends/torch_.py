@@ -61,6 +61,12 @@ def matrix(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 2 else t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
+def contiguous_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with unit column stride, copied only when it has none: autograd hands a
+    backward expanded gradients (``y.sum().backward()``: strides (0, 0))."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
 def row_sum(t: torch.Tensor) -> torch.Tensor:
     """Sums each row of ``t`` (M, N) in an order that depends only on N."""
     m, n = t.shape

@@ -37,7 +37,7 @@ from typing import overload
 import numpy as np
 import torch
 
-from .torch_ import matrix
+from .torch_ import contiguous_rows, matrix
 
 #: rows of at most this many elements are held whole in one program's registers (forward)
 FUSED_FORWARD_N = 1 << 14
@@ -182,11 +182,8 @@ def _rows(t: None) -> None: ...
 @overload
 def _rows(t: torch.Tensor | None) -> torch.Tensor | None: ...
 def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
-    # The kernels index columns with unit stride. The contract promises that, but autograd
-    # hands the backward expanded gradients (``y.sum().backward()``: strides (0, 0)).
-    if t is None or t.stride(-1) == 1 or t.shape[-1] <= 1:
-        return t
-    return t.contiguous()
+    # The kernels index columns with unit stride.
+    return None if t is None else contiguous_rows(t)
 
 
 def _launch(num_warps: int) -> dict:
