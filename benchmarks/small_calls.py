@@ -1,18 +1,22 @@
-"""Per-call cost of small layer_norm calls against torch's, in one process.
+"""Per-call cost of small calls against torch's, in one process.
 
     PYTHONPATH=src python benchmarks/small_calls.py [--breakdown]
 
-Inference (no grad) and with grad (inputs require grad; the forward only), for a few
-small shapes: the median over 31 rounds of the mean of 2000 (1000) calls, the two
-providers interleaved round by round. Prints microseconds a call and torch's time over
-ours. (The harness times such calls in ~1 ms batches, whose medians move more.)
+For layer_norm and rms_norm on a few small shapes: inference (no grad), the forward
+with grad (inputs require grad), and forward plus backward (``torch.autograd.grad``).
+Each is the median over 31 rounds of the mean of a batch of calls, the providers
+interleaved round by round: torch, ours (through the compiled dispatch when it is built:
+``layernorm build``), and ours through Python (the compiled dispatch switched off for
+the batch). Prints microseconds a call and torch's time over ours. (The harness times
+such calls in ~1 ms batches, whose medians move more.)
 
-``--breakdown`` also times, interleaved with those, the parts of an inference call: the
-argument checks (``ops._common_call``), the numba backend's ``forward`` alone, and the
-allocation plus the kernel call alone; and single tensor attribute reads, which is what
-the checks are made of.
+``--breakdown`` also times, interleaved with those, the parts of an inference call
+through Python: the argument checks (``ops._common_call``), the numba backend's
+``forward`` alone, and the allocation plus the kernel call alone; and single tensor
+attribute reads, which is what the checks are made of.
 """
 
+import contextlib
 import statistics
 import sys
 import time
@@ -22,64 +26,93 @@ import torch
 import torch.nn.functional as F
 
 import layernorm
+from layernorm import compiled
 
 
 def rr(fs, rounds=31, inner=2000):
-    """Median microseconds a call of each callable, round-robin over ``rounds`` rounds."""
+    """Median microseconds a call of each callable, round-robin over ``rounds`` rounds.
+    A name ending in "via Python" runs with the compiled dispatch switched off."""
     names = list(fs)
     res = {k: [] for k in names}
-    for f in fs.values():
-        for _ in range(300):
-            f()
+    for k in names:
+        with _python_only(k.endswith("via Python")):
+            for _ in range(300):
+                fs[k]()
     for _ in range(rounds):
         for k in names:
             f = fs[k]
-            t = time.perf_counter_ns()
-            for _ in range(inner):
-                f()
-            res[k].append((time.perf_counter_ns() - t) / inner / 1000)
+            with _python_only(k.endswith("via Python")):
+                t = time.perf_counter_ns()
+                for _ in range(inner):
+                    f()
+                res[k].append((time.perf_counter_ns() - t) / inner / 1000)
     return {k: statistics.median(v) for k, v in res.items()}
 
 
-def measure(shape: tuple[int, ...]) -> str:
+@contextlib.contextmanager
+def _python_only(python: bool):
+    saved = compiled.norm
+    if python:
+        compiled.norm = lambda *args: None
+    try:
+        yield
+    finally:
+        compiled.norm = saved
+
+
+def measure(shape: tuple[int, ...], op: str) -> str:
     n = shape[-1]
     x, w, b = torch.randn(*shape), torch.randn(n), torch.randn(n)
     xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
-    with torch.no_grad():
-        r = rr(
-            {
-                "torch": lambda: F.layer_norm(x, (n,), w, b),
-                "ours": lambda: layernorm.layer_norm(x, (n,), w, b),
-            }
+    dy = torch.randn_like(x)
+    if op == "layer_norm":
+        theirs, ours = (
+            (lambda: F.layer_norm(x, (n,), w, b)),
+            (lambda: layernorm.layer_norm(x, (n,), w, b)),
         )
-    g = rr(
-        {
-            "torch": lambda: F.layer_norm(xg, (n,), wg, bg),
-            "ours": lambda: layernorm.layer_norm(xg, (n,), wg, bg),
-        },
-        inner=1000,
+        theirs_g, ours_g = (
+            (lambda: F.layer_norm(xg, (n,), wg, bg)),
+            (lambda: layernorm.layer_norm(xg, (n,), wg, bg)),
+        )
+        leaves = (xg, wg, bg)
+    else:
+        theirs, ours = (lambda: F.rms_norm(x, (n,), w)), (lambda: layernorm.rms_norm(x, (n,), w))
+        theirs_g, ours_g = (
+            (lambda: F.rms_norm(xg, (n,), wg)),
+            (lambda: layernorm.rms_norm(xg, (n,), wg)),
+        )
+        leaves = (xg, wg)
+    with torch.no_grad():
+        r = rr({"torch": theirs, "ours": ours, "ours via Python": ours})
+    g = rr({"torch": theirs_g, "ours": ours_g, "ours via Python": ours_g}, inner=1000)
+
+    def both(f):
+        return lambda: torch.autograd.grad(f(), leaves, dy)
+
+    fb = rr(
+        {"torch": both(theirs_g), "ours": both(ours_g), "ours via Python": both(ours_g)}, inner=300
     )
-    return (
-        f"{shape}: inference torch {r['torch']:.1f} ours {r['ours']:.1f} us "
-        f"({r['torch'] / r['ours']:.2f}x) | with grad torch {g['torch']:.1f} "
-        f"ours {g['ours']:.1f} us ({g['torch'] / g['ours']:.2f}x)"
-    )
+    return f"{op} {shape}: " + " | ".join(
+        f"{part} torch {t['torch']:.1f}, ours {t['ours']:.1f} ({t['torch'] / t['ours']:.2f}x), "
+        f"via Python {t['ours via Python']:.1f} ({t['torch'] / t['ours via Python']:.2f}x) us"
+        for part, t in (("inference", r), ("with grad", g), ("forward+backward", fb))
+    )  # fmt: skip
 
 
 def breakdown(shape: tuple[int, ...]) -> str:
     from layernorm import ops
-    from layernorm.backends import _numba_kernels, numba_
+    from layernorm.backends import numba_
 
     n = shape[-1]
     x, w, b = torch.randn(*shape), torch.randn(n), torch.randn(n)
-    m, types = x.numel() // n, numba_._TYPES[torch.float32]
+    m, kernel = x.numel() // n, numba_.entry(torch.float32, "forward_serial")
 
     def kernel_call():  # the allocation and the kernel on addresses, nothing else
         y = torch.empty_like(x)
         a = x.data_ptr()
-        _numba_kernels.forward_serial(
-            types.storage, types.acc, a, n, a, 0, False, a, w.data_ptr(), b.data_ptr(),
-            y.data_ptr(), a, a, m, n, 1e-5, False, False, False,
+        kernel(
+            a, n, a, 0, False, a, w.data_ptr(), b.data_ptr(), y.data_ptr(), a, a, m, n, 1e-5,
+            False, False, False,
         )  # fmt: skip
         return y
 
@@ -88,6 +121,7 @@ def breakdown(shape: tuple[int, ...]) -> str:
             {
                 "torch": lambda: F.layer_norm(x, (n,), w, b),
                 "ours": lambda: layernorm.layer_norm(x, (n,), w, b),
+                "ours via Python": lambda: layernorm.layer_norm(x, (n,), w, b),
                 "checks": lambda: ops._common_call(x, None, (n,), w, b, 1e-5, None),
                 "backend": lambda: numba_.forward(x, None, w, b, 1e-5, False, stats=False),
                 "kernel call": kernel_call,
@@ -117,8 +151,12 @@ def attributes() -> str:
 if __name__ == "__main__":
     torch.set_num_threads(2)
     numba.set_num_threads(2)
-    for shape in [(4, 64), (1, 1, 768), (8, 128, 64)]:
-        print(measure(shape))
+    print(f"compiled dispatch: {compiled.unavailable_reason() or 'in use'}")
+    layernorm.layer_norm(torch.ones(1, 2), 2)  # (loads the compiled dispatch if built)
+    print(f"compiled dispatch: {compiled.unavailable_reason() or 'in use'}")
+    for op in ("layer_norm", "rms_norm"):
+        for shape in [(4, 64), (1, 1, 768), (8, 128, 64), (64, 1024)]:
+            print(measure(shape, op), flush=True)
     if "--breakdown" in sys.argv[1:]:
         for shape in [(4, 64), (1, 1, 768)]:
             print(breakdown(shape))

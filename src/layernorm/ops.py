@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from . import backends
+from . import compiled as _compiled
 from .backends.torch_ import contiguous_rows as _contiguous_rows
 from .backends.torch_ import matrix as _matrix
 
@@ -385,6 +386,10 @@ def _norm(
     rms: bool,
     backend: str | None,
 ) -> tuple[Tensor, Tensor | None]:
+    if not torch.compiler.is_compiling():
+        out = _compiled.norm(x, residual, normalized_shape, weight, bias, eps, rms, backend)
+        if out is not None:  # the common call, run by the compiled dispatch
+            return out
     n = _common_call(x, residual, normalized_shape, weight, bias, eps, backend)
     if n:  # the checks below would pass and change nothing
         rows, residual_rows, name = x, residual, ""

@@ -31,11 +31,21 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
 
-__all__ = ["AUTO_ORDER", "BACKENDS", "available_backends", "choose", "forget", "get", "pick"]
+__all__ = [
+    "AUTO_ORDER",
+    "BACKENDS",
+    "available_backends",
+    "choose",
+    "forget",
+    "get",
+    "on_forget",
+    "pick",
+]
 
 #: name -> module path, in no particular order.
 BACKENDS: dict[str, str] = {
@@ -51,6 +61,9 @@ _modules: dict[str, ModuleType] = {}
 _unavailable: dict[str, str | None] = {}
 #: the automatic choice per (device type, dtype), as it was first made
 _auto: dict[tuple[str, torch.dtype], ModuleType] = {}
+#: called by :func:`forget`: whoever remembers a choice of this registry (the compiled
+#: dispatch keeps kernel addresses) forgets it too
+_forget_hooks: list[Callable[[], None]] = []
 
 
 def _load(name: str) -> ModuleType | None:
@@ -72,6 +85,13 @@ def forget(name: str) -> None:
     _unavailable.pop(name, None)
     _modules.pop(name, None)
     _auto.clear()
+    for hook in _forget_hooks:
+        hook()
+
+
+def on_forget(hook: Callable[[], None]) -> None:
+    """Calls ``hook()`` at every :func:`forget`."""
+    _forget_hooks.append(hook)
 
 
 def get(name: str) -> ModuleType:

@@ -79,17 +79,18 @@ ROW_BLOCK = 32  # rows per dweight/dbias partial sum (fixed: never depends on th
 VECTORS_SHA256 = "e88c8081b0fe0a37"
 
 
-def _jit(**options):
+def _jit(*signature, **options):
     """``numba.njit`` with the on-disk cache, falling back to no cache when numba finds
     no writable cache directory at all (then every process compiles again). Division by
-    zero follows IEEE (``1 / 0 = inf``), not Python's ZeroDivisionError."""
+    zero follows IEEE (``1 / 0 = inf``), not Python's ZeroDivisionError. With a
+    ``signature``, compiles (or loads from the cache) now."""
     options.setdefault("error_model", "numpy")
 
     def decorate(func):
         try:
-            return njit(cache=True, **options)(func)
+            return njit(*signature, cache=True, **options)(func)
         except RuntimeError:  # "cannot cache function ...: no locator available"
-            return njit(cache=False, **options)(func)
+            return njit(*signature, cache=False, **options)(func)
 
     return decorate
 
@@ -518,3 +519,53 @@ def backward_parallel(
     nf = _cast(at, n)
     backward_kernel(g, gs, xa, xs, r, ds, wa, ma, sa, d, pw, pb, touched, m, n, nf, rms, stream)
     _column_sums(at, pw, pb, dweight, dbias, n)
+
+
+# ---------------------------------------------------------------------------------------
+# Entries: the four kernels for one dtype, on C types only (addresses, sizes, flags)
+
+_i64, _flag = types.int64, types.boolean
+#: (x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, eps, rms, stream, st)
+FORWARD_ENTRY = types.void(*[_i64] * 4, _flag, *[_i64] * 8, types.float64, *[_flag] * 3)
+#: (dy, gs, x, xs, dro, ds, w, mean, rstd, dx, dweight, dbias, m, n, rms, stream)
+BACKWARD_ENTRY = types.void(*[_i64] * 14, _flag, _flag)
+
+
+def entry(name: str, xt: np.ndarray, at: np.ndarray):
+    """Kernel ``name`` (``forward_serial``, ``forward_parallel``, ``backward_serial`` or
+    ``backward_parallel``) for the storage and accumulation dtypes of the tags ``xt`` and
+    ``at``, compiled now (or loaded from the on-disk cache) for the arguments of that
+    kernel without its two tags: all of them C types, so the compiled function also has a
+    C address (:func:`address`) that compiled code calls directly. The tags become
+    constants of the compiled code (numba keys its cache on them too)."""
+    if name == "forward_serial":
+
+        def forward(x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, eps, rms, stream, st):
+            forward_serial(xt, at, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, eps, rms, stream, st)  # fmt: skip
+
+    elif name == "forward_parallel":
+
+        def forward(x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, eps, rms, stream, st):
+            forward_parallel(xt, at, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, eps, rms, stream, st)  # fmt: skip
+
+    elif name == "backward_serial":
+
+        def backward(dy, gs, x, xs, dro, ds, w, mean, rstd, dx, dweight, dbias, m, n, rms, stream):
+            backward_serial(xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, dweight, dbias, m, n, rms, stream)  # fmt: skip
+
+    elif name == "backward_parallel":
+
+        def backward(dy, gs, x, xs, dro, ds, w, mean, rstd, dx, dweight, dbias, m, n, rms, stream):
+            backward_parallel(xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, dweight, dbias, m, n, rms, stream)  # fmt: skip
+
+    else:
+        raise ValueError(f"unknown kernel entry {name!r}")
+    if name.startswith("forward"):
+        return _jit(FORWARD_ENTRY)(forward)
+    return _jit(BACKWARD_ENTRY)(backward)
+
+
+def address(compiled) -> int:
+    """The C address of an :func:`entry` (a ``void`` function of its C-typed arguments)."""
+    (result,) = compiled.overloads.values()
+    return result.library.get_pointer_to_function(result.fndesc.llvm_cfunc_wrapper_name)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from collections.abc import Callable
 from types import ModuleType
 from typing import NamedTuple
 
@@ -52,7 +53,7 @@ import torch
 
 from . import _host_memory
 
-__all__ = ["SERIAL_NUMEL", "backward", "cannot_run", "forward", "prefers"]
+__all__ = ["SERIAL_NUMEL", "backward", "cannot_run", "entry", "entry_address", "forward", "prefers"]
 
 #: float32 outputs of at least this many bytes are written with non-temporal (streaming)
 #: stores, which skip the read-for-ownership of a plain store; smaller ones stay cached
@@ -89,6 +90,30 @@ def _kernels() -> ModuleType:
 
         _kernels_module = _numba_kernels
     return _kernels_module
+
+
+#: the entries compiled so far, by (dtype, kernel name): see :func:`entry`
+_entries: dict[tuple[torch.dtype, str], Callable[..., None]] = {}
+
+
+def entry(dtype: torch.dtype, name: str) -> Callable[..., None]:
+    """Kernel ``name`` (``forward_serial``, ``forward_parallel``, ``backward_serial``
+    or ``backward_parallel``) for input dtype ``dtype``, on addresses, sizes and flags
+    (:func:`layernorm.backends._numba_kernels.entry`); compiled on first use."""
+    kernel = _entries.get((dtype, name))
+    if kernel is None:
+        types = _TYPES[dtype]
+        kernel = _entries[dtype, name] = _kernels().entry(name, types.storage, types.acc)
+    return kernel
+
+
+def entry_address(dtype: torch.dtype, name: str) -> int:
+    """The C address of :func:`entry` ``(dtype, name)``, for compiled callers (which
+    bypass numba's dispatcher: so numba's threads are started here)."""
+    import numba
+
+    numba.get_num_threads()  # starts the threading layer once
+    return _kernels().address(entry(dtype, name))
 
 
 #: inputs of fewer elements run in the calling thread: below this, waking numba's threads
@@ -168,7 +193,6 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     # Every Python step here costs ~0.1 us, and a small call is a few us in all: the body
     # is written flat on purpose.
-    kernels = _kernels_module or _kernels()
     n = x.shape[-1]
     numel = x.numel()
     m = numel // n
@@ -196,10 +220,8 @@ def forward(
             _stride(residual, n),
             residual_out.data_ptr(),
         )
-    run = kernels.forward_serial if numel < SERIAL_NUMEL else kernels.forward_parallel
+    run = entry(x.dtype, "forward_serial" if numel < SERIAL_NUMEL else "forward_parallel")
     run(
-        types.storage,
-        types.acc,
         x_address,
         _stride(x, n),
         r_address,
@@ -232,7 +254,6 @@ def backward(
     need_dweight: bool,
     need_dbias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    kernels = _kernels_module or _kernels()
     n = x.shape[-1]
     numel = x.numel()
     m = numel // n
@@ -246,10 +267,8 @@ def backward(
     dx = _empty(x, nbytes)
     dweight = torch.empty(n, dtype=acc) if need_dweight else None
     dbias = torch.empty(n, dtype=acc) if need_dbias else None
-    run = kernels.backward_serial if numel < SERIAL_NUMEL else kernels.backward_parallel
+    run = entry(x.dtype, "backward_serial" if numel < SERIAL_NUMEL else "backward_parallel")
     run(
-        types.storage,
-        types.acc,
         dy.data_ptr(),
         _stride(dy, n),
         x.data_ptr(),

@@ -1,0 +1,202 @@
+"""Compiled dispatch: the common small call without Python between the caller and the kernel.
+
+On small inputs a call's time is Python's, not the kernel's: each tensor attribute read
+from Python costs 0.2-0.35 us and a call needs about twenty, and ``autograd.Function``
+alone costs more than torch's whole ``layer_norm`` (``benchmarks/RESULTS.md``). So the
+four functions of :mod:`layernorm.ops` first offer each eager call to ``_compiled.cpp``, a
+small torch C++ extension: for the common call (the one ``ops._common_call`` accepts:
+plain contiguous CPU tensors of the four kernel dtypes, an int or 1-tuple
+``normalized_shape``, a float ``eps``, the automatic backend) whose automatic backend is
+numba, it checks the arguments, allocates the outputs and calls numba's compiled kernels
+through their C addresses (``numba_.entry_address``), with autograd as a C++ node. The
+kernels are the ones the Python path calls, so the bits are the same either way. Any
+other call (and inputs of :data:`MAX_BYTES` or more, where Python's cost is lost in the
+kernel's) goes through Python as before.
+
+The extension is built once per machine and torch version by :func:`build` (``layernorm
+build``; ~40 s, needs a C++ compiler and ninja) into :func:`cache_dir`, and loaded from
+there by every later process on its first call. Until it is built (or where it cannot be
+built, or with ``LAYERNORM_COMPILED=0``, read once per process) everything runs through
+Python, only slower on small inputs; :func:`unavailable_reason` says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import platform
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+__all__ = ["DTYPES", "MAX_BYTES", "build", "cache_dir", "library_path", "unavailable_reason"]
+
+#: the input dtypes the extension runs, in the order of its kernel table
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: inputs of at least this many bytes go through Python: the numba backend streams their
+#: outputs or takes them from its host cache, and Python's microseconds are lost in the
+#: kernel's milliseconds there
+MAX_BYTES = 16 << 20
+_SOURCE = Path(__file__).with_name("_compiled.cpp")
+_FLAGS = ["-O2"]
+_ENV = "LAYERNORM_COMPILED"
+
+_extension: ModuleType | None = None
+_reason: str | None = "not loaded yet: it is loaded on the first call"
+
+
+def cache_dir() -> Path:
+    """Where :func:`build` puts the extension: ``LAYERNORM_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/layernorm``, else ``~/.cache/layernorm``."""
+    configured = os.environ.get("LAYERNORM_CACHE_DIR")
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "layernorm"
+
+
+def _module_name() -> str:
+    """The extension's name: a hash of everything its binary depends on (the source, the
+    flags, torch's and Python's versions, the platform), so a stale build is never loaded."""
+    key = hashlib.sha256(_SOURCE.read_bytes())
+    for part in (*_FLAGS, torch.__version__, sys.version, platform.platform()):
+        key.update(part.encode())
+    return f"layernorm_compiled_{key.hexdigest()[:16]}"
+
+
+def library_path() -> Path:
+    """The built extension's file (it exists once :func:`build` has run here)."""
+    return cache_dir() / f"{_module_name()}.so"
+
+
+def unavailable_reason() -> str | None:
+    """Why calls do not go through the extension (None when they do)."""
+    return _reason
+
+
+def _off(*args: Any) -> None:
+    return None
+
+
+def _first_call(*args: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Loads the extension, puts its function (or :func:`_off`) in :data:`norm`'s place,
+    and answers through it."""
+    global norm
+    module = _load()
+    if module is None:
+        norm = _off
+        return None
+    _use(module)
+    return norm(*args)
+
+
+#: ``norm(x, residual, normalized_shape, weight, bias, eps, rms, backend)``, the
+#: arguments of ``ops._norm``: ``(y, residual_out)`` when the extension runs the call,
+#: else None (the extension's own function once it is loaded)
+norm: Callable[..., tuple[torch.Tensor, torch.Tensor | None] | None] = _first_call
+
+
+def build(verbose: bool = False) -> Path:
+    """Builds the extension into :func:`cache_dir` (replacing any build of this same
+    source and torch) and starts using it in this process. Returns its path.
+
+    Raises:
+        RuntimeError: when it cannot be built here (no C++ compiler or ninja, a
+            read-only cache directory), with the compiler's words.
+    """
+    from torch.utils import cpp_extension
+
+    target = library_path()
+    name = target.stem
+    # ninja installed by pip beside this Python is not on PATH when the environment
+    # is not activated
+    scripts = sysconfig.get_path("scripts")
+    path = os.environ.get("PATH", "")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.environ["PATH"] = os.pathsep.join([scripts, path]) if scripts else path
+        # built in a private folder, then moved into place in one step: processes that
+        # build at once never see a half-written file and never wait on a lock
+        with tempfile.TemporaryDirectory(dir=target.parent) as folder:
+            module = cpp_extension.load(
+                name,
+                [str(_SOURCE)],
+                extra_cflags=_FLAGS,
+                build_directory=folder,
+                verbose=verbose,
+            )
+            os.replace(Path(folder) / f"{name}.so", target)
+    except (OSError, RuntimeError, ImportError) as error:
+        raise RuntimeError(f"cannot build layernorm's compiled dispatch: {error}") from error
+    finally:
+        os.environ["PATH"] = path
+    _use(module)
+    return target
+
+
+def _load() -> ModuleType | None:
+    """The built extension, loaded (None, with :func:`unavailable_reason` set, when it
+    is switched off, not built, or cannot be loaded)."""
+    global _reason
+    if os.environ.get(_ENV) == "0":
+        _reason = f"switched off ({_ENV}=0)"
+        return None
+    path = library_path()
+    if not path.exists():
+        _reason = f"not built here (run `layernorm build`; it would be {path})"
+        return None
+    loader = importlib.machinery.ExtensionFileLoader(path.stem, str(path))
+    spec = importlib.util.spec_from_file_location(path.stem, path, loader=loader)
+    try:
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        loader.exec_module(module)
+    except ImportError as error:
+        _reason = f"cannot load {path}: {error}"
+        return None
+    return module
+
+
+def _use(module: ModuleType) -> None:
+    global _extension, _reason, norm
+    from . import backends
+    from .backends import numba_
+    from .ops import _composite_backward
+
+    module.set_up(
+        torch.Tensor,
+        torch.nn.Parameter,
+        _resolve,
+        _composite_backward,
+        numba_.SERIAL_NUMEL,
+        MAX_BYTES,
+    )
+    if _extension is None:
+        backends.on_forget(_forget)
+    _extension, _reason = module, None
+    norm = module.norm
+
+
+def _resolve(index: int, name: str) -> int | None:
+    """The C address of numba kernel ``name`` for ``DTYPES[index]`` when numba is the
+    automatic backend for CPU tensors of that dtype, else None (the extension asks once
+    per kernel, until :func:`layernorm.backends.forget`)."""
+    from . import backends
+
+    dtype = DTYPES[index]
+    module = backends.pick(torch.empty(0, dtype=dtype))
+    if module.__name__ != backends.BACKENDS["numba"]:
+        return None
+    return module.entry_address(dtype, name)  # type: ignore[no-any-return]
+
+
+def _forget() -> None:
+    if _extension is not None:
+        _extension.forget()
