@@ -60,7 +60,7 @@ def _python_only(python: bool):
         compiled.norm = saved
 
 
-def measure(shape: tuple[int, ...], op: str) -> str:
+def measure(shape: tuple[int, ...], op: str, rounds: int = 31) -> str:
     n = shape[-1]
     x, w, b = torch.randn(*shape), torch.randn(n), torch.randn(n)
     xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
@@ -83,14 +83,16 @@ def measure(shape: tuple[int, ...], op: str) -> str:
         )
         leaves = (xg, wg)
     with torch.no_grad():
-        r = rr({"torch": theirs, "ours": ours, "ours via Python": ours})
-    g = rr({"torch": theirs_g, "ours": ours_g, "ours via Python": ours_g}, inner=1000)
+        r = rr({"torch": theirs, "ours": ours, "ours via Python": ours}, rounds)
+    g = rr({"torch": theirs_g, "ours": ours_g, "ours via Python": ours_g}, rounds, inner=1000)
 
     def both(f):
         return lambda: torch.autograd.grad(f(), leaves, dy)
 
     fb = rr(
-        {"torch": both(theirs_g), "ours": both(ours_g), "ours via Python": both(ours_g)}, inner=300
+        {"torch": both(theirs_g), "ours": both(ours_g), "ours via Python": both(ours_g)},
+        rounds,
+        inner=300,
     )
     return f"{op} {shape}: " + " | ".join(
         f"{part} torch {t['torch']:.1f}, ours {t['ours']:.1f} ({t['torch'] / t['ours']:.2f}x), "

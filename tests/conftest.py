@@ -1,4 +1,6 @@
+import os
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -16,3 +18,19 @@ def _seeded():
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compiled_dispatch():
+    """The suite runs as users run after ``layernorm build``: with the compiled dispatch
+    built and in use (tests/test_compiled.py compares it with the Python path). Without a
+    C++ compiler, or with LAYERNORM_COMPILED=0, everything runs through Python."""
+    import layernorm
+    from layernorm import compiled
+
+    if os.environ.get("LAYERNORM_COMPILED") == "0" or shutil.which("c++") is None:
+        return
+    if not compiled.library_path().exists():
+        compiled.build()
+    layernorm.layer_norm(torch.ones(1, 2), 2)  # loads it
+    assert compiled.unavailable_reason() is None

@@ -111,8 +111,9 @@ def test_small_calls_script_measures_both_providers():
     timings = small_calls.rr({"a": lambda: calls.append(1), "b": lambda: None}, rounds=3, inner=5)
     assert set(timings) == {"a", "b"} and all(t > 0 for t in timings.values())
     assert len(calls) == 300 + 3 * 5  # warm-up, then every round
-    line = small_calls.measure((2, 8))  # the real thing, on one tiny shape
-    assert line.startswith("(2, 8): inference torch") and "with grad" in line
+    line = small_calls.measure((2, 8), "rms_norm", rounds=3)  # the real thing, tiny
+    assert line.startswith("rms_norm (2, 8): inference torch") and "via Python" in line
+    assert "with grad" in line and "forward+backward" in line
 
 
 def test_kernel_ab_script_compares_two_revisions(capsys):

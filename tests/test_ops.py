@@ -528,6 +528,9 @@ def test_common_call_and_full_checks_agree_bitwise(monkeypatch, dtype, shape):
             plain = layernorm.layer_norm(x, (n,), w, b), layernorm.rms_norm(x, n, w, eps=1e-6)
         return (y, h, xs.grad, rs.grad, ws.grad, bs.grad, *plain)
 
+    from layernorm import compiled
+
+    monkeypatch.setattr(compiled, "norm", lambda *args: None)  # (tests/test_compiled.py)
     fast = run()
     assert ops._common_call(x, r, n, w, b, 1e-5, None) == n
     monkeypatch.setattr(ops, "_common_call", lambda *args: 0)

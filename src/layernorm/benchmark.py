@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import html
 import json
 import os
 import platform
@@ -350,6 +351,9 @@ def machine_info() -> dict[str, object]:
                 break
     except OSError:
         info["cpu"] = platform.processor()
+    from . import compiled
+
+    info["compiled_dispatch"] = compiled.status()
     try:
         import numba
 
@@ -567,7 +571,8 @@ def report_section(out_dir: Path, quick: bool) -> str:
         "<p>float32 on this machine ("
         + f"{info.get('cpu', '?')}, {info['torch_threads']} torch threads"
         + "): median of 10 samples, side by side in one process. GB/s from stated byte "
-        + "counts (forward 2 tensors, backward 3; add_layer_norm 4 and 4); <em>vs torch</em> "
+        + "counts (forward 2 tensors, backward 3; add_layer_norm 4 and 4); compiled "
+        + f"dispatch {html.escape(str(info['compiled_dispatch']))}; <em>vs torch</em> "
         + "is torch eager's time over ours, <em>of copy</em> our GB/s over "
         + "<code>out.copy_(x)</code>'s into a preallocated tensor. Every call returns new "
         + "tensors: torch's come from fresh pages (cleared by Linux on first touch), ours "

@@ -1,4 +1,4 @@
-"""The ``layernorm`` command: explain, check, report, bench, experiment.
+"""The ``layernorm`` command: explain, check, report, build, bench, experiment.
 
 Thin by design: each subcommand parses its arguments and calls the library.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -67,6 +68,19 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _build(args: argparse.Namespace) -> int:
+    from .compiled import build
+
+    start = time.perf_counter()
+    try:
+        path = build(verbose=args.verbose, progress=sys.stderr.isatty())
+    except RuntimeError as error:
+        print(f"layernorm build: error: {error}", file=sys.stderr)
+        return 1
+    print(f"built {path} in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="layernorm", description="Exact, fast and inspectable layer normalization."
@@ -94,6 +108,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-bench", action="store_true", help="skip the benchmark section")
     p.add_argument("--no-experiments", action="store_true", help="skip the experiments section")
     p.set_defaults(func=_report)
+
+    p = sub.add_parser(
+        "build",
+        help="build the compiled dispatch (once per machine; faster small calls)",
+        description="Builds layernorm's compiled dispatch, a small C++ extension that runs "
+        "the common small call without Python in between (~40 s; needs a C++ compiler and "
+        "ninja), into LAYERNORM_CACHE_DIR (default ~/.cache/layernorm); every later process "
+        "uses it.",
+    )
+    p.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    p.set_defaults(func=_build)
 
     for module in _PLUGINS:
         importlib.import_module(module).add_parser(sub)

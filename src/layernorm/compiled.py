@@ -22,6 +22,7 @@ Python, only slower on small inputs; :func:`unavailable_reason` says why.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -30,14 +31,24 @@ import platform
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 
-__all__ = ["DTYPES", "MAX_BYTES", "build", "cache_dir", "library_path", "unavailable_reason"]
+__all__ = [
+    "DTYPES",
+    "MAX_BYTES",
+    "build",
+    "cache_dir",
+    "ensure",
+    "library_path",
+    "status",
+    "unavailable_reason",
+]
 
 #: the input dtypes the extension runs, in the order of its kernel table
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -86,15 +97,20 @@ def _off(*args: Any) -> None:
     return None
 
 
-def _first_call(*args: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """Loads the extension, puts its function (or :func:`_off`) in :data:`norm`'s place,
-    and answers through it."""
+def _load_once() -> None:
+    """Loads the extension (the first time only) and puts its function, or :func:`_off`,
+    in :data:`norm`'s place."""
     global norm
-    module = _load()
-    if module is None:
-        norm = _off
-        return None
-    _use(module)
+    if norm is _first_call:
+        module = _load()
+        if module is None:
+            norm = _off
+        else:
+            _use(module)
+
+
+def _first_call(*args: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    _load_once()
     return norm(*args)
 
 
@@ -104,14 +120,70 @@ def _first_call(*args: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
 norm: Callable[..., tuple[torch.Tensor, torch.Tensor | None] | None] = _first_call
 
 
-def build(verbose: bool = False) -> Path:
+def status() -> str:
+    """One line on the compiled dispatch in this process: in use (from where), or why not.
+    Loads it first if it is built."""
+    _load_once()
+    return f"in use ({library_path()})" if _reason is None else f"not in use: {_reason}"
+
+
+def ensure(progress: bool = False) -> str:
+    """Builds the extension if it is not built here (unless switched off), then
+    :func:`status`; a build that fails is reported in the line, not raised."""
+    line = status()
+    if _extension is None and os.environ.get(_ENV) != "0" and not library_path().exists():
+        try:
+            build(progress=progress)
+        except RuntimeError as error:
+            return f"not in use: {error}"
+        line = status()
+    return line
+
+
+def build(verbose: bool = False, progress: bool = False) -> Path:
     """Builds the extension into :func:`cache_dir` (replacing any build of this same
     source and torch) and starts using it in this process. Returns its path.
+
+    Args:
+        verbose: print the compiler's commands and output. Default: ``False``.
+        progress: show a bar with the time spent (a build takes ~40 s). Default: ``False``.
 
     Raises:
         RuntimeError: when it cannot be built here (no C++ compiler or ninja, a
             read-only cache directory), with the compiler's words.
     """
+    with _elapsed("building the compiled dispatch (~40 s)", progress):
+        module = _compile(verbose)
+    _use(module)
+    return library_path()
+
+
+@contextlib.contextmanager
+def _elapsed(description: str, show: bool) -> Iterator[None]:
+    """A bar counting the seconds while the block runs (when ``show``)."""
+    if not show:
+        yield
+        return
+    from tqdm.auto import tqdm
+
+    done = threading.Event()
+    with tqdm(desc=description, unit="s", bar_format="{desc}: {elapsed}") as bar:
+
+        def tick() -> None:
+            while not done.wait(0.5):
+                bar.refresh()
+
+        ticker = threading.Thread(target=tick, daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            done.set()
+            ticker.join()
+
+
+def _compile(verbose: bool) -> ModuleType:
+    """Compiles the extension into :func:`library_path` and imports it."""
     from torch.utils import cpp_extension
 
     target = library_path()
@@ -138,8 +210,7 @@ def build(verbose: bool = False) -> Path:
         raise RuntimeError(f"cannot build layernorm's compiled dispatch: {error}") from error
     finally:
         os.environ["PATH"] = path
-    _use(module)
-    return target
+    return module
 
 
 def _load() -> ModuleType | None:

@@ -1,0 +1,349 @@
+"""The compiled dispatch (layernorm.compiled): the common call through C++, with the bits
+of the Python path, and every other call left to Python."""
+
+import shutil
+
+import pytest
+import torch
+
+import layernorm
+from layernorm import backends, compiled, ops
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("c++") is None, reason="no C++ compiler to build the compiled dispatch"
+)
+
+
+@pytest.fixture
+def in_use(monkeypatch):
+    """The compiled dispatch, loaded (conftest builds it), with no backend named."""
+    monkeypatch.delenv("LAYERNORM_BACKEND", raising=False)
+    layernorm.layer_norm(torch.ones(1, 2), 2)
+    if compiled.unavailable_reason() is not None:
+        pytest.fail(f"the compiled dispatch is not in use: {compiled.unavailable_reason()}")
+    return compiled.norm
+
+
+def _python_path(monkeypatch):
+    monkeypatch.setattr(compiled, "norm", lambda *args: None)
+
+
+def _call(op, x, r, w, b, eps):
+    n = x.shape[-1]
+    if op == "layer_norm":
+        return (layernorm.layer_norm(x, n, w, b, eps),)
+    if op == "rms_norm":
+        return (layernorm.rms_norm(x, (n,), w, eps),)
+    if op == "add_layer_norm":
+        return layernorm.add_layer_norm(x, r, n, w, b, eps)
+    return layernorm.add_rms_norm(x, r, n, w, eps)
+
+
+def _run(op, tensors, grad, eps):
+    """Outputs, then (with grad) the gradients of every given tensor, for fixed output
+    gradients that differ per element."""
+    leaves = [None if t is None else t.clone().requires_grad_(grad) for t in tensors]
+    outputs = _call(op, *leaves, eps)
+    results = [o.detach() for o in outputs]
+    if grad:
+        given = [t for t in leaves if t is not None]
+        dys = [torch.arange(o.numel()).view_as(o).remainder(7).to(o.dtype) - 3 for o in outputs]
+        results += torch.autograd.grad(outputs, given, dys)
+    return results
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"])
+@pytest.mark.parametrize("shape", [(4, 64), (2, 3, 50), (1, 1, 768), (64, 1024)])
+def test_same_bits_as_the_python_path(monkeypatch, in_use, dtype, op, shape):
+    """Outputs and all gradients, with and without weight and bias, inference and with
+    grad, serial and parallel kernels ((64, 1024) is past numba_.SERIAL_NUMEL)."""
+    n = shape[-1]
+    x, r = torch.randn(shape, dtype=dtype) * 3 + 1, torch.randn(shape, dtype=dtype)
+    w, b = torch.rand(n, dtype=dtype) + 0.5, torch.randn(n, dtype=dtype)
+    residual = r if op.startswith("add") else None
+    b = None if op.endswith("rms_norm") else b
+    cases = [
+        (tensors, grad, eps)
+        for tensors in [(x, residual, w, b), (x, residual, None, None), (x, residual, w, None)]
+        for grad in (False, True)
+        for eps in (1e-5, None)
+        if eps is not None or op.endswith("rms_norm")
+    ]
+    assert in_use(x, residual, n, w, b, 1e-5, op.endswith("rms_norm"), None) is not None
+    ours = [_run(op, *case) for case in cases]
+    _python_path(monkeypatch)
+    theirs = [_run(op, *case) for case in cases]
+    for a, c in zip(ours, theirs, strict=True):
+        assert len(a) == len(c)
+        for p, q in zip(a, c, strict=True):
+            assert p.dtype == q.dtype and p.shape == q.shape and torch.equal(p, q)
+
+
+def test_parameters_of_another_dtype_and_parameter_leaves(monkeypatch, in_use):
+    """bfloat16 input with float32 parameters (converted in C++) and nn.Parameter leaves:
+    gradients in each leaf's own dtype, as the Python path gives them."""
+    x = torch.randn(3, 40, dtype=torch.bfloat16)
+    w = torch.nn.Parameter(torch.rand(40) + 0.5)
+    b = torch.nn.Parameter(torch.randn(40))
+
+    def run():
+        xs = x.clone().requires_grad_()
+        y = layernorm.layer_norm(xs, 40, w, b)
+        gx, gw, gb = torch.autograd.grad(y, (xs, w, b), torch.ones_like(y))
+        return y, gx, gw, gb
+
+    ours = run()
+    assert [t.dtype for t in ours] == [torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]
+    _python_path(monkeypatch)
+    for p, q in zip(ours, run(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_the_call_goes_through_the_extension(in_use):
+    x = torch.randn(2, 8, requires_grad=True)
+    y, h = in_use(x, torch.randn(2, 8), 8, None, None, 1e-5, False, None)
+    assert y.grad_fn.name() == "layernorm::NormBackward" and h.grad_fn is y.grad_fn
+    assert layernorm.layer_norm(x, 8).grad_fn.name() == "layernorm::NormBackward"
+    assert layernorm.LayerNorm(8)(x).grad_fn.name() == "layernorm::NormBackward"
+    with torch.no_grad():
+        y, h = in_use(x, None, (8,), None, None, 1e-5, True, None)
+    assert y.grad_fn is None and h is None
+
+
+def test_every_other_call_is_left_to_python(monkeypatch, in_use):
+    """None before any work for every call the common path does not cover; the call then
+    runs (or raises) through Python as before."""
+    x, w, b = torch.randn(2, 3, 8), torch.randn(8), torch.randn(8)
+
+    def answer(x=x, residual=None, shape=(8,), weight=w, bias=b, eps=1e-5, backend=None):
+        return in_use(x, residual, shape, weight, bias, eps, False, backend)
+
+    assert answer() is not None and answer(shape=8) is not None
+    assert answer(weight=torch.nn.Parameter(torch.randn(8)), eps=None) is not None
+    others = {
+        "backend named": answer(backend="numba"),
+        "int eps": answer(eps=1),
+        "negative eps": answer(eps=-1.0),
+        "nan eps": answer(eps=float("nan")),
+        "two dims": answer(shape=(3, 8), weight=None, bias=None),
+        "torch.Size": answer(shape=torch.Size([8])),
+        "list": answer(shape=[8]),
+        "empty tuple": answer(shape=()),
+        "bool shape": answer(x=torch.randn(2, 1), shape=True, weight=None, bias=None),
+        "huge shape": answer(shape=1 << 70),
+        "wrong N": answer(shape=(4,)),
+        "zero N": answer(x=torch.randn(2, 0), shape=0, weight=None, bias=None),
+        "no rows": answer(x=torch.randn(0, 8)),
+        "0-dim input": answer(x=torch.tensor(1.0), shape=1, weight=None, bias=None),
+        "non-contiguous input": answer(x=torch.randn(8, 6).t()),
+        "strided rows": answer(x=torch.randn(4, 16)[:, :8]),
+        "integer input": answer(x=torch.ones(2, 8, dtype=torch.long)),
+        "complex input": answer(x=torch.randn(2, 8, dtype=torch.complex64), weight=None, bias=None),
+        "Parameter input": answer(x=torch.nn.Parameter(torch.randn(2, 8))),
+        "list input": answer(x=[[1.0] * 8]),
+        "meta input": answer(x=torch.randn(2, 8, device="meta"), weight=None, bias=None),
+        "large input": answer(x=torch.empty(compiled.MAX_BYTES // 4 // 8, 8)),
+        "weight shape": answer(weight=torch.randn(4)),
+        "weight 2-D": answer(weight=torch.randn(1, 8)),
+        "weight integer": answer(weight=torch.ones(8, dtype=torch.int32)),
+        "weight strided": answer(weight=torch.randn(16)[::2]),
+        "weight meta": answer(weight=torch.randn(8, device="meta")),
+        "weight list": answer(weight=[1.0] * 8),
+        "bias strided": answer(bias=torch.randn(16)[::2]),
+        "residual dtype": answer(residual=x.double()),
+        "residual shape": answer(residual=torch.randn(6, 8)),
+        "residual strided": answer(residual=torch.randn(2, 3, 16)[..., :8]),
+        "residual Parameter": answer(residual=torch.nn.Parameter(torch.randn(2, 3, 8))),
+    }
+    assert {k for k, v in others.items() if v is not None} == set()
+    monkeypatch.setenv("LAYERNORM_BACKEND", "torch")  # a backend named by the environment
+    assert answer() is None
+    monkeypatch.setenv("LAYERNORM_BACKEND", "")  # (empty: the automatic choice, as in Python)
+    assert answer() is not None
+
+
+def test_errors_are_python_s(in_use):
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"expected input with shape \[\*, 4\]"):
+        layernorm.layer_norm(x, 4)
+    with pytest.raises(ValueError, match="eps must be non-negative"):
+        layernorm.layer_norm(x, 8, eps=-1.0)
+    with pytest.raises(TypeError, match="norm takes 8 arguments"):
+        in_use(x)
+
+
+def test_only_when_numba_is_the_automatic_choice(monkeypatch, in_use):
+    """The extension asks the registry which backend runs a dtype (once, until
+    backends.forget): where numba is not the automatic choice it leaves the call to it."""
+    from layernorm.backends import numba_
+
+    x = torch.randn(2, 8, dtype=torch.float64)
+    assert in_use(x, None, 8, None, None, 1e-5, False, None) is not None
+    monkeypatch.setattr(numba_, "prefers", lambda x: False)
+    try:
+        backends.forget("numba")
+        assert in_use(x, None, 8, None, None, 1e-5, False, None) is None
+        assert backends.choose(x) == "torch"
+        torch.testing.assert_close(
+            layernorm.layer_norm(x, 8), torch.nn.functional.layer_norm(x, (8,))
+        )
+    finally:
+        monkeypatch.undo()
+        backends.forget("numba")
+    assert in_use(x, None, 8, None, None, 1e-5, False, None) is not None
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"])
+def test_double_backward(monkeypatch, in_use, op):
+    """create_graph=True: the node's backward goes through the differentiable formula
+    (gradgradcheck), with the Python path's bits."""
+    x, r = torch.randn(3, 6, dtype=torch.float64), torch.randn(3, 6, dtype=torch.float64)
+    w, b = torch.rand(6, dtype=torch.float64) + 0.5, torch.randn(6, dtype=torch.float64)
+    residual = r if op.startswith("add") else None
+    b = None if op.endswith("rms_norm") else b
+
+    def f(*tensors):
+        return _call(op, *tensors, 1e-5)
+
+    leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, residual, w, b)]
+    given = tuple(t for t in leaves if t is not None)
+    assert f(*leaves)[0].grad_fn.name() == "layernorm::NormBackward"
+    present = [t is not None for t in leaves]
+    assert torch.autograd.gradgradcheck(lambda *t: f(*_fill(t, present)), given)
+
+    def second_order():
+        ls = [t.clone().requires_grad_() if t is not None else None for t in (x, residual, w, b)]
+        outputs = f(*ls)
+        gs = [t for t in ls if t is not None]
+        first = torch.autograd.grad([o.sum() for o in outputs], gs, create_graph=True)
+        loss = sum((g * g).sum() for g in first)
+        return torch.autograd.grad(loss, gs, allow_unused=True, materialize_grads=True)
+
+    ours = second_order()
+    _python_path(monkeypatch)
+    for p, q in zip(ours, second_order(), strict=True):
+        assert torch.equal(p, q)
+
+
+def _fill(tensors, present):
+    """(x, residual, w, b) from the given tensors, None where ``present`` says absent."""
+    given = iter(tensors)
+    return [next(given) if p else None for p in present]
+
+
+def test_gradients_as_autograd_asks_for_them(in_use):
+    """Only the residual (or only the weight) requiring grad; x and residual both: two
+    tensors, never one handed to two leaves; an unused output's gradient is zeros."""
+    x, r, w = torch.randn(2, 8), torch.randn(2, 8), torch.rand(8) + 0.5
+    rs = r.clone().requires_grad_()
+    y, h = layernorm.add_layer_norm(x, rs, 8, w)
+    (dr,) = torch.autograd.grad(y.sum(), rs)
+    ws = w.clone().requires_grad_()
+    (dw,) = torch.autograd.grad(layernorm.layer_norm(x, 8, ws).sum(), ws)
+    torch.testing.assert_close(dw, (layernorm.layer_norm(x, 8)).sum(0))
+    xs, rs = x.clone().requires_grad_(), r.clone().requires_grad_()
+    y, h = layernorm.add_layer_norm(xs, rs, 8, w)
+    dx, dr2 = torch.autograd.grad(y.sum(), (xs, rs))
+    assert torch.equal(dx, dr2) and dx.data_ptr() != dr2.data_ptr() and torch.equal(dr, dx)
+    xs = x.clone().requires_grad_()
+    y, h = layernorm.add_layer_norm(xs, r, 8, w)
+    (dh,) = torch.autograd.grad(h.sum(), xs)  # y unused: its gradient is zeros
+    assert torch.equal(dh, torch.ones_like(x))
+
+
+def test_backward_twice_raises_and_inplace_change_is_caught(in_use):
+    x = torch.randn(2, 8, requires_grad=True)
+    y = layernorm.layer_norm(x, 8)
+    y.sum().backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.sum().backward()
+    z = torch.randn(2, 8, requires_grad=True) * 1  # a non-leaf, saved by the node
+    y = layernorm.layer_norm(z, 8)
+    with torch.no_grad():
+        z.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_inference_mode(in_use):
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        y = layernorm.layer_norm(x, 16)
+    assert torch.equal(y, layernorm.layer_norm(x, 16))
+
+
+def test_switched_off_and_not_built(monkeypatch, tmp_path):
+    monkeypatch.setattr(compiled, "_reason", compiled._reason)  # (restored afterwards)
+    monkeypatch.setenv("LAYERNORM_COMPILED", "0")
+    assert compiled._load() is None
+    assert compiled.unavailable_reason() == "switched off (LAYERNORM_COMPILED=0)"
+    monkeypatch.delenv("LAYERNORM_COMPILED")
+    monkeypatch.setenv("LAYERNORM_CACHE_DIR", str(tmp_path))
+    assert compiled.library_path().parent == tmp_path
+    assert compiled._load() is None
+    assert compiled.unavailable_reason().startswith("not built here (run `layernorm build`")
+
+
+def test_build_error_says_why(monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("LAYERNORM_CACHE_DIR", str(blocker / "cache"))
+    with pytest.raises(RuntimeError, match="cannot build layernorm's compiled dispatch"):
+        compiled.build()
+
+
+def test_name_follows_the_source_and_torch(monkeypatch):
+    name = compiled._module_name()
+    assert name.startswith("layernorm_compiled_")
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    assert compiled._module_name() != name
+
+
+def test_under_torch_compile_the_custom_op_is_traced(in_use):
+    x = torch.randn(4, 8)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def f(x):
+        return layernorm.layer_norm(x, 8) * 2
+
+    assert torch.equal(f(x), layernorm.layer_norm(x, 8) * 2)
+    assert ops._common_call(x, None, 8, None, None, 1e-5, None) == 8
+
+
+def test_status_and_ensure(monkeypatch, in_use):
+    assert compiled.status() == f"in use ({compiled.library_path()})"
+    assert compiled.ensure() == compiled.status()  # built: nothing to do
+
+    def fails(**kwargs):
+        raise RuntimeError("cannot build layernorm's compiled dispatch: no compiler")
+
+    monkeypatch.setattr(compiled, "_extension", None)
+    monkeypatch.setattr(compiled, "_reason", "not built here")
+    monkeypatch.setattr(compiled, "library_path", lambda: compiled.cache_dir() / "absent.so")
+    monkeypatch.setattr(compiled, "build", fails)
+    assert compiled.ensure() == "not in use: cannot build layernorm's compiled dispatch: no compiler"
+
+
+def test_cli_build(monkeypatch, tmp_path, capsys):
+    from layernorm import cli
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("LAYERNORM_CACHE_DIR", str(blocker / "cache"))
+    assert cli.main(["build"]) == 1
+    assert "layernorm build: error: cannot build layernorm's compiled dispatch" in (
+        capsys.readouterr().err
+    )
+    monkeypatch.setattr(compiled, "build", lambda **kwargs: tmp_path / "x.so")
+    assert cli.main(["build", "--verbose"]) == 0
+    assert capsys.readouterr().out.startswith(f"built {tmp_path / 'x.so'} in ")
+
+
+def test_report_says_whether_it_is_in_use(in_use):
+    from layernorm import report
+
+    section = report._compiled_section()
+    assert section.startswith("<p>Compiled dispatch") and "in use (" in section
