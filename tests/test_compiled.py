@@ -8,6 +8,7 @@ import torch
 
 import layernorm
 from layernorm import backends, compiled, ops
+from layernorm.backends import numba_
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
@@ -145,7 +146,7 @@ def test_every_other_call_is_left_to_python(monkeypatch, in_use):
         "Parameter input": answer(x=torch.nn.Parameter(torch.randn(2, 8))),
         "list input": answer(x=[[1.0] * 8]),
         "meta input": answer(x=torch.randn(2, 8, device="meta"), weight=None, bias=None),
-        "large input": answer(x=torch.empty(compiled.MAX_BYTES // 4 // 8, 8)),
+        "large input": answer(x=torch.empty(numba_.STREAM_BYTES // 4 // 8, 8)),
         "weight shape": answer(weight=torch.randn(4)),
         "weight 2-D": answer(weight=torch.randn(1, 8)),
         "weight integer": answer(weight=torch.ones(8, dtype=torch.int32)),
@@ -178,8 +179,6 @@ def test_errors_are_python_s(in_use):
 def test_only_when_numba_is_the_automatic_choice(monkeypatch, in_use):
     """The extension asks the registry which backend runs a dtype (once, until
     backends.forget): where numba is not the automatic choice it leaves the call to it."""
-    from layernorm.backends import numba_
-
     x = torch.randn(2, 8, dtype=torch.float64)
     assert in_use(x, None, 8, None, None, 1e-5, False, None) is not None
     monkeypatch.setattr(numba_, "prefers", lambda x: False)
@@ -324,7 +323,9 @@ def test_status_and_ensure(monkeypatch, in_use):
     monkeypatch.setattr(compiled, "_reason", "not built here")
     monkeypatch.setattr(compiled, "library_path", lambda: compiled.cache_dir() / "absent.so")
     monkeypatch.setattr(compiled, "build", fails)
-    assert compiled.ensure() == "not in use: cannot build layernorm's compiled dispatch: no compiler"
+    assert (
+        compiled.ensure() == "not in use: cannot build layernorm's compiled dispatch: no compiler"
+    )
 
 
 def test_cli_build(monkeypatch, tmp_path, capsys):

@@ -10,8 +10,8 @@ plain contiguous CPU tensors of the four kernel dtypes, an int or 1-tuple
 numba, it checks the arguments, allocates the outputs and calls numba's compiled kernels
 through their C addresses (``numba_.entry_address``), with autograd as a C++ node. The
 kernels are the ones the Python path calls, so the bits are the same either way. Any
-other call (and inputs of :data:`MAX_BYTES` or more, where Python's cost is lost in the
-kernel's) goes through Python as before.
+other call (and inputs of ``numba_.STREAM_BYTES``, 16 MiB, or more, where Python's cost is
+lost in the kernel's) goes through Python as before.
 
 The extension is built once per machine and torch version by :func:`build` (``layernorm
 build``; ~40 s, needs a C++ compiler and ninja) into :func:`cache_dir`, and loaded from
@@ -41,7 +41,6 @@ import torch
 
 __all__ = [
     "DTYPES",
-    "MAX_BYTES",
     "build",
     "cache_dir",
     "ensure",
@@ -52,10 +51,6 @@ __all__ = [
 
 #: the input dtypes the extension runs, in the order of its kernel table
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-#: inputs of at least this many bytes go through Python: the numba backend streams their
-#: outputs or takes them from its host cache, and Python's microseconds are lost in the
-#: kernel's milliseconds there
-MAX_BYTES = 16 << 20
 _SOURCE = Path(__file__).with_name("_compiled.cpp")
 _FLAGS = ["-O2"]
 _ENV = "LAYERNORM_COMPILED"
@@ -241,13 +236,16 @@ def _use(module: ModuleType) -> None:
     from .backends import numba_
     from .ops import _composite_backward
 
+    # Inputs of numba_.STREAM_BYTES or more go through Python: the numba backend streams
+    # their outputs or takes them from its host cache, and Python's microseconds are lost
+    # in the kernel's milliseconds there.
     module.set_up(
         torch.Tensor,
         torch.nn.Parameter,
         _resolve,
         _composite_backward,
         numba_.SERIAL_NUMEL,
-        MAX_BYTES,
+        numba_.STREAM_BYTES,
     )
     if _extension is None:
         backends.on_forget(_forget)

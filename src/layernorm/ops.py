@@ -1,12 +1,14 @@
 """Validation, flattening to rows, backend choice, autograd and custom-op registration.
 
-The only module that knows torch autograd. Data flows down once:
-validate → rows → backend (picked per call) → its kernel → the input's shape. Eager calls
-go straight to the backend (inference) or through :class:`_Norm` (autograd), handing a
-contiguous input over as it is, whatever its dims; torch.compile and tensor subclasses
-go through the custom op on (M, N) rows. A common call (see :func:`_common_call`) skips
-the full checks, which it would pass unchanged: on small inputs the checks cost as much
-as the kernel.
+The only Python module that knows torch autograd. Data flows down once:
+validate → rows → backend (picked per call) → its kernel → the input's shape. An eager
+call is first offered to the compiled dispatch (:mod:`layernorm.compiled`), which runs the
+common call on numba's kernels from C++, checks and autograd node included, with the same
+bits; the others go straight to the backend (inference) or through :class:`_Norm`
+(autograd), handing a contiguous input over as it is, whatever its dims; torch.compile and
+tensor subclasses go through the custom op on (M, N) rows. A common call (see
+:func:`_common_call`) skips the full checks, which it would pass unchanged: on small
+inputs the checks cost as much as the kernel.
 
 The two custom ops ``layernorm::forward`` and ``layernorm::backward`` are opaque to
 torch.compile (fake kernels give their shapes), so a model using them compiles with

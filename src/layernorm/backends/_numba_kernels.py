@@ -1,13 +1,16 @@
 """Numba CPU kernels for layer norm and RMSNorm: fused, multithreaded, deterministic.
 
 Imported only on the numba backend's first call (``import layernorm`` compiles nothing).
-Python calls the four entry points at the end (``forward_serial``/``forward_parallel``,
-``backward_serial``/``backward_parallel``) with tensor addresses; the parallel ones run
+There are four kernels (``forward_serial``/``forward_parallel``,
+``backward_serial``/``backward_parallel``) on tensor addresses; the parallel ones run
 their rows over numba's threads (``prange``), the serial ones in the calling thread, and
-both run the same compiled row functions. Everything is ``@njit(cache=True)``: the first
-call of each dtype specialization compiles (2–4 s), later processes load it from numba's
-on-disk cache (``NUMBA_CACHE_DIR``, else ``__pycache__`` beside this file, else numba's
-user-wide cache when the package directory is read-only).
+both run the same compiled row functions. :func:`entry` compiles one of them for one
+dtype as a function of C-typed arguments only, which Python calls (``numba_``) and the
+compiled dispatch calls from C++ by its address (:func:`address`): one compiled body,
+the same bits either way. Everything is ``@njit(cache=True)``: the first call of each
+dtype's entry compiles (2–4 s), later processes load it from numba's on-disk cache
+(``NUMBA_CACHE_DIR``, else ``__pycache__`` beside this file, else numba's user-wide cache
+when the package directory is read-only).
 
 Data layout. Each (M, N) tensor arrives as a flat 1-D array over its storage plus a row
 stride, so row ``i`` is ``a[i * stride : i * stride + N]``: strided rows are read in place

@@ -10,8 +10,10 @@ dtypes, same SPEC §3 numerics) with one kernel per direction:
   (``+ dresidual_out``) for each row and float32 partial sums of ``g * u`` and ``g``; a
   tiny serial loop adds the block partials in block order (float64) for dweight/dbias.
 
-Tensors reach the kernels as addresses (``data_ptr()``) and sizes, which numba's
-dispatcher types in about a microsecond; inputs under :data:`SERIAL_NUMEL` elements run in
+Tensors reach the kernels as addresses (``data_ptr()``) and sizes, through per-dtype
+entries of C-typed arguments only (:func:`entry`), which numba's dispatcher types in about
+a microsecond and :mod:`layernorm.compiled` calls from C++ by their addresses
+(:func:`entry_address`); inputs under :data:`SERIAL_NUMEL` elements run in
 the calling thread (no parallel region to wake), larger ones over numba's threads. Both
 variants run the same compiled row function, so a row's bits do not depend on which ran.
 
