@@ -67,7 +67,7 @@ def one_thread() -> Iterator[None]:
     """Runs the block with one intra-op thread, then restores the caller's count.
 
     The experiments' tensors are tiny: more threads only add synchronisation, and on a
-    busy machine oversubscribed threads made the prenorm run seven times slower.
+    busy machine oversubscribed threads slow a run down several times.
     """
     before = torch.get_num_threads()
     torch.set_num_threads(1)
