@@ -1,6 +1,6 @@
 """layernorm: exact, fast and inspectable layer normalization and RMSNorm.
 
-Public API (SPEC §2)::
+Public API (docs/contract.md §2)::
 
     layer_norm, rms_norm, add_layer_norm, add_rms_norm     functions on torch tensors
     LayerNorm, RMSNorm                                      drop-ins for torch's modules
