@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from ._extras import progress, require
+
 __all__ = [
     "DTYPES",
     "build",
@@ -136,7 +138,7 @@ def ensure(progress: bool = False) -> str:
     if _extension is None and os.environ.get(_ENV) != "0" and not library_path().exists():
         try:
             build(progress=progress)
-        except RuntimeError as error:
+        except (RuntimeError, ImportError) as error:
             return f"not in use: {error}"
         line = status()
     return line
@@ -151,9 +153,11 @@ def build(verbose: bool = False, progress: bool = False) -> Path:
         progress: show a bar with the time spent (a build takes ~40 s). Default: ``False``.
 
     Raises:
+        MissingExtra: (an ImportError) without ninja: ``pip install 'layernorm[build]'``.
         RuntimeError: when it cannot be built here (no C++ compiler or ninja, a
             read-only cache directory), with the compiler's words.
     """
+    require("ninja", "build", "layernorm build")
     with _elapsed("building the compiled dispatch (~40 s)", progress):
         module = _compile(verbose)
     _use(module)
@@ -166,10 +170,8 @@ def _elapsed(description: str, show: bool) -> Iterator[None]:
     if not show:
         yield
         return
-    from tqdm.auto import tqdm
-
     done = threading.Event()
-    with tqdm(desc=description, unit="s", bar_format="{desc}: {elapsed}") as bar:
+    with progress(desc=description, unit="s", bar_format="{desc}: {elapsed}") as bar:
 
         def tick() -> None:
             while not done.wait(0.5):
