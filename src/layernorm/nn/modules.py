@@ -46,9 +46,8 @@ class LayerNorm(torch.nn.LayerNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         if torch.jit.is_scripting():
-            return scripted_norm(
-                input, self.normalized_shape, self.weight, self.bias, self.eps, False
-            )
+            shape = self.normalized_shape
+            return scripted_norm(input, shape, self.weight, self.bias, self.eps, False)  # type: ignore[arg-type]
         return self._eager(input)
 
     @torch.jit.unused
@@ -86,7 +85,7 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.jit.is_scripting():
-            return scripted_norm(x, self.normalized_shape, self.weight, None, self.eps, True)
+            return scripted_norm(x, self.normalized_shape, self.weight, None, self.eps, True)  # type: ignore[arg-type]
         return self._eager(x)
 
     @torch.jit.unused
