@@ -37,8 +37,7 @@ FULL = [c for c in CASES if c.weight and (c.bias or c.rms)]
 # torch 2.13 deprecates TorchScript, and calls torch.jit.script itself when forward AD first
 # loads its decompositions; its pytree helpers warn about their own LeafSpec.
 pytestmark = [
-    pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:`torch\\.jit\\.[a-z_]+` is deprecated:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)`:FutureWarning"),
 ]
 
@@ -162,13 +161,15 @@ def test_vmap_batched_weight_only(case, fast):
 # torch.func: derivatives (float64, as torch's own torch.func tests)
 
 
-def _scalar(case: Case, run):
-    """A scalar of every output, with weights that make each element count differently."""
+def _scalar(case: Case, run, shape, dtype=torch.float64):
+    """A scalar of every output, with fixed weights that make each element count
+    differently (drawn here: torch.func forbids random ops inside its transforms)."""
+    generator = torch.Generator().manual_seed(1)
+    projections = [torch.randn(shape, dtype=dtype, generator=generator) for _ in range(2)]
 
     def loss(x, residual, weight, bias):
         outputs = run(x, residual, weight, bias)
-        torch.manual_seed(1)
-        return sum((o * torch.randn(o.shape, dtype=o.dtype)).sum() for o in outputs)
+        return sum((o * p).sum() for o, p in zip(outputs, projections, strict=False))
 
     return loss
 
@@ -187,8 +188,8 @@ def test_func_grad(case, fast):
     tensors = case.tensors((3, 5), torch.float64)
     argnums = _argnums(case)
     close(
-        grad(_scalar(case, case.ours), argnums)(*tensors),
-        grad(_scalar(case, case.torch), argnums)(*tensors),
+        grad(_scalar(case, case.ours, (3, 5)), argnums)(*tensors),
+        grad(_scalar(case, case.torch, (3, 5)), argnums)(*tensors),
         rtol=1e-7,
         atol=1e-7,
     )
@@ -210,7 +211,8 @@ def test_func_hessian(case, fast):
     x, residual, weight, bias = case.tensors((2, 4), torch.float64)
 
     def of_x(run):
-        return lambda x: _scalar(case, run)(x, residual, weight, bias)
+        loss = _scalar(case, run, (2, 4))
+        return lambda x: loss(x, residual, weight, bias)
 
     assert_close(hessian(of_x(case.ours))(x), hessian(of_x(case.torch))(x), rtol=1e-7, atol=1e-7)
 
@@ -409,8 +411,10 @@ def test_export_dynamic_batch(fast):
         close([program.module()(new)], [oracle(new)])
 
 
-#: ONNX operators a layer norm may be exported as: the standard norms, or a decomposition
-_STANDARD_NORM_OPS = {"LayerNormalization", "RMSNormalization", "ReduceMean"}
+#: ONNX's own norms; else a decomposition, which needs a reduction and a square root
+_NORM_OPS = {"LayerNormalization", "RMSNormalization"}
+_REDUCTIONS = {"ReduceMean", "ReduceSum"}
+_ROOTS = {"Sqrt", "Reciprocal", "Pow"}
 
 
 def _onnx_check_and_run(model_bytes: bytes, x: torch.Tensor):
@@ -423,7 +427,7 @@ def _onnx_check_and_run(model_bytes: bytes, x: torch.Tensor):
     nodes = list(model.graph.node)
     assert all(node.domain in ("", "ai.onnx") for node in nodes), {n.domain for n in nodes}
     op_types = {node.op_type for node in nodes}
-    assert op_types & _STANDARD_NORM_OPS, op_types
+    assert op_types & _NORM_OPS or (op_types & _REDUCTIONS and op_types & _ROOTS), op_types
     session = onnxruntime.InferenceSession(model_bytes, providers=["CPUExecutionProvider"])
     (output,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
     return torch.from_numpy(np.asarray(output))
@@ -455,7 +459,9 @@ def test_onnx_torchscript_exporter(fast):
 
 @pytest.mark.slow
 def test_aot_inductor_cpu(tmp_path):
-    """One tiny model through AOTInductor (the slowest test here: about XX s on 2 cores)."""
+    """One tiny model through AOTInductor: the slowest test here, about 30 s of CPU time
+    with an empty inductor cache (export 10 s, the C++ compile 17 s), most of it the
+    compiler's fixed cost."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("AOTInductor needs a C++ compiler (none on PATH)")
     ours = torch.nn.Sequential(layernorm.LayerNorm(N), layernorm.RMSNorm(N, eps=EPS))
@@ -553,27 +559,40 @@ def test_compile_fullgraph_inductor_modules(fast):
 # Exceptions: the types torch raises
 
 
+_INPUT = r"Given normalized_shape=\[{0}\], expected input with shape \[\*,? ?{0}\], but got input of size ?\[2, 4, 8\]"
+_PARAM = r"Expected {0} to be of same shape as normalized_shape, but got {0} of shape \[9\] and normalized_shape = \[8\]"
+
+#: (id, call on a module of functions (F or layernorm), the message both raise)
 SHAPE_MISMATCH = [
-    ("layer_norm", lambda f, x: f.layer_norm(x, (N + 1,))),
-    ("rms_norm", lambda f, x: f.rms_norm(x, (N + 1,))),
-    ("layer_norm-weight", lambda f, x: f.layer_norm(x, (N,), torch.ones(N + 1))),
-    ("rms_norm-weight", lambda f, x: f.rms_norm(x, (N,), torch.ones(N + 1))),
-    ("layer_norm-2d", lambda f, x: f.layer_norm(x, (3, N))),
+    ("layer_norm", lambda f, x: f.layer_norm(x, (N + 1,)), _INPUT.format(9)),
+    ("rms_norm", lambda f, x: f.rms_norm(x, (N + 1,)), _INPUT.format(9)),
+    ("layer_norm-2d", lambda f, x: f.layer_norm(x, (3, N)), _INPUT.format("3, 8")),
+    (
+        "layer_norm-weight",
+        lambda f, x: f.layer_norm(x, (N,), torch.ones(N + 1)),
+        _PARAM.format("weight"),
+    ),
+    (
+        "layer_norm-bias",
+        lambda f, x: f.layer_norm(x, (N,), None, torch.ones(N + 1)),
+        _PARAM.format("bias"),
+    ),
+    (
+        "rms_norm-weight",
+        lambda f, x: f.rms_norm(x, (N,), torch.ones(N + 1)),
+        _PARAM.format("weight"),
+    ),
 ]
 
 
-@pytest.mark.parametrize("name,call", SHAPE_MISMATCH, ids=[s[0] for s in SHAPE_MISMATCH])
-def test_shape_mismatch_raises_runtime_error_as_torch(name, call, fast):
+@pytest.mark.parametrize("name,call,message", SHAPE_MISMATCH, ids=[s[0] for s in SHAPE_MISMATCH])
+def test_shape_mismatch_raises_runtime_error_as_torch(name, call, message, fast):
     x = torch.randn(2, 4, N)
-    with pytest.raises(RuntimeError) as theirs:
+    with pytest.raises(RuntimeError, match=message):
         call(F, x)
-    with pytest.raises(RuntimeError) as ours:
+    with pytest.raises(RuntimeError, match=message) as ours:
         call(layernorm, x)
-    assert isinstance(ours.value, ValueError)  # our earlier contract holds too
-    # same message shape as torch's: "Given normalized_shape=[...], expected input with
-    # shape [*, ...], but got input of size[...]" / "Expected weight to be of same shape"
-    head = re.escape(str(theirs.value)[:20])
-    assert re.match(head, str(ours.value)), (str(ours.value), str(theirs.value))
+    assert isinstance(ours.value, ValueError)  # the earlier contract holds too
 
 
 @pytest.mark.parametrize("kind", ["add_layer_norm", "add_rms_norm"])
