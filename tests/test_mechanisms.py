@@ -65,6 +65,18 @@ def test_fast_paths_switch_exists():
     assert ops.FAST_PATHS is True  # the default, read at every call
 
 
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_fast_paths_off_never_reach_the_compiled_dispatch(case, monkeypatch):
+    def refuse(*args):
+        raise AssertionError("the compiled dispatch ran with FAST_PATHS = False")
+
+    monkeypatch.setattr(ops, "FAST_PATHS", False)
+    monkeypatch.setattr(ops._compiled, "norm", refuse)
+    tensors = case.tensors((2, N))
+    with torch.no_grad():
+        close(case.ours(*tensors), case.torch(*tensors))
+
+
 # ---------------------------------------------------------------------------------------
 # Eager, and the fast paths against the slow ones
 
