@@ -220,7 +220,7 @@ def _norm(
     rms: bool,
     backend: str | None,
 ) -> tuple[Tensor, Tensor | None]:
-    if torch._C._is_tracing():
+    if not torch.compiler.is_compiling() and torch._C._is_tracing():
         # The checks and the decomposition branch on sizes that normalized_shape fixes,
         # which is what jit.trace warns about: the graph it records is right for them.
         with warnings.catch_warnings():
@@ -275,6 +275,24 @@ def _call(
     return _shaped(y, residual_out, rows, x)
 
 
+def _custom_op(
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor | None]:
+    """The custom op, on (M, N) rows: torch.compile traces it, and DTensor dispatches on
+    it, both with shape rules for rows; its autograd and autocast policy are registered."""
+    n = x.shape[-1]
+    rows = _rows(x, n)
+    residual_rows = None if residual is None else _rows(residual, n)
+    y, residual_out, _, _ = _op.forward_op(rows, residual_rows, weight, bias, eps, rms, backend)
+    return y.view_as(x), None if residual is None else residual_out.view_as(x)
+
+
 def _enter(
     x: Tensor,
     residual: Tensor | None,
@@ -287,23 +305,21 @@ def _enter(
 ) -> tuple[Tensor, Tensor | None]:
     """Kernel arguments handed to the op's entry point for what the call meets (the
     table in :mod:`layernorm._op`)."""
+    if torch.compiler.is_compiling():  # (true under torch.export too)
+        if torch.compiler.is_exporting():
+            return _op.decomposition(x, residual, weight, bias, eps, rms)
+        return _custom_op(x, residual, weight, bias, eps, rms, backend)
     if torch._C._is_any_autocast_enabled():
         x, residual, weight, bias = _op.autocast(x, residual, weight, bias)
-    if torch.jit.is_tracing() or torch.compiler.is_exporting():
+    if torch._C._is_tracing():
         return _op.decomposition(x, residual, weight, bias, eps, rms)
-    if torch.compiler.is_compiling() or not (
+    if not (
         type(x) in _PLAIN
         and type(residual) in _PLAIN
         and type(weight) in _PLAIN
         and type(bias) in _PLAIN
     ):
-        # torch.compile traces the custom op, and DTensor dispatches on it, both on
-        # (M, N) rows, which their shape rules assume
-        n = x.shape[-1]
-        rows = _rows(x, n)
-        residual_rows = None if residual is None else _rows(residual, n)
-        y, residual_out, _, _ = _op.forward_op(rows, residual_rows, weight, bias, eps, rms, backend)
-        return y.view_as(x), None if residual is None else residual_out.view_as(x)
+        return _custom_op(x, residual, weight, bias, eps, rms, backend)
     if torch._C._functorch.peek_interpreter_stack() is not None:
         y, residual_out, _, _ = _op.TransformNorm.apply(
             x, residual, weight, bias, eps, rms, backend, fast
