@@ -23,8 +23,9 @@ never enters the arithmetic:
 then ``mean = P + o``, ``rstd = (M2 / N + eps)^(-1/2)``, and each rank centres its part
 by ``u = (d - s_r) * rstd`` with the small shift ``s_r = (P - m1_r) + o``. Every term is
 a difference of nearby values, so the error does not grow with the rows' offset
-(docs/contract.md §3), and a constant row gives ``o_r`` equal on every rank, hence ``Δ = 0``,
-``M2 = 0``, ``s_r = d`` and output exactly ``beta``. Never ``E[z²] - E[z]²``.
+(docs/contract.md §3), and a constant row gives ``o_r`` equal on every rank, hence
+``Δ = 0``, ``M2 = 0``, ``s_r = d`` and output exactly ``beta``. Never
+``E[z²] - E[z]²``.
 
 **Backward.** ``dz = rstd * (gh - c2 - u * c1)`` needs two row means over the whole row,
 ``c1 = mean(gh * u)`` and ``c2 = mean(gh)``: the ranks all-gather their two partial sums
