@@ -3,10 +3,10 @@
 The hidden (last normalized) dim is split across the ranks of a process group in rank
 order, by default as DTensor's ``Shard`` splits it (:func:`shard_sizes`, the package's
 one shard convention, in :mod:`._shards`), so this rank's ``gamma`` is the local part of
-the same parameter as a DTensor sharded with ``Shard(-1)``. The helpers move between a full module's state_dict and
-the shards: :func:`shard_state_dict` cuts a full one (no communication),
-:func:`gather_state_dict` reassembles it on every rank (a collective), and the result
-loads into :class:`layernorm.LayerNorm` or :class:`torch.nn.LayerNorm` unchanged.
+the same parameter as a DTensor sharded with ``Shard(-1)``. The helpers move between a
+full module's state_dict and the shards: :func:`shard_state_dict` cuts a full one (no
+communication), :func:`gather_state_dict` reassembles it on every rank (a collective),
+and the result loads into :class:`layernorm.LayerNorm` or :class:`torch.nn.LayerNorm` unchanged.
 """
 
 from __future__ import annotations
