@@ -23,10 +23,12 @@ DTensor rules for the custom ops ``layernorm::forward`` and ``layernorm::backwar
 ``layernorm.layer_norm``, ``layernorm.rms_norm``, ``layernorm.add_layer_norm`` and the
 modules ``layernorm.LayerNorm``/``RMSNorm`` accept DTensors too, with the same plan: a
 DTensor sharded on its last dim goes through the statistics exchange, one sharded on
-rows runs the op on its local rows. Their backward recomputes the core from the op's
-saved float32 ``mean`` (as the single-process op does), so at large row offsets its
-gradient is only as accurate as the single-process op's; :func:`layernorm.distributed.layer_norm`
-keeps the unrounded centering and is offset-independent in both directions.
+rows runs the op on its local rows. On ``Shard(last)`` their backward recomputes the
+core as ``(x - mean) * rstd`` from the op's saved ``mean`` (rounded to float32, and
+without the single-process op's re-centring, which would cost one more exchange), so
+at large row offsets that gradient is less accurate than the single-process op's;
+:func:`layernorm.distributed.layer_norm` keeps the unrounded centering and is
+offset-independent in both directions.
 
 Why not :func:`torch.distributed.tensor.experimental.register_sharding`? A sharding rule
 (torch 2.13) only declares which input placements an op accepts and which placements
