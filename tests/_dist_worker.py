@@ -167,7 +167,7 @@ def run_dtensor(rank: int, world: int) -> dict:
         xd.to_local().detach(),
         23,
         wd.to_local().detach(),
-        b.chunk(world)[rank],  # DTensor's Shard cuts as torch.chunk does
+        _slice(b, ld.shard_sizes(23, world), rank),  # the shard convention is DTensor's
         group=mesh.get_group(0),
     )
     xr = distribute_tensor(x, mesh, [Shard(1)]).requires_grad_()  # rows sharded: local

@@ -1,7 +1,7 @@
 """layernorm.distributed on the CPU with gloo, world sizes 2 and 3.
 
-Each world size is one spawned run of ``_dist_worker.py`` per rank (a process costs
-~1.5 s of imports, so all scenarios share one run); the parent compares the shards they
+Each world size is one spawned run of ``_dist_worker.py`` per rank (every process pays
+for importing torch, so all scenarios share one run); the parent compares the shards they
 saved against single-process results: ``layernorm.reference`` (float64 truth),
 ``torch.nn.functional.layer_norm`` and ``layernorm.layer_norm`` on the full tensor.
 A hang fails: the group has a 30 s collective timeout and the parent kills the ranks
@@ -133,7 +133,7 @@ def test_forward_backward_match_single_process(run, i):
         leaves = [None if t is None else t.clone().requires_grad_() for t in (x, w, b)]
         xs, ws, bs = leaves
         # eps explicit: torch 2.13's rms_norm(eps=None) on bfloat16 uses float32's eps, not
-        # bfloat16's (its docs and SPEC §1 say finfo(input.dtype).eps, as layernorm does)
+        # bfloat16's (its docs and docs/contract.md §2 say finfo(input.dtype).eps)
         eps = torch.finfo(dtype).eps
         y_single = (
             single.rms_norm(xs, shape, ws, eps) if rms else single.layer_norm(xs, shape, ws, bs)
@@ -169,7 +169,8 @@ def test_constant_row_gives_exactly_beta(run, i):
 
 @pytest.mark.parametrize("name", ["off1e4", "off1e6"])
 def test_offset_independent_error(run, name):
-    """SPEC §3 across shards: float32 rows N(c, 1), core error < 4e-6 against float64."""
+    """docs/contract.md §3 across shards: float32 rows N(c, 1), core error < 4e-6 against
+    float64."""
     _, results = run
     i = next(k for k, c in enumerate(worker.CASES) if c[0] == name)
     x, *_ = worker.case_inputs(i)
@@ -236,7 +237,9 @@ def test_modules_and_state_dict_round_trip(run):
 
 def test_shard_helpers_local():
     ld = pytest.importorskip("layernorm.distributed")
-    assert ld.shard_sizes(10, 3) == [4, 3, 3]
+    assert ld.shard_sizes(10, 3) == [4, 4, 2]
+    assert ld.shard_sizes(5, 4) == [2, 2, 1, 0]
+    assert ld.shard_sizes(0, 2) == [0, 0]
     assert ld.shard_sizes(2, 3) == [1, 1, 0]
     with pytest.raises(ValueError, match="world_size >= 1"):
         ld.shard_sizes(4, 0)
@@ -324,7 +327,7 @@ def test_training_matches_single_process(run):
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from layernorm.distributed.functional import _combine, _local_moments  # noqa: E402
+from layernorm.distributed._exchange import _combine, _local_moments  # noqa: E402
 
 
 @given(

@@ -5,7 +5,8 @@ Two layouts of the activations:
 - **Hidden dim sharded** (tensor parallelism over the normalized dim, or a DTensor
   sharded on its last dim): :func:`layer_norm` / :func:`rms_norm` and the modules
   :class:`LayerNorm` / :class:`RMSNorm` exchange per-row statistics (three floats per
-  row forward, two backward) instead of gathering whole rows.
+  row forward, two backward) instead of gathering whole rows. The default split is
+  DTensor's (:func:`shard_sizes`).
 - **DTensor**: :func:`layer_norm` / :func:`rms_norm` take a DTensor; importing this
   package also registers DTensor rules for the library's custom ops, so
   ``layernorm.layer_norm`` and ``layernorm.LayerNorm`` accept DTensors (see
@@ -22,9 +23,10 @@ are bitwise identical run to run for a fixed world size. Imported on demand:
 import torch
 
 from ._collectives import ShardMismatchError
+from ._shards import shard_sizes
 from .dtensor import register_op_rules
 from .functional import layer_norm, rms_norm
-from .modules import LayerNorm, RMSNorm, gather_state_dict, shard_sizes, shard_state_dict
+from .modules import LayerNorm, RMSNorm, gather_state_dict, shard_state_dict
 from .sequence_parallel import (
     allreduce_param_grads,
     norm_parameters,

@@ -63,6 +63,23 @@ def gather(t: Tensor, group: ProcessGroup | None) -> Tensor:
     return out.view(world, *t.shape)
 
 
+def ordered_sum(parts: Tensor) -> Tensor:
+    """Sums the ranks' parts ``(world, ...)`` (from :func:`gather`) in rank order, in float64.
+
+    The one reduction of this package: every rank adds the same bits in the same order,
+    so every rank gets the same sum, run after run, whatever the transport does. Adding
+    in float64 rounds each part's contribution far below its own dtype's precision, so
+    the caller rounds the result once, to whatever dtype it needs.
+
+    Returns:
+        the float64 sum over the first dim, of shape ``parts.shape[1:]``.
+    """
+    total = parts[0].double()
+    for r in range(1, parts.shape[0]):
+        total = total + parts[r].double()
+    return total
+
+
 def _slots(dims: tuple[int, ...], k: int) -> list[int]:
     dims = tuple(dims)
     if len(dims) > k:

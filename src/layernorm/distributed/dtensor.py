@@ -23,10 +23,12 @@ DTensor rules for the custom ops ``layernorm::forward`` and ``layernorm::backwar
 ``layernorm.layer_norm``, ``layernorm.rms_norm``, ``layernorm.add_layer_norm`` and the
 modules ``layernorm.LayerNorm``/``RMSNorm`` accept DTensors too, with the same plan: a
 DTensor sharded on its last dim goes through the statistics exchange, one sharded on
-rows runs the op on its local rows. Their backward recomputes the core from the op's
-saved float32 ``mean`` (as the single-process op does), so at large row offsets its
-gradient is only as accurate as the single-process op's; :func:`layernorm.distributed.layer_norm`
-keeps the unrounded centering and is offset-independent in both directions.
+rows runs the op on its local rows. On ``Shard(last)`` their backward recomputes the
+core as ``(x - mean) * rstd`` from the op's saved ``mean`` (rounded to float32, and
+without the single-process op's re-centring, which would cost one more exchange), so
+at large row offsets that gradient is less accurate than the single-process op's;
+:func:`layernorm.distributed.layer_norm` keeps the unrounded centering and is
+offset-independent in both directions.
 
 Why not :func:`torch.distributed.tensor.experimental.register_sharding`? A sharding rule
 (torch 2.13) only declares which input placements an op accepts and which placements
@@ -46,7 +48,13 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["is_dtensor", "register_op_rules", "sharded_norm"]
+from .. import ops
+from ..backends.torch_ import accumulation_dtype
+from ..ops import _normalized_shape, layer_norm, rms_norm
+from ._exchange import exchange_norm, prepare, sharded_backward, sharded_forward
+from ._shards import shard_sizes, shard_start
+
+__all__ = ["dtensor_norm", "is_dtensor", "register_op_rules"]
 
 
 def is_dtensor(t: object) -> bool:
@@ -91,7 +99,7 @@ def _local_param(p, x, placements: Sequence, tp_dim: int | None):
     return p.redistribute(mesh, want).to_local(grad_placements=grads)
 
 
-def sharded_norm(
+def dtensor_norm(
     op: str,
     x,
     normalized_shape,
@@ -116,10 +124,7 @@ def sharded_norm(
     """
     from torch.distributed.tensor import DTensor
 
-    from .. import ops
-    from .functional import _sharded
-
-    shape = ops._normalized_shape(normalized_shape)
+    shape = _normalized_shape(normalized_shape)
     if tuple(x.shape[x.ndim - len(shape) :]) != shape or x.ndim < len(shape):
         raise ValueError(
             f"Given normalized_shape={list(shape)}, expected input with shape "
@@ -133,13 +138,13 @@ def sharded_norm(
     b = _local_param(bias, x, placements, tp_dim)
     if tp_dim is None:  # whole rows on every rank
         y = (
-            ops.rms_norm(local, shape, w, eps)
+            rms_norm(local, shape, w, eps)
             if rms
-            else ops.layer_norm(local, shape, w, b, 1e-5 if eps is None else eps)
+            else layer_norm(local, shape, w, b, 1e-5 if eps is None else eps)
         )
     else:
         group = x.device_mesh.get_group(tp_dim)
-        y = _sharded(op, local, shape, w, b, eps, rms, group)
+        y = exchange_norm(op, local, shape, w, b, eps, rms, group)
     return DTensor.from_local(
         y, x.device_mesh, placements, run_check=False, shape=x.shape, stride=x.stride()
     )
@@ -184,10 +189,7 @@ def _param_local(p, mesh, tp_dim: int | None, width: int):
         return p.redistribute(mesh, want).to_local()
     if tp_dim is None:
         return p
-    # DTensor's Shard cuts as torch.chunk does; a trailing rank may get nothing
-    parts = torch.arange(p.shape[0]).chunk(mesh.size(tp_dim))
-    sizes = [len(c) for c in parts] + [0] * (mesh.size(tp_dim) - len(parts))
-    start = sum(sizes[: mesh.get_local_rank(tp_dim)])
+    start = shard_start(shard_sizes(p.shape[0], mesh.size(tp_dim)), mesh.get_local_rank(tp_dim))
     return p[start : start + width]
 
 
@@ -220,8 +222,6 @@ def _local_part(t, mesh, placements):
 
 
 def _forward_rule(_cls, func, types, args, kwargs):
-    from .functional import _prepare, sharded_forward
-
     a = _arguments(func, args, kwargs)
     x, residual = a["x"], a["residual"]
     if not is_dtensor(x) or (residual is not None and not is_dtensor(residual)):
@@ -238,11 +238,11 @@ def _forward_rule(_cls, func, types, args, kwargs):
         y, r_out, mean, rstd = func(xl, rl, w, b, eps, rms, a["backend"])
     else:
         group = mesh.get_group(tp_dim)
-        acc = torch.float64 if xl.dtype == torch.float64 else torch.float32
+        acc = accumulation_dtype(xl.dtype)
         r_out = None if rl is None else (xl.to(acc) + rl.to(acc)).to(xl.dtype)
         z = xl if r_out is None else r_out
         op = "rms_norm" if rms else "layer_norm"
-        _, _, widths = _prepare(op, z, (n,), w, b, eps, rms, group)
+        _, _, widths = prepare(op, z, (n,), w, b, eps, rms, group)
         y, m1, shift, rstd = sharded_forward(z, w, b, eps, rms, widths, group)
         mean = rstd.new_empty(0) if rms else m1 + shift
         r_out = xl.new_empty(0) if r_out is None else r_out
@@ -256,8 +256,6 @@ def _forward_rule(_cls, func, types, args, kwargs):
 
 
 def _backward_rule(_cls, func, types, args, kwargs):
-    from .functional import sharded_backward
-
     a = _arguments(func, args, kwargs)
     x, weight = a["x"], a["weight"]
     mesh, (m, n) = x.device_mesh, x.shape
@@ -301,8 +299,6 @@ def register_op_rules() -> None:
     if _registered:
         return
     from torch.distributed.tensor import DTensor
-
-    from .. import ops
 
     ops._forward_op.register_torch_dispatch(DTensor, _forward_rule)
     ops._backward_op.register_torch_dispatch(DTensor, _backward_rule)

@@ -1,11 +1,12 @@
 """``LayerNorm`` / ``RMSNorm`` modules that hold this rank's shard of ``gamma`` and ``beta``.
 
 The hidden (last normalized) dim is split across the ranks of a process group in rank
-order, by default as :func:`torch.tensor_split` splits it (the first ``N % world``
-ranks get one more element). The helpers move between a full module's state_dict and
-the shards: :func:`shard_state_dict` cuts a full one (no communication),
-:func:`gather_state_dict` reassembles it on every rank (a collective), and the result
-loads into :class:`layernorm.LayerNorm` or :class:`torch.nn.LayerNorm` unchanged.
+order, by default as DTensor's ``Shard`` splits it (:func:`shard_sizes`, the package's
+one shard convention, in :mod:`._shards`), so this rank's ``gamma`` is the local part of
+the same parameter as a DTensor sharded with ``Shard(-1)``. The helpers move between a
+full module's state_dict and the shards: :func:`shard_state_dict` cuts a full one (no
+communication), :func:`gather_state_dict` reassembles it on every rank (a collective),
+and the result loads into :class:`layernorm.LayerNorm` or :class:`torch.nn.LayerNorm` unchanged.
 """
 
 from __future__ import annotations
@@ -17,25 +18,13 @@ import torch
 from torch import Tensor
 
 from ._collectives import ProcessGroup, gather, group_info
+from ._shards import shard_sizes, shard_start
 from .functional import layer_norm, rms_norm
 
-__all__ = ["LayerNorm", "RMSNorm", "gather_state_dict", "shard_sizes", "shard_state_dict"]
+__all__ = ["LayerNorm", "RMSNorm", "gather_state_dict", "shard_state_dict"]
 
 
-def shard_sizes(n: int, world_size: int) -> list[int]:
-    """How :func:`torch.tensor_split` cuts ``n`` into ``world_size`` contiguous parts.
-
-    Example::
-
-        >>> shard_sizes(10, 3)
-        [4, 3, 3]
-    """
-    if world_size < 1 or n < 0:
-        raise ValueError(f"need n >= 0 and world_size >= 1, got n={n}, world_size={world_size}")
-    return [n // world_size + (r < n % world_size) for r in range(world_size)]
-
-
-_even_sizes = shard_sizes  # the constructors' argument of that name shadows the function
+_default_sizes = shard_sizes  # the constructors' argument of that name shadows it
 
 
 def _check_sizes(sizes: Sequence[int], n: int, world: int) -> list[int]:
@@ -63,7 +52,7 @@ def shard_state_dict(
         a new state_dict of contiguous copies, loadable into the sharded module of ``rank``.
     """
     n = sum(sizes)
-    start = sum(sizes[:rank])
+    start = shard_start(list(sizes), rank)
     out = {}
     for key, t in state_dict.items():
         if t.dim() == 0 or t.shape[-1] != n:
@@ -75,7 +64,7 @@ def shard_state_dict(
     return out
 
 
-def gather_state_dict(module: _ShardedNorm) -> dict[str, Tensor]:
+def gather_state_dict(module: _ShardedNormModule) -> dict[str, Tensor]:
     """Reassembles the full state_dict of a sharded module on every rank (a collective).
 
     Args:
@@ -97,7 +86,7 @@ def gather_state_dict(module: _ShardedNorm) -> dict[str, Tensor]:
 
 
 class _FullNorm(Protocol):
-    """What :meth:`_ShardedNorm.from_full` reads of a full norm module."""
+    """What :meth:`_ShardedNormModule.from_full` reads of a full norm module."""
 
     normalized_shape: int | Sequence[int]
     eps: float | None
@@ -106,8 +95,8 @@ class _FullNorm(Protocol):
     bias: Tensor | None
 
 
-class _ShardedNorm(torch.nn.Module):
-    """Common part: the shard geometry and the parameters of this rank."""
+class _ShardedNormModule(torch.nn.Module):
+    """The base of the sharded modules: the shard geometry and this rank's parameters."""
 
     weight: torch.nn.Parameter | None
     bias: torch.nn.Parameter | None
@@ -132,9 +121,9 @@ class _ShardedNorm(torch.nn.Module):
         self.rank, world = group_info(group)
         n = self.normalized_shape[-1]
         self.shard_sizes = _check_sizes(
-            _even_sizes(n, world) if shard_sizes is None else shard_sizes, n, world
+            _default_sizes(n, world) if shard_sizes is None else shard_sizes, n, world
         )
-        self.offset = sum(self.shard_sizes[: self.rank])
+        self.offset = shard_start(self.shard_sizes, self.rank)
         local = (*self.normalized_shape[:-1], self.shard_sizes[self.rank])
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         if elementwise_affine:
@@ -189,7 +178,7 @@ class _ShardedNorm(torch.nn.Module):
         )
 
 
-class LayerNorm(_ShardedNorm):
+class LayerNorm(_ShardedNormModule):
     r"""Layer norm over a hidden dim sharded across ``group``; holds this rank's ``gamma``/``beta``.
 
     .. math::
@@ -245,7 +234,7 @@ class LayerNorm(_ShardedNorm):
         )
 
 
-class RMSNorm(_ShardedNorm):
+class RMSNorm(_ShardedNormModule):
     r"""RMSNorm over a hidden dim sharded across ``group``; holds this rank's ``gamma``.
 
     .. math::

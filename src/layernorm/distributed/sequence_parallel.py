@@ -31,16 +31,9 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from ._collectives import ProcessGroup, gather, group_info
+from ._collectives import ProcessGroup, gather, group_info, ordered_sum
 
 __all__ = ["allreduce_param_grads", "norm_parameters", "register_grad_allreduce_hooks"]
-
-
-def _ordered_sum(parts: Tensor) -> Tensor:
-    total = parts[0].clone()
-    for r in range(1, parts.shape[0]):
-        total += parts[r]
-    return total
 
 
 def _params(params: torch.nn.Module | Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
@@ -71,8 +64,9 @@ def allreduce_param_grads(
 
     A collective: every rank must call it with the same parameters in the same order.
     A parameter without a gradient on this rank counts as a zero gradient (and gets one).
-    Gradients are flattened per dtype into one buffer, all-gathered and added in rank
-    order, so the result is bitwise identical on every rank and run to run.
+    Gradients are flattened per dtype into one buffer, all-gathered, added in rank
+    order in float64 and rounded once to their dtype, so the result is bitwise
+    identical on every rank and run to run.
 
     Args:
         params: a module (all its parameters that require grad) or the parameters.
@@ -90,9 +84,10 @@ def allreduce_param_grads(
     for dtype in sorted(by_dtype, key=str):  # the same order on every rank
         grads = by_dtype[dtype]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        total = _ordered_sum(gather(flat, group))
+        total = ordered_sum(gather(flat, group))
         if average:
             total /= world
+        total = total.to(dtype)
         offset = 0
         for g in grads:
             n = g.numel()
@@ -109,7 +104,7 @@ def register_grad_allreduce_hooks(
     """Makes every backward sum (or average) each parameter's gradient over ``group``.
 
     Each parameter gets a gradient hook that all-gathers the incoming gradient and adds
-    the ranks' parts in rank order, before it is accumulated into ``.grad``. Every rank's
+    the ranks' parts in rank order (in float64, rounded once to its dtype), before it is accumulated into ``.grad``. Every rank's
     backward must reach the same parameters in the same order (true when all ranks run
     the same model); a parameter unused on one rank but used on another would leave the
     others waiting (then use :func:`allreduce_param_grads`).
@@ -125,7 +120,7 @@ def register_grad_allreduce_hooks(
     _, world = group_info(group)
 
     def hook(grad: Tensor) -> Tensor:
-        total = _ordered_sum(gather(grad, group))
-        return total / world if average else total
+        total = ordered_sum(gather(grad, group))
+        return (total / world if average else total).to(grad.dtype)
 
     return [p.register_hook(hook) for p in _params(params)]
