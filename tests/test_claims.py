@@ -1,4 +1,4 @@
-"""The seeds' qualitative claims that are not a formula of SPEC §1, each checked directly."""
+"""The seeds' qualitative claims that are not a formula of docs/contract.md §1, each checked directly."""
 
 import numpy as np
 import torch

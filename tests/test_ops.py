@@ -190,7 +190,7 @@ def test_backend_that_cannot_run_errors():
         layernorm.layer_norm(torch.randn(2, 8), 8, backend="triton")
 
 
-# --- bad input (SPEC §4) ---------------------------------------------------------------------
+# --- bad input (docs/contract.md §4) ---------------------------------------------------------------------
 
 
 def test_bad_input_errors():

@@ -1,4 +1,4 @@
-"""The NumPy reference: the seeds' worked examples (corrected) and SPEC §1 as properties."""
+"""The NumPy reference: the seeds' worked examples (corrected) and docs/contract.md §1 as properties."""
 
 import math
 
@@ -71,7 +71,7 @@ def test_jacobian_at_constant_input_is_p_over_sqrt_eps():
     np.testing.assert_allclose(reference.jacobian(np.full(4, 7.0), 0.09), p / 0.3, atol=1e-14)
 
 
-# --- SPEC §1 facts as properties ----------------------------------------------------------
+# --- docs/contract.md §1 facts as properties ----------------------------------------------------------
 
 rows = hnp.arrays(
     np.float64,

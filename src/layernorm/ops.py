@@ -44,11 +44,6 @@ ShapeLike = int | Sequence[int] | torch.Size
 #: calls); read at every call
 FAST_PATHS = True
 
-# the custom ops, for whoever registers rules on them (DTensor)
-_forward_op = _op.forward_op
-_backward_op = _op.backward_op
-_stat_dtype = accumulation_dtype
-
 
 class NormalizedShapeError(ValueError, RuntimeError):
     """A tensor's shape does not fit ``normalized_shape`` (or it is empty). A RuntimeError,

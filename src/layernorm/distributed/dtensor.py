@@ -48,7 +48,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import ops
+from .._op import backward_op, forward_op
 from ..backends.torch_ import accumulation_dtype
 from ..ops import _normalized_shape, layer_norm, rms_norm
 from ._exchange import exchange_norm, prepare, sharded_backward, sharded_forward
@@ -300,6 +300,6 @@ def register_op_rules() -> None:
         return
     from torch.distributed.tensor import DTensor
 
-    ops._forward_op.register_torch_dispatch(DTensor, _forward_rule)
-    ops._backward_op.register_torch_dispatch(DTensor, _backward_rule)
+    forward_op.register_torch_dispatch(DTensor, _forward_rule)
+    backward_op.register_torch_dispatch(DTensor, _backward_rule)
     _registered = True
