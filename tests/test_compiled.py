@@ -166,7 +166,8 @@ def test_every_other_call_is_left_to_python(monkeypatch, in_use):
         return in_use(x, residual, shape, weight, bias, eps, False, backend)
 
     assert answer() is not None and answer(shape=8) is not None
-    assert answer(weight=torch.nn.Parameter(torch.randn(8)), eps=None) is not None
+    with torch.no_grad():
+        assert answer(weight=torch.nn.Parameter(torch.randn(8)), eps=None) is not None
     others = {
         "backend named": answer(backend="numba"),
         "int eps": answer(eps=1),
@@ -390,3 +391,18 @@ def test_report_says_whether_it_is_in_use(in_use):
 
     section = report._compiled_section()
     assert section.startswith("<p>Compiled dispatch") and "in use (" in section
+
+
+def test_kernel_addresses_are_distinct_and_survive_forget(in_use):
+    """Regression: entries were found by a symbol name that closures of one name could
+    share once loaded from numba's cache, so after ``backends.forget`` the extension
+    called another dtype's kernel (wrong values, then heap corruption)."""
+    names = ("forward_serial", "forward_parallel")
+    before = [compiled._resolve(d, name) for d in range(4) for name in names]
+    backends.forget("numba")
+    after = [compiled._resolve(d, name) for d in range(4) for name in names]
+    assert before == after and len(set(before)) == 8
+    for dtype in compiled.DTYPES:
+        x, w = torch.randn(4, 64).to(dtype), torch.rand(64).to(dtype) + 0.5
+        y, _ = in_use(x, None, 64, w, None, 1e-5, False, None)
+        assert torch.equal(y, numba_.forward(x, None, w, None, 1e-5, False, False)[0])

@@ -563,9 +563,13 @@ def entry(name: str, xt: np.ndarray, at: np.ndarray):
 
     else:
         raise ValueError(f"unknown kernel entry {name!r}")
-    if name.startswith("forward"):
-        return _jit(FORWARD_ENTRY)(forward)
-    return _jit(BACKWARD_ENTRY)(backward)
+    function = forward if name.startswith("forward") else backward
+    # One name per entry and dtype: :func:`address` finds the compiled function by its
+    # symbol, which numba derives from this name and a per-process counter. Closures of
+    # one name loaded from the on-disk cache can share a symbol, and the lookup would then
+    # return another dtype's kernel.
+    function.__name__ = function.__qualname__ = f"{name}_{xt.dtype.name}_{at.dtype.name}"
+    return _jit(FORWARD_ENTRY if name.startswith("forward") else BACKWARD_ENTRY)(function)
 
 
 def address(compiled) -> int:
