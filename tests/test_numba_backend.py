@@ -1,4 +1,4 @@
-"""The numba CPU backend against the float64 reference, torch and the SPEC §3 facts.
+"""The numba CPU backend against the float64 reference, torch and the docs/contract.md §3 facts.
 
 Compiling dominates the run time: every test reuses the same eight kernels (forward and
 backward for float32, float64, float16 and bfloat16), which numba caches on disk.

@@ -77,6 +77,13 @@ def _mean(total, count):
 
 
 @triton.jit
+def _total(partials):
+    # The sum of a row's chunk partials, added in float64 and rounded once to float32
+    # (docs/contract.md §3): the error of a row sum does not grow with the chunk count.
+    return tl.sum(partials.to(tl.float64), 0).to(tl.float32)
+
+
+@triton.jit
 def _rstd(var, eps):
     return tl.div_rn(1.0, tl.sqrt_rn(var + eps))
 
@@ -172,11 +179,11 @@ def _combine(mean_c, m2_c, N, n_f, num_chunks, CHUNK: tl.constexpr, CHUNKS_P2: t
     index = tl.arange(0, CHUNKS_P2)
     valid = index < num_chunks
     count_c = tl.where(valid, tl.minimum(N - index * CHUNK, CHUNK), 0).to(tl.float32)
-    m1 = _mean(tl.sum(count_c * mean_c, 0), n_f)
+    m1 = _mean(_total(count_c * mean_c), n_f)
     e_c = tl.where(valid, mean_c - m1, 0.0)
-    delta = _mean(tl.sum(count_c * e_c, 0), n_f)
+    delta = _mean(_total(count_c * e_c), n_f)
     f_c = tl.where(valid, e_c - delta, 0.0)
-    var = _mean(tl.sum(m2_c, 0) + tl.sum(count_c * f_c * f_c, 0), n_f)
+    var = _mean(_total(m2_c) + _total(count_c * f_c * f_c), n_f)
     return m1 + delta, var
 
 
@@ -207,7 +214,7 @@ def forward_looped_kernel(
             part_a = tl.where(index == chunk, mean_c, part_a)
             part_b = tl.where(index == chunk, m2_c, part_b)
     if RMS:
-        rstd = _rstd(_mean(tl.sum(part_a, 0), n_f), eps)
+        rstd = _rstd(_mean(_total(part_a), n_f), eps)
     else:
         mean_d, var = _combine(part_a, part_b, N, n_f, num_chunks, CHUNK, CHUNKS_P2)
         rstd = _rstd(var, eps)
@@ -278,7 +285,7 @@ def forward_wide_kernel(
     valid = index < num_chunks
     slots = row * num_chunks + index
     if RMS:
-        rstd = _rstd(_mean(tl.sum(tl.load(PART_A + slots, mask=valid, other=0.0), 0), n_f), eps)
+        rstd = _rstd(_mean(_total(tl.load(PART_A + slots, mask=valid, other=0.0)), n_f), eps)
         u = z * rstd
     else:
         shift = tl.load(Z + row * stride_z).to(tl.float32)
@@ -364,7 +371,7 @@ def backward_kernel(
             if FUSED:
                 c1 = _mean(tl.sum(gh * u, 0), n_f)
             else:
-                c1 = _mean(tl.sum(tl.load(PART_C1 + slots, mask=valid, other=0.0), 0), n_f)
+                c1 = _mean(_total(tl.load(PART_C1 + slots, mask=valid, other=0.0)), n_f)
             dx = rstd * (gh - u * c1)
         else:
             d = tl.where(mask, z - tl.load(MEAN + row), 0.0)
@@ -374,10 +381,10 @@ def backward_kernel(
                 c1 = _mean(tl.sum(gh * u, 0), n_f)
                 c2 = _mean(tl.sum(gh, 0), n_f)
             else:
-                delta = _mean(tl.sum(tl.load(PART_D + slots, mask=valid, other=0.0), 0), n_f)
+                delta = _mean(_total(tl.load(PART_D + slots, mask=valid, other=0.0)), n_f)
                 u = tl.where(mask, d - delta, 0.0) * rstd
-                c2 = _mean(tl.sum(tl.load(PART_C2 + slots, mask=valid, other=0.0), 0), n_f)
-                ghd = _mean(tl.sum(tl.load(PART_C1 + slots, mask=valid, other=0.0), 0), n_f)
+                c2 = _mean(_total(tl.load(PART_C2 + slots, mask=valid, other=0.0)), n_f)
+                ghd = _mean(_total(tl.load(PART_C1 + slots, mask=valid, other=0.0)), n_f)
                 c1 = rstd * (ghd - delta * c2)
             dx = rstd * (gh - c2 - u * c1)
         if HAS_DRES:
