@@ -10,8 +10,8 @@ called directly (tensor addresses in: no Python dispatch, no allocation), the tw
 interleaved round by round with torch's own function. Prints the median microseconds a
 call of each, ``new / base``, and whether the two versions give the same bits. On this
 shared machine separate runs move by ±30 %; interleaved in one process, differences of a
-few percent show (benchmarks/RESULTS.md, fourth session). Both versions must take the
-entry points' current arguments.
+few percent show; ``--clock cpu --threads 1`` steadies them further. Both versions must
+take the entry points' current arguments (``_kernel_abi``), in the same order.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def load(revision: str | None, where: Path) -> ModuleType:
     package.mkdir()
     (package / "__init__.py").write_text("")
     if revision is None:
-        files = sorted((ROOT / MODULES).glob("_numba_*.py"))
+        files = [*sorted((ROOT / MODULES).glob("_numba_*.py")), ROOT / MODULES / "_kernel_abi.py"]
         sources = {f.name: f.read_text() for f in files}
     else:
         listing = subprocess.run(
@@ -66,7 +66,7 @@ def load(revision: str | None, where: Path) -> ModuleType:
                 check=True,
             ).stdout
             for p in listing
-            if Path(p).name.startswith("_numba_")
+            if Path(p).name.startswith("_numba_") or Path(p).name == "_kernel_abi.py"
         }
     for filename, text in sources.items():
         (package / filename).write_text(text)

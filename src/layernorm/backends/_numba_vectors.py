@@ -389,10 +389,11 @@ def _splat_all(builder: ir.IRBuilder, scalars: Sequence[ir.Value], lanes: int) -
 
 
 @intrinsic
-def normalize_row(typingctx, z, y, m1, delta, rstd, w, b):
-    """``y = ((z - m1) - delta) * rstd * w + b``: the row ``z`` (its dtype) normalized into
-    the row ``y`` (its dtype) with ``w``, ``b`` and the scalars in the accumulation dtype."""
-    sig = signature(types.void, z, y, m1, delta, rstd, w, b)
+def normalize_row(typingctx, z, y, m1, delta, rstd, weight, bias):
+    """``y = ((z - m1) - delta) * rstd * weight + bias``: the row ``z`` (its dtype)
+    normalized into the row ``y`` (its dtype) with ``weight``, ``bias`` and the scalars in
+    the accumulation dtype."""
+    sig = signature(types.void, z, y, m1, delta, rstd, weight, bias)
 
     def codegen(context, builder, sig, args):
         z, y, w, b = (Row(context, builder, sig.args[k], args[k]) for k in (0, 1, 5, 6))
@@ -409,18 +410,22 @@ def normalize_row(typingctx, z, y, m1, delta, rstd, w, b):
 
 
 @intrinsic
-def add_rows(typingctx, x, r, h):
-    """``h = x + r`` for three rows of one dtype (added in the accumulation dtype)."""
-    sig = signature(types.void, x, r, h)
+def add_rows(typingctx, x, residual, residual_out):
+    """``residual_out = x + residual`` for three rows of one dtype (added in the
+    accumulation dtype)."""
+    sig = signature(types.void, x, residual, residual_out)
 
     def codegen(context, builder, sig, args):
-        x, r, h = (Row(context, builder, t, v) for t, v in zip(sig.args, args, strict=True))
+        x, residual, out = (
+            Row(context, builder, t, v) for t, v in zip(sig.args, args, strict=True)
+        )
         acc = ir.DoubleType() if sig.args[0].dtype == types.float64 else ir.FloatType()
 
         def element(index: ir.Value, lanes: int) -> None:
-            h.store(builder.fadd(x.load(index, lanes), r.load(index, lanes)), index, lanes)
+            total = builder.fadd(x.load(index, lanes), residual.load(index, lanes))
+            out.store(total, index, lanes)
 
-        _elementwise(builder, h.length, lanes(acc), element)
+        _elementwise(builder, out.length, lanes(acc), element)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -433,18 +438,19 @@ def add_rows(typingctx, x, r, h):
 def _dx_pass(context, builder, sig, args, touching: bool) -> ir.Value:
     """One row's dx and its terms of the column partial sums, element by element::
 
-        u = ((x - mean) - delta) * rstd;  gh = dy * w
-        dx = rstd * ((gh - c2) - u * c1) + dro;  pw += dy * u;  pb += dy
+        u = ((x - mean) - delta) * rstd;  gh = dy * weight
+        dx = rstd * ((gh - c2) - u * c1) + dresidual_out
+        dweight_partial += dy * u;  dbias_partial += dy
 
     (the same operations in the same order in every lane: no reductions, so the bits do
     not depend on the vector width). ``touching``: the next row's ``dy`` and ``x`` (the
-    two arrays after ``pb``) are loaded too and summed, any which way, into the value
+    two arrays after ``dbias_partial``) are loaded too and summed, any which way, into the value
     returned, which the caller stores so the loads stay (see ``_backward_block``)."""
     arrays = len(args) - 5
     rows = [
         Row(context, builder, t, v) for t, v in zip(sig.args[:arrays], args[:arrays], strict=True)
     ]
-    dy, x, dro, dx, w, pw, pb = rows[:7]
+    dy, x, dresidual_out, dx, weight, dweight_partial, dbias_partial = rows[:7]
     scalars = args[arrays:]
     acc = scalars[0].type
     width = lanes(acc)
@@ -456,11 +462,12 @@ def _dx_pass(context, builder, sig, args, touching: bool) -> ir.Value:
         mean, delta, rstd, c1, c2 = _splat_all(builder, scalars, lanes)
         g = dy.load(index, lanes)
         u = builder.fmul(builder.fsub(builder.fsub(x.load(index, lanes), mean), delta), rstd)
-        gh = builder.fmul(g, w.load(index, lanes))
+        gh = builder.fmul(g, weight.load(index, lanes))
         dz = builder.fmul(rstd, builder.fsub(builder.fsub(gh, c2), builder.fmul(u, c1)))
-        dx.store(builder.fadd(dz, dro.load(index, lanes)), index, lanes)
-        pw.store(builder.fadd(pw.load(index, lanes), builder.fmul(g, u)), index, lanes)
-        pb.store(builder.fadd(pb.load(index, lanes), g), index, lanes)
+        dx.store(builder.fadd(dz, dresidual_out.load(index, lanes)), index, lanes)
+        partial = builder.fadd(dweight_partial.load(index, lanes), builder.fmul(g, u))
+        dweight_partial.store(partial, index, lanes)
+        dbias_partial.store(builder.fadd(dbias_partial.load(index, lanes), g), index, lanes)
         if touching and lanes > 1:
             dy_next, x_next = rows[7:]
             loaded = builder.fadd(dy_next.load(index, lanes), x_next.load(index, lanes))
@@ -471,11 +478,17 @@ def _dx_pass(context, builder, sig, args, touching: bool) -> ir.Value:
 
 
 @intrinsic
-def dx_row(typingctx, dy, x, dro, dx, w, pw, pb, mean, delta, rstd, c1, c2):
-    """Writes one row's ``dx`` and adds its terms to ``pw`` and ``pb`` (see
-    :func:`_dx_pass`); ``pw``, ``pb``, ``w`` and the scalars are in the accumulation
-    dtype, the rows in theirs."""
-    sig = signature(types.void, dy, x, dro, dx, w, pw, pb, mean, delta, rstd, c1, c2)
+def dx_row(
+    typingctx, dy, x, dresidual_out, dx, weight, dweight_partial, dbias_partial,
+    mean, delta, rstd, c1, c2,
+):  # fmt: skip
+    """Writes one row's ``dx`` and adds its terms to ``dweight_partial`` and
+    ``dbias_partial`` (see :func:`_dx_pass`); those two, ``weight`` and the scalars are in
+    the accumulation dtype, the rows in theirs."""
+    sig = signature(
+        types.void, dy, x, dresidual_out, dx, weight, dweight_partial, dbias_partial,
+        mean, delta, rstd, c1, c2,
+    )  # fmt: skip
 
     def codegen(context, builder, sig, args):
         _dx_pass(context, builder, sig, args, touching=False)
@@ -486,10 +499,14 @@ def dx_row(typingctx, dy, x, dro, dx, w, pw, pb, mean, delta, rstd, c1, c2):
 
 @intrinsic
 def dx_row_touching(
-    typingctx, dy, x, dro, dx, w, pw, pb, dy_next, x_next, mean, delta, rstd, c1, c2
-):
+    typingctx, dy, x, dresidual_out, dx, weight, dweight_partial, dbias_partial,
+    dy_next, x_next, mean, delta, rstd, c1, c2,
+):  # fmt: skip
     """:func:`dx_row`, also loading ``dy_next`` and ``x_next``: returns their sum."""
-    sig = signature(mean, dy, x, dro, dx, w, pw, pb, dy_next, x_next, mean, delta, rstd, c1, c2)
+    sig = signature(
+        mean, dy, x, dresidual_out, dx, weight, dweight_partial, dbias_partial,
+        dy_next, x_next, mean, delta, rstd, c1, c2,
+    )  # fmt: skip
 
     def codegen(context, builder, sig, args):
         return _dx_pass(context, builder, sig, args, touching=True)
