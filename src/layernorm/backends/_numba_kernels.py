@@ -81,7 +81,7 @@ ROW_BLOCK = 32  # rows per dweight/dbias partial sum (fixed: never depends on th
 #: these kernels. numba keys its on-disk cache on this file alone, so a change to that one
 #: must change this line, or a stale cached kernel would keep running the old code;
 #: ``tests/test_numba_vectors.py`` fails until it does.
-VECTORS_SHA256 = "1edc914a76d332f9"
+VECTORS_SHA256 = "b1470af8a203ad91"
 
 
 def _jit(*signature, **options):

@@ -210,29 +210,40 @@ def _reduce(
     def load(index: ir.Value, lanes: int) -> list[ir.Value]:
         return [row.load(index, lanes) for row in rows]
 
-    def add_block(start: ir.Value, length: ir.Value) -> None:
+    def block(start: ir.Value, length: ir.Value) -> list[ir.Value]:
         for k in range(count):
             for u in range(UNROLL):
                 builder.store(zero_vector, sums[k][u])
             builder.store(ir.Constant(acc, 0.0), tails[k])
-        block_sums = _block_sums(
+        return _block_sums(
             builder, start, length, width, load, terms, vector_scalars, scalars, sums, tails
         )
+
+    def add_to_totals(values: list[ir.Value]) -> None:
         for k in range(count):
-            value = (
-                block_sums[k]
-                if isinstance(acc, ir.DoubleType)
-                else builder.fpext(block_sums[k], wide)
-            )
+            value = values[k] if isinstance(acc, ir.DoubleType) else builder.fpext(values[k], wide)
             builder.store(builder.fadd(builder.load(totals[k]), value), totals[k])
 
     full = builder.udiv(n, intp(SUM_BLOCK))
     with cgutils.for_range(builder, full) as loop:  # whole blocks: constant trip counts
-        add_block(builder.mul(loop.index, intp(SUM_BLOCK)), intp(SUM_BLOCK))
+        add_to_totals(block(builder.mul(loop.index, intp(SUM_BLOCK)), intp(SUM_BLOCK)))
     last = builder.mul(full, intp(SUM_BLOCK))
-    add_block(last, builder.sub(n, last))  # the last N % SUM_BLOCK elements (maybe none)
-    results = [builder.load(t) for t in totals]
-    return results if isinstance(acc, ir.DoubleType) else [builder.fptrunc(t, acc) for t in results]
+    last_sums = block(last, builder.sub(n, last))  # the last N % SUM_BLOCK elements
+    # One block (N < SUM_BLOCK): its sum as it is, which is what the float64 total would
+    # round back to, without the conversions' latency on the row's critical path.
+    results = [cgutils.alloca_once_value(builder, ir.Constant(acc, 0.0)) for _ in range(count)]
+    with builder.if_else(builder.icmp_unsigned("==", full, intp(0))) as (one, several):
+        with one:
+            for k in range(count):
+                builder.store(last_sums[k], results[k])
+        with several:
+            add_to_totals(last_sums)
+            for k in range(count):
+                total = builder.load(totals[k])
+                if not isinstance(acc, ir.DoubleType):
+                    total = builder.fptrunc(total, acc)
+                builder.store(total, results[k])
+    return [builder.load(r) for r in results]
 
 
 def _block_sums(
