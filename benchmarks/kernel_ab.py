@@ -10,8 +10,8 @@ called directly (tensor addresses in: no Python dispatch, no allocation), the tw
 interleaved round by round with torch's own function. Prints the median microseconds a
 call of each, ``new / base``, and whether the two versions give the same bits. On this
 shared machine separate runs move by ±30 %; interleaved in one process, differences of a
-few percent show (benchmarks/RESULTS.md, fourth session). Both versions must take the
-entry points' current arguments.
+few percent show; ``--clock cpu --threads 1`` steadies them further. Both versions must
+take the entry points' current arguments (``_kernel_abi``), in the same order.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from layernorm.backends import numba_
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = "src/layernorm/backends"
 STREAM_BYTES = numba_.STREAM_BYTES
+CLOCKS = {"wall": time.perf_counter_ns, "cpu": time.process_time_ns}
 
 
 def load(revision: str | None, where: Path) -> ModuleType:
@@ -46,7 +47,7 @@ def load(revision: str | None, where: Path) -> ModuleType:
     package.mkdir()
     (package / "__init__.py").write_text("")
     if revision is None:
-        files = sorted((ROOT / MODULES).glob("_numba_*.py"))
+        files = [*sorted((ROOT / MODULES).glob("_numba_*.py")), ROOT / MODULES / "_kernel_abi.py"]
         sources = {f.name: f.read_text() for f in files}
     else:
         listing = subprocess.run(
@@ -65,7 +66,7 @@ def load(revision: str | None, where: Path) -> ModuleType:
                 check=True,
             ).stdout
             for p in listing
-            if Path(p).name.startswith("_numba_")
+            if Path(p).name.startswith("_numba_") or Path(p).name == "_kernel_abi.py"
         }
     for filename, text in sources.items():
         (package / filename).write_text(text)
@@ -73,8 +74,13 @@ def load(revision: str | None, where: Path) -> ModuleType:
     return importlib.import_module(f"{name}._numba_kernels")
 
 
-def _median_times(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Median microseconds a call, each timed in ~2 ms batches, round-robin."""
+def _median_times(
+    calls: dict[str, Callable[[], object]],
+    rounds: int,
+    clock: Callable[[], int] = time.perf_counter_ns,
+) -> dict[str, float]:
+    """Median microseconds a call, each timed in ~2 ms batches, round-robin, on ``clock``
+    (nanoseconds)."""
     batch = {}
     for name, call in calls.items():
         for _ in range(5):
@@ -85,14 +91,22 @@ def _median_times(calls: dict[str, Callable[[], object]], rounds: int) -> dict[s
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds):
         for name, call in calls.items():
-            start = time.perf_counter_ns()
+            start = clock()
             for _ in range(batch[name]):
                 call()
-            samples[name].append((time.perf_counter_ns() - start) / batch[name] / 1000)
+            samples[name].append((clock() - start) / batch[name] / 1000)
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def compare(kernels: dict[str, ModuleType], direction: str, m: int, n: int, dtype, rounds: int):
+def compare(
+    kernels: dict[str, ModuleType],
+    direction: str,
+    m: int,
+    n: int,
+    dtype,
+    rounds: int,
+    clock: Callable[[], int] = time.perf_counter_ns,
+):
     types = numba_._TYPES[dtype]
     x, dy = torch.randn(m, n).to(dtype), torch.randn(m, n).to(dtype)
     w, b = torch.randn(n, dtype=types.acc_dtype), torch.randn(n, dtype=types.acc_dtype)
@@ -163,7 +177,7 @@ def compare(kernels: dict[str, ModuleType], direction: str, m: int, n: int, dtyp
         wg, bg = wt.clone().requires_grad_(), bt.clone().requires_grad_()
         yt = F.layer_norm(xg, (n,), wg, bg)
         calls["torch"] = lambda: torch.autograd.grad(yt, (xg, wg, bg), dy, retain_graph=True)
-    times = _median_times(calls, rounds)
+    times = _median_times(calls, rounds, clock)
     base, new = outputs["base"], outputs["new"]
     same = all(
         torch.equal(a.view(torch.uint8), c.view(torch.uint8))
@@ -184,6 +198,13 @@ def main(argv: list[str] | None = None) -> None:
         "--shapes", default="64x64,1024x64,128x768,1024x768,256x1024,512x4096,8192x4096"
     )
     parser.add_argument("--rounds", type=int, default=31)
+    parser.add_argument(
+        "--clock",
+        default="wall",
+        choices=["wall", "cpu"],
+        help="wall time, or the CPU time of the whole process (steadier on a busy machine"
+        " with --threads 1: time spent waiting for a core does not count)",
+    )
     options = parser.parse_args(argv)
     numba.set_num_threads(options.threads)
     torch.set_num_threads(options.threads)
@@ -192,12 +213,14 @@ def main(argv: list[str] | None = None) -> None:
         kernels = {"base": load(options.base, Path(where)), "new": load(None, Path(where))}
         print(
             f"base {options.base} vs the working tree, {options.dtype}, {options.threads} threads;"
-            " median microseconds a call"
+            f" median microseconds a call ({options.clock} clock)"
         )
         for direction in options.directions.split(","):
             for shape in options.shapes.split(","):
                 m, n = map(int, shape.split("x"))
-                times, same = compare(kernels, direction, m, n, dtype, options.rounds)
+                times, same = compare(
+                    kernels, direction, m, n, dtype, options.rounds, CLOCKS[options.clock]
+                )
                 print(
                     f"{direction} {m}x{n}: base {times['base']:.1f}  new {times['new']:.1f}"
                     f"  torch {times['torch']:.1f}  new/base {times['new'] / times['base']:.2f}"

@@ -6,6 +6,7 @@ backward for float32, float64, float16 and bfloat16), which numba caches on disk
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import subprocess
@@ -54,7 +55,7 @@ def test_large_outputs_come_from_the_host_cache(dtype):
 
 
 # ---------------------------------------------------------------------------------------
-# SPEC §3 facts
+# docs/contract.md §3 facts
 
 
 def test_strided_rows_are_read_in_place():
@@ -275,3 +276,52 @@ def test_default_rows_tell_minus_zero_from_zero():
     minus = numba_._constant(5, torch.float32, -0.0)
     plus = numba_._constant(5, torch.float32, 0.0)
     assert torch.signbit(minus).all() and not torch.signbit(plus).any()
+
+
+# ---------------------------------------------------------------------------------------
+# The kernel ABI (layernorm.backends._kernel_abi)
+
+
+def test_the_entries_take_the_abi_arguments():
+    from layernorm.backends import _kernel_abi, _numba_kernels
+
+    for direction in ("forward", "backward"):
+        names = _kernel_abi.names(direction)
+        assert _kernel_abi.signature(direction).split(",") == [
+            f"{name}:{kind}" for name, kind in _kernel_abi.KERNELS[direction]
+        ]
+        for parallel in ("serial", "parallel"):
+            kernel = getattr(_numba_kernels, f"{direction}_{parallel}").py_func
+            assert tuple(inspect.signature(kernel).parameters)[2:] == names
+        assert len(_numba_kernels.entry_type(direction).args) == len(names)
+    with pytest.raises(TypeError, match=r"the forward entry"):
+        _numba_kernels._check_parameters(lambda x, y: None, "forward")
+
+
+def test_calls_pass_the_abi_arguments_in_order(monkeypatch):
+    from layernorm.backends import _kernel_abi
+
+    calls = []
+    monkeypatch.setattr(numba_, "entry", lambda dtype, name: lambda *args: calls.append(args))
+    m, n = 3, 5
+    x, residual = torch.randn(m, n), torch.randn(m, 8)[:, :n]
+    weight, bias = torch.randn(n), torch.randn(n)
+    y, residual_out, mean, rstd = numba_.forward(x, residual, weight, bias, 1e-3, False)
+    args = dict(zip(_kernel_abi.names("forward"), calls.pop(), strict=True))
+    assert args == {
+        "x": x.data_ptr(), "x_stride": n, "residual": residual.data_ptr(),
+        "residual_stride": 8, "has_residual": True, "residual_out": residual_out.data_ptr(),
+        "weight": weight.data_ptr(), "bias": bias.data_ptr(), "y": y.data_ptr(),
+        "mean": mean.data_ptr(), "rstd": rstd.data_ptr(), "m": m, "n": n, "eps": 1e-3,
+        "rms": False, "stream": False, "store_stats": True,
+    }  # fmt: skip
+    dy, dresidual_out = torch.randn(m, 7)[:, :n], torch.randn(m, n)
+    dx, dweight, dbias = numba_.backward(dy, x, weight, mean, rstd, dresidual_out, True, True, True)
+    args = dict(zip(_kernel_abi.names("backward"), calls.pop(), strict=True))
+    assert args == {
+        "dy": dy.data_ptr(), "dy_stride": 7, "x": x.data_ptr(), "x_stride": n,
+        "dresidual_out": dresidual_out.data_ptr(), "dresidual_out_stride": n,
+        "weight": weight.data_ptr(), "mean": mean.data_ptr(), "rstd": rstd.data_ptr(),
+        "dx": dx.data_ptr(), "dweight": dweight.data_ptr(), "dbias": dbias.data_ptr(),
+        "m": m, "n": n, "rms": True, "stream": False,
+    }  # fmt: skip

@@ -21,6 +21,7 @@ from numba import njit
 
 from layernorm.backends import _numba_kernels, _numba_vectors
 from layernorm.backends._numba_vectors import (
+    SUM_BLOCK,
     UNROLL,
     add_rows,
     dx_row,
@@ -33,10 +34,21 @@ from layernorm.backends._numba_vectors import (
 )
 
 LENGTHS = [1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 257, 1000]
+#: whole blocks, a ragged last block, a last block that has no whole vector
+WIDE = [SUM_BLOCK, SUM_BLOCK + 1, 2 * SUM_BLOCK + 100, 3 * SUM_BLOCK + 5]
 
 
 def _documented_sum(terms: np.ndarray) -> np.generic:
-    """The module docstring's order, step by step, in ``terms``' dtype."""
+    """The module docstring's order: blocks of SUM_BLOCK elements, each summed by
+    :func:`_block_sum`, their totals added in float64 in block order, rounded once."""
+    total = np.float64(0)
+    for start in range(0, max(len(terms), 1), SUM_BLOCK):
+        total = np.float64(total + np.float64(_block_sum(terms[start : start + SUM_BLOCK])))
+    return terms.dtype.type(total)
+
+
+def _block_sum(terms: np.ndarray) -> np.generic:
+    """One block's sum, steps 1-4 of the module docstring, in ``terms``' dtype."""
     dtype = terms.dtype.type
     lanes = 64 // terms.dtype.itemsize  # an accumulator: 64 bytes
     n, block = len(terms), lanes * UNROLL
@@ -100,7 +112,7 @@ def _bits(value, dtype=np.float32) -> int:
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("n", [0, *LENGTHS, *WIDE])
 def test_row_sum_adds_in_the_documented_order(n, dtype):
     z = _row(n, dtype)
     expected = _documented_sum(z)
@@ -109,7 +121,15 @@ def test_row_sum_adds_in_the_documented_order(n, dtype):
     assert _bits(other, dtype) == _bits(expected, dtype)
 
 
-@pytest.mark.parametrize("n", LENGTHS)
+def test_block_totals_add_in_float64():
+    # 2**30 + 1 is 2**30 in float32: a float32 total would lose the middle block's 1.
+    z = np.zeros(3 * SUM_BLOCK, np.float32)
+    z[[0, SUM_BLOCK, 2 * SUM_BLOCK]] = 2.0**30, 1.0, -(2.0**30)
+    assert _sum(z, np.float32(0)) == 1.0
+    assert _documented_sum(z) == 1.0
+
+
+@pytest.mark.parametrize("n", [*LENGTHS, *WIDE])
 def test_every_reduction_uses_the_same_order(n):
     z, dy, w = _row(n, np.float32), _row(n, np.float32, 1), _row(n, np.float32, 2)
     m1 = np.float32(z.mean())

@@ -157,6 +157,49 @@ def test_agrees_with_torch_backend_to_the_last_bits(path):
     torch.testing.assert_close(ours, theirs, rtol=2e-6, atol=2e-6)
 
 
+def _grads(fn, inputs, dy):
+    for t in inputs:
+        t.requires_grad_(True)
+    out = fn(*inputs)
+    outs = out if isinstance(out, tuple) else (out,)
+    torch.autograd.backward(outs, dy)
+    return [t.grad for t in inputs]
+
+
+def _width_errors(n: int, offset: float) -> tuple[float, float, float]:
+    """Core errors of layer norm and RMSNorm on one float32 row N(offset, 1) of width
+    ``n``, and dx's error relative to its largest value, against float64 on that row."""
+    device = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+    x = (offset + torch.randn(1, n, dtype=torch.float64)).float()
+    dy, weight = torch.randn(1, n), torch.randn(n)
+    u = layernorm.layer_norm(x.to(device), n, backend="triton")
+    u_ref = reference.layer_norm(_np(x), n)[0]
+    r = layernorm.rms_norm(x.to(device), n, eps=1e-6, backend="triton")
+    r_ref = reference.rms_norm(_np(x), n, eps=1e-6)[0]
+    (dx,) = _grads(
+        lambda x: layernorm.layer_norm(x, n, weight.to(device), backend="triton"),
+        [x.to(device)],
+        (dy.to(device),),
+    )
+    dx_ref = reference.layer_norm_backward(_np(dy), _np(x), n, _np(weight))[0]
+    return (
+        float(np.abs(_np(u.cpu()) - u_ref).max()),
+        float(np.abs(_np(r.cpu()) - r_ref).max() / np.abs(r_ref).max()),
+        float(np.abs(_np(dx.cpu()) - dx_ref).max() / np.abs(dx_ref).max()),
+    )
+
+
+def test_error_does_not_grow_with_the_chunk_count(monkeypatch):
+    # docs/contract.md §3 on rows of many chunks: 64-column chunks stand in for the
+    # 4096-column ones (the interpreter runs 4096 programs too slowly); the chunk totals
+    # add in float64 (the GPU test below runs 16M elements).
+    _shrink(monkeypatch, 256)
+    n = 64 * 64 + 3
+    assert triton_.forward_path(n, torch.float32) == "wide"
+    core, rms, dx = _width_errors(n, 1e4)
+    assert core < 4e-6 and rms < 4e-6 and dx < 2e-5
+
+
 @settings(max_examples=15, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     m=st.integers(1, 4),
@@ -367,6 +410,15 @@ def test_gpu_batch_invariance_and_reproducible_parameter_grads(n):
     second = torch.autograd.grad(layernorm.layer_norm(x, n, weight, bias), [x, weight, bias], dy)
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("offset", [0.0, 1e4])
+def test_gpu_error_is_independent_of_the_row_width(offset):
+    # docs/contract.md §3: the offset tests' bound on a row of 16M elements (4097 chunks).
+    core, rms, dx = _width_errors((1 << 24) + 3, offset)
+    assert core < 4e-6 and rms < 4e-6 and dx < 2e-5
 
 
 @gpu

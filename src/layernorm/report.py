@@ -22,7 +22,13 @@ from ._extras import progress, require
 from ._html import img_tag, table
 from .checks import backends_to_check, run_checks
 
-__all__ = ["plot_eigenvalues", "plot_h_eps", "plot_offset_error", "write_report"]
+__all__ = [
+    "plot_eigenvalues",
+    "plot_h_eps",
+    "plot_offset_error",
+    "plot_width_error",
+    "write_report",
+]
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; max-width: 70em; margin: 2em auto; padding: 0 1em; }
@@ -140,6 +146,43 @@ def plot_offset_error(path: Path, names: list[str]) -> tuple[Path, list[list[str
     return path, [["offset c", *series], *rows]
 
 
+def plot_width_error(path: Path, names: list[str]) -> tuple[Path, list[list[str]]]:
+    """Max core error against the float64 reference on one float32 row ``N(0, 1)`` of
+    each width from 1K to 16M elements, for torch.nn.functional.layer_norm and each of
+    our backends in ``names``."""
+    from .ops import layer_norm
+
+    plt = _figure()
+    widths = [1 << k for k in range(10, 25, 2)]
+    gen = torch.Generator().manual_seed(0)
+    series: dict[str, list[float]] = {"torch.nn.functional": []}
+    series.update({f"layernorm ({n})": [] for n in names})
+    for n in widths:
+        x = torch.randn(1, n, generator=gen)
+        want = reference.layer_norm(x.double().numpy(), n)[0]
+        outs = {"torch.nn.functional": torch.nn.functional.layer_norm(x, (n,))}
+        outs.update({f"layernorm ({b})": layer_norm(x, n, backend=b) for b in names})
+        for key, y in outs.items():
+            series[key].append(float(np.max(np.abs(y.double().numpy() - want))))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for key, errs in series.items():
+        ax.plot(widths, errs, "o-", label=key)
+    ax.axhline(4e-6, ls="--", color="gray", lw=1, label="contract: 4e-6")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="row width N",
+        ylabel="max |core error|",
+        title="one float32 row N(0, 1): error against float64",
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    rows = [[f"{n}"] + [f"{series[k][i]:.1e}" for k in series] for i, n in enumerate(widths)]
+    return path, [["width N", *series], *rows]
+
+
 def _claims_section() -> str:
     results = run_checks(backends_to_check())
     rows = [[r.check, r.backend, "pass" if r.passed else "FAIL", r.measured] for r in results]
@@ -156,6 +199,8 @@ def _math_section(out: Path) -> str:
     eig = plot_eigenvalues(out / "jacobian_eigenvalues.png")
     names = [n for n in backends_to_check() if n != "triton" or not torch.cuda.is_available()]
     offset_png, offset_rows = plot_offset_error(out / "offset_error.png", names)
+    cpu = [n for n in names if n != "triton"]  # the interpreter is too slow for 16M
+    width_png, width_rows = plot_width_error(out / "width_error.png", cpu)
     return (
         "<h2>The math</h2>"
         "<p>The third core coordinate of (-t, 0, t): measured through <code>layer_norm</code> "
@@ -167,6 +212,9 @@ def _math_section(out: Path) -> str:
         + "<h2>Error independent of the row offset</h2>"
         + img_tag(offset_png, "offset error")
         + table(offset_rows[0], offset_rows[1:])
+        + "<h2>Error independent of the row width</h2>"
+        + img_tag(width_png, "width error")
+        + table(width_rows[0], width_rows[1:])
     )
 
 

@@ -5,12 +5,12 @@ There are four kernels (``forward_serial``/``forward_parallel``,
 ``backward_serial``/``backward_parallel``) on tensor addresses; the parallel ones run
 their rows over numba's threads (``prange``), the serial ones in the calling thread, and
 both run the same compiled row functions. :func:`entry` compiles one of them for one
-dtype as a function of C-typed arguments only, which Python calls (``numba_``) and the
-compiled dispatch calls from C++ by its address (:func:`address`): one compiled body,
-the same bits either way. Everything is ``@njit(cache=True)``: the first call of each
-dtype's entry compiles (2–4 s), later processes load it from numba's on-disk cache
-(``NUMBA_CACHE_DIR``, else ``__pycache__`` beside this file, else numba's user-wide cache
-when the package directory is read-only).
+dtype as a function of C-typed arguments only (:mod:`layernorm.backends._kernel_abi`),
+which Python calls (``numba_``) and compiled code calls by its address (:func:`address`):
+one compiled body, the same bits either way. Everything is ``@njit(cache=True)``: the
+first call of each dtype's entry compiles, later processes load it from numba's on-disk
+cache (``NUMBA_CACHE_DIR``, else ``__pycache__`` beside this file, else numba's user-wide
+cache when the package directory is read-only).
 
 Data layout. Each (M, N) tensor arrives as a flat 1-D array over its storage plus a row
 stride, so row ``i`` is ``a[i * stride : i * stride + N]``: strided rows are read in place
@@ -22,12 +22,14 @@ round-to-nearest-even on output. Weight and bias arrive in the accumulation dtyp
 missing weight is ones and a missing bias is ``-0.0`` (``v * 1 + -0.0 == v`` bitwise, so
 no inner-loop branches).
 
-Numerics (SPEC §3). Accumulation in float32 (float64 for float64 input). Statistics are
-the corrected two-pass: ``m1 = mean(z)``, ``d = z - m1``, ``delta = mean(d)``,
-``mean = m1 + delta``, ``var = mean((d - delta)²)``, computed as
-``mean(d²) - delta²`` so that ``sum(d)`` and ``sum(d²)`` share one pass (``delta`` is a
-rounding error of ``m1``: the subtraction cancels nothing). A row is read once from
-memory; the two reduction passes and the output pass re-read it from cache.
+Numerics (docs/contract.md §3). Accumulation in float32 (float64 for float64 input); row
+sums add blocks of ``_numba_vectors.SUM_BLOCK`` elements in that dtype and the block
+totals in float64, so their error does not grow with N. Statistics are the corrected
+two-pass: ``m1 = mean(z)``, ``d = z - m1``, ``delta = mean(d)``, ``mean = m1 + delta``,
+``var = mean((d - delta)²)``, computed as ``mean(d²) - delta²`` so that ``sum(d)`` and
+``sum(d²)`` share one pass (``delta`` is a rounding error of ``m1``: the subtraction
+cancels nothing). A row is read once from memory; the two reduction passes and the output
+pass re-read it from cache.
 
 Determinism. Every row sum goes through :mod:`layernorm.backends._numba_vectors`,
 whose summation order is written out in LLVM IR and depends on N alone: not on M, the
@@ -39,20 +41,19 @@ no function that computes a statistic is compiled with ``fastmath``. So outputs 
 bitwise batch- and thread-invariant, and the same from build to build.
 dweight/dbias partial sums come from a fixed partition of the rows into blocks of
 :data:`ROW_BLOCK` rows (independent of the thread count), summed row by row within a
-block, then over blocks in block order in float64. (Before the explicit order, the sums
-were ``reassoc`` loops whose vector order LLVM chose where they were compiled: dropping
-an unrelated loop's loads from the backward's block function changed 1-3 ulp in ~10% of
-dx; benchmarks/RESULTS.md.)
+block, then over blocks in block order in float64.
 
 Inlining. Code that numba inlines itself (``inline="always"``) is lowered with the
 caller's fast-math flags; none of these kernels has any, and the forward's row function
-is inlined (a call per row passing a dozen array structs cost 20-30% on rows of
-768-1024). The row passes are intrinsics: inline by construction.
+is inlined (a call per row would pass a dozen array structs). The row passes are
+intrinsics: inline by construction.
 """
 
 from __future__ import annotations
 
+import inspect
 import platform
+from collections.abc import Callable
 
 import numpy as np
 from llvmlite import ir
@@ -60,6 +61,7 @@ from numba import carray, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from . import _kernel_abi
 from ._numba_vectors import (
     Row,
     add_rows,
@@ -79,7 +81,7 @@ ROW_BLOCK = 32  # rows per dweight/dbias partial sum (fixed: never depends on th
 #: these kernels. numba keys its on-disk cache on this file alone, so a change to that one
 #: must change this line, or a stale cached kernel would keep running the old code;
 #: ``tests/test_numba_vectors.py`` fails until it does.
-VECTORS_SHA256 = "e88c8081b0fe0a37"
+VECTORS_SHA256 = "b1470af8a203ad91"
 
 
 def _jit(*signature, **options):
@@ -103,8 +105,7 @@ def _jit(*signature, **options):
 # whose stores bypass the cache (no read-for-ownership of the output, which a plain store
 # costs), with the arithmetic of ``_numba_vectors.normalize_row`` (same bits). Used only
 # when the output is larger than the caches, where it would be evicted before anyone read
-# it anyway. (Measured: it makes the forward ~20% faster; the backward, which re-reads two
-# rows per written one, got slower with it, so dx keeps plain stores.)
+# it anyway; dx keeps plain stores (see ``_backward_block``).
 
 _WIDTH = 8  # floats per streamed vector (AVX); a row's unaligned head and tail go the plain way
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")  # sfence
@@ -165,24 +166,26 @@ def _aligned_head(a, n):
     return min(n, ((4 * _WIDTH - a.ctypes.data % (4 * _WIDTH)) % (4 * _WIDTH)) // 4)
 
 
-def normalize_row_streaming(z, y, m1, delta, rstd, w, b):
+def normalize_row_streaming(z, y, m1, delta, rstd, weight, bias):
     """:func:`normalize_row` with streaming stores where every row is float32 (on x86)."""
 
 
 @overload(normalize_row_streaming, inline="always")
-def _normalize_row_streaming(z, y, m1, delta, rstd, w, b):
-    if not (_X86 and y.dtype == z.dtype == w.dtype == b.dtype == types.float32):
-        return lambda z, y, m1, delta, rstd, w, b: normalize_row(z, y, m1, delta, rstd, w, b)
+def _normalize_row_streaming(z, y, m1, delta, rstd, weight, bias):
+    if not (_X86 and y.dtype == z.dtype == weight.dtype == bias.dtype == types.float32):
+        return lambda z, y, m1, delta, rstd, weight, bias: normalize_row(
+            z, y, m1, delta, rstd, weight, bias
+        )
 
-    def impl(z, y, m1, delta, rstd, w, b):
+    def impl(z, y, m1, delta, rstd, weight, bias):
         n = y.shape[0]
         head = _aligned_head(y, n)
-        normalize_row(z[:head], y[:head], m1, delta, rstd, w[:head], b[:head])
+        normalize_row(z[:head], y[:head], m1, delta, rstd, weight[:head], bias[:head])
         k = head
         while k + _WIDTH <= n:
-            _normalize_vector_nt(z, y, k, m1, delta, rstd, w, b)
+            _normalize_vector_nt(z, y, k, m1, delta, rstd, weight, bias)
             k += _WIDTH
-        normalize_row(z[k:], y[k:], m1, delta, rstd, w[k:], b[k:])
+        normalize_row(z[k:], y[k:], m1, delta, rstd, weight[k:], bias[k:])
         _store_fence()
 
     return impl
@@ -223,147 +226,160 @@ def _copy_row_streaming(src, dst):
 
 
 @_jit(inline="always")
-def _row_statistics(i, x, xs, r, rs, has_r, h, mean, rstd, n, nf, eps, rms, st):
-    """Row ``i``'s input ``z`` (``h = x + r``, written first, when ``has_r``) and its
-    statistics ``(z, m1, delta, rstd_i)``: the forward's first three passes.
+def _row_statistics(
+    i, x, x_stride, residual, residual_stride, has_residual, residual_out,
+    mean, rstd, n, n_float, eps, rms, store_stats,
+):  # fmt: skip
+    """Row ``i``'s input ``z`` (``residual_out = x + residual``, written first, when
+    ``has_residual``) and its statistics ``(z, m1, delta, rstd_i)``: the forward's first
+    three passes.
 
-    ``x``, ``r``: flat storage with row strides ``xs``, ``rs``; ``h``: contiguous (M*N,)
-    output in x's dtype; ``mean`` (unused for RMSNorm) and ``rstd``: (M,) in the
-    accumulation dtype, like ``nf`` (N as a float) and ``eps``, written only when ``st``.
+    ``x``, ``residual``: flat storage with row strides ``x_stride``, ``residual_stride``;
+    ``residual_out``: contiguous (M*N,) output in x's dtype; ``mean`` (unused for RMSNorm)
+    and ``rstd``: (M,) in the accumulation dtype, like ``n_float`` (N as a float) and
+    ``eps``, written only when ``store_stats``.
     """
-    zero = nf - nf
-    one = nf / nf
-    z = x[i * xs : i * xs + n]
-    if has_r:
-        z = h[i * n : (i + 1) * n]
-        add_rows(x[i * xs : i * xs + n], r[i * rs : i * rs + n], z)
+    zero = n_float - n_float
+    one = n_float / n_float
+    z = x[i * x_stride : i * x_stride + n]
+    if has_residual:
+        z = residual_out[i * n : (i + 1) * n]
+        residual_i = residual[i * residual_stride : i * residual_stride + n]
+        add_rows(x[i * x_stride : i * x_stride + n], residual_i, z)
     if rms:
         m1 = zero
         delta = zero
-        var = row_sum_sq(z, zero) / nf
+        var = row_sum_sq(z, zero) / n_float
     else:
-        m1 = row_sum(z, zero) / nf
+        m1 = row_sum(z, zero) / n_float
         # One pass for Σd and Σd², d = z − m1: Σ(d − delta)² = Σd² − N·delta², and
         # delta is a rounding error of m1, so the subtraction cancels nothing.
         s1, s2 = row_sums_centered(z, m1, zero)
-        delta = s1 / nf
-        if st:
+        delta = s1 / n_float
+        if store_stats:
             mean[i] = m1 + delta
-        var = max(s2 / nf - delta * delta, zero)
-    r_i = one / np.sqrt(var + eps)
-    if st:
-        rstd[i] = r_i
-    return z, m1, delta, r_i
+        var = max(s2 / n_float - delta * delta, zero)
+    rstd_i = one / np.sqrt(var + eps)
+    if store_stats:
+        rstd[i] = rstd_i
+    return z, m1, delta, rstd_i
 
 
 @_jit(parallel=True)
-def forward_kernel(x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, nf, eps, rms, stream, st):
+def forward_kernel(
+    x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y,
+    mean, rstd, m, n, n_float, eps, rms, stream, store_stats,
+):  # fmt: skip
     """Every row's statistics (:func:`_row_statistics`) and output ``y`` (contiguous
     (M*N,)), rows spread over numba's threads. ``stream``: write float32 ``y`` with
     non-temporal stores (same bits, no cache pollution)."""
     for i in prange(m):
-        z, m1, delta, r_i = _row_statistics(
-            i, x, xs, r, rs, has_r, h, mean, rstd, n, nf, eps, rms, st
-        )
+        z, m1, delta, rstd_i = _row_statistics(
+            i, x, x_stride, residual, residual_stride, has_residual, residual_out,
+            mean, rstd, n, n_float, eps, rms, store_stats,
+        )  # fmt: skip
+        y_i = y[i * n : (i + 1) * n]
         if stream:
-            normalize_row_streaming(z, y[i * n : (i + 1) * n], m1, delta, r_i, w, b)
+            normalize_row_streaming(z, y_i, m1, delta, rstd_i, weight, bias)
         else:
-            normalize_row(z, y[i * n : (i + 1) * n], m1, delta, r_i, w, b)
+            normalize_row(z, y_i, m1, delta, rstd_i, weight, bias)
 
 
 @_jit()
-def forward_kernel_serial(x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, nf, eps, rms, st):
+def forward_kernel_serial(
+    x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y,
+    mean, rstd, m, n, n_float, eps, rms, store_stats,
+):  # fmt: skip
     """:func:`forward_kernel` in the calling thread (no parallel region to launch), without
     streaming stores (inputs this small stay in cache; nor does it compile them): the same
     row functions, so the same bits."""
     for i in range(m):
-        z, m1, delta, r_i = _row_statistics(
-            i, x, xs, r, rs, has_r, h, mean, rstd, n, nf, eps, rms, st
-        )
-        normalize_row(z, y[i * n : (i + 1) * n], m1, delta, r_i, w, b)
+        z, m1, delta, rstd_i = _row_statistics(
+            i, x, x_stride, residual, residual_stride, has_residual, residual_out,
+            mean, rstd, n, n_float, eps, rms, store_stats,
+        )  # fmt: skip
+        normalize_row(z, y[i * n : (i + 1) * n], m1, delta, rstd_i, weight, bias)
 
 
 @_jit()
-def _backward_block(blk, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms, stream):
-    """dx for the rows of block ``blk`` (rows ``blk*ROW_BLOCK`` to
-    ``(blk+1)*ROW_BLOCK - 1``; ``+ dro``: without a residual, dro is one row of ``-0.0``
-    with ``ds = 0``, and ``v + -0.0 == v`` bitwise) and the block's partial sums
-    ``pw[blk*N:(blk+1)*N] = sum(g * u)``, ``pb[...] = sum(g)``, in row order.
+def _backward_block(
+    block, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean,
+    rstd, dx, dweight_partial, dbias_partial, m, n, n_float, rms, stream,
+):  # fmt: skip
+    """dx for the rows of block ``block`` (rows ``block*ROW_BLOCK`` to
+    ``(block+1)*ROW_BLOCK - 1``; ``+ dresidual_out``: without a residual, one row of
+    ``-0.0`` with a stride of 0, and ``v + -0.0 == v`` bitwise) and the block's partial
+    sums ``dweight_partial[block*N:(block+1)*N] = sum(g * u)``,
+    ``dbias_partial[...] = sum(g)``, in row order.
 
     For RMSNorm the mean is 0 and ``c2`` is 0: ``(z - 0) * rstd`` and ``gh - 0`` are exact.
     ``stream`` (inputs far larger than the caches): each float32 dx row is computed into
     a cached scratch row, then written with non-temporal stores (no read-for-ownership of
-    dx; same bits), and the next row of dy and x is loaded meanwhile (``dx_row_touching``):
-    it then arrives from memory while this row's arithmetic runs instead of after it
-    (measured: the large backward 10-15% faster on rows of 4096 and more; ``llvm.prefetch``
-    hints did not do it, and the same loads in the forward's output pass made it slower:
-    benchmarks/RESULTS.md). Returns the sum of those loads, for the caller to store so
-    they stay (it means nothing).
+    dx; same bits), and the next row of dy and x is loaded meanwhile
+    (``dx_row_touching``): it then arrives from memory while this row's arithmetic runs
+    instead of after it. Returns the sum of those loads, for the caller to store so they
+    stay (it means nothing).
     """
-    zero = nf - nf
+    zero = n_float - n_float
     touched = zero
     scratch = np.empty(n if stream else 0, dx.dtype)
-    pw_blk = pw[blk * n : (blk + 1) * n]
-    pb_blk = pb[blk * n : (blk + 1) * n]
+    dweight_block = dweight_partial[block * n : (block + 1) * n]
+    dbias_block = dbias_partial[block * n : (block + 1) * n]
     for k in range(n):
-        pw_blk[k] = zero
-        pb_blk[k] = zero
-    for i in range(blk * ROW_BLOCK, min(m, (blk + 1) * ROW_BLOCK)):
-        mu = zero if rms else mean[i]
-        r_i = rstd[i]
-        dy_i = dy[i * gs : i * gs + n]
-        x_i = x[i * xs : i * xs + n]
-        s0, s1, s2 = row_sums_backward(dy_i, x_i, w, mu, zero)
-        delta = zero if rms else s0 / nf
-        c2 = zero if rms else s2 / nf
-        c1 = r_i * (s1 / nf - delta * c2)  # mean(gh * u), u = (d - delta) * rstd
-        dro_i = dro[i * ds : i * ds + n]
+        dweight_block[k] = zero
+        dbias_block[k] = zero
+    for i in range(block * ROW_BLOCK, min(m, (block + 1) * ROW_BLOCK)):
+        mean_i = zero if rms else mean[i]
+        rstd_i = rstd[i]
+        dy_i = dy[i * dy_stride : i * dy_stride + n]
+        x_i = x[i * x_stride : i * x_stride + n]
+        s0, s1, s2 = row_sums_backward(dy_i, x_i, weight, mean_i, zero)
+        delta = zero if rms else s0 / n_float
+        c2 = zero if rms else s2 / n_float
+        c1 = rstd_i * (s1 / n_float - delta * c2)  # mean(gh * u), u = (d - delta) * rstd
+        dresidual_out_i = dresidual_out[i * dresidual_out_stride : i * dresidual_out_stride + n]
         dx_i = dx[i * n : (i + 1) * n]
         if stream:  # into the scratch row, loading the next row meanwhile
             j = min(i + 1, m - 1)
             touched += dx_row_touching(
-                dy_i,
-                x_i,
-                dro_i,
-                scratch,
-                w,
-                pw_blk,
-                pb_blk,
-                dy[j * gs : j * gs + n],
-                x[j * xs : j * xs + n],
-                mu,
-                delta,
-                r_i,
-                c1,
-                c2,
-            )
+                dy_i, x_i, dresidual_out_i, scratch, weight, dweight_block, dbias_block,
+                dy[j * dy_stride : j * dy_stride + n], x[j * x_stride : j * x_stride + n],
+                mean_i, delta, rstd_i, c1, c2,
+            )  # fmt: skip
             copy_row_streaming(scratch, dx_i)
         else:
-            dx_row(dy_i, x_i, dro_i, dx_i, w, pw_blk, pb_blk, mu, delta, r_i, c1, c2)
+            dx_row(
+                dy_i, x_i, dresidual_out_i, dx_i, weight, dweight_block, dbias_block,
+                mean_i, delta, rstd_i, c1, c2,
+            )  # fmt: skip
     return touched
 
 
 @_jit(parallel=True)
 def backward_kernel(
-    dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, touched, m, n, nf, rms, stream
-):
+    dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd,
+    dx, dweight_partial, dbias_partial, touched, m, n, n_float, rms, stream,
+):  # fmt: skip
     """:func:`_backward_block` for every block of rows, blocks spread over the threads
     (``touched``: one throwaway value per block)."""
-    for blk in prange((m + ROW_BLOCK - 1) // ROW_BLOCK):
-        touched[blk] = _backward_block(
-            blk, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms, stream
-        )
+    for block in prange((m + ROW_BLOCK - 1) // ROW_BLOCK):
+        touched[block] = _backward_block(
+            block, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight,
+            mean, rstd, dx, dweight_partial, dbias_partial, m, n, n_float, rms, stream,
+        )  # fmt: skip
 
 
 @_jit()
 def backward_kernel_serial(
-    dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, touched, m, n, nf, rms, stream
-):
+    dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd,
+    dx, dweight_partial, dbias_partial, touched, m, n, n_float, rms, stream,
+):  # fmt: skip
     """:func:`backward_kernel` in the calling thread."""
-    for blk in range((m + ROW_BLOCK - 1) // ROW_BLOCK):
-        touched[blk] = _backward_block(
-            blk, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, pw, pb, m, n, nf, rms, stream
-        )
+    for block in range((m + ROW_BLOCK - 1) // ROW_BLOCK):
+        touched[block] = _backward_block(
+            block, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight,
+            mean, rstd, dx, dweight_partial, dbias_partial, m, n, n_float, rms, stream,
+        )  # fmt: skip
 
 
 @_jit()
@@ -373,24 +389,23 @@ def _add_into(total, part):
 
 
 @_jit()
-def column_sum_kernel(p, nblocks, n, out):
-    """``out[k] = sum over blocks of p[blk*N + k]``, in block order, in float64.
+def column_sum_kernel(partial, blocks, n, out):
+    """``out[k] = sum over blocks of partial[block*N + k]``, in block order, in float64.
 
     Serial on purpose: the partials are ``M / ROW_BLOCK`` rows of N, a few MB at most, and
-    a parallel region costs more to launch on a busy machine than this costs to run.
+    a parallel region costs more to launch than this costs to run.
     """
     total = np.zeros(n, np.float64)
-    for blk in range(nblocks):
-        _add_into(total, p[blk * n : (blk + 1) * n])
+    for block in range(blocks):
+        _add_into(total, partial[block * n : (block + 1) * n])
     for k in range(n):
         out[k] = total[k]
 
 
 # ---------------------------------------------------------------------------------------
-# Entry points. Python hands over tensors as addresses (``Tensor.data_ptr()``) and sizes:
-# numba's dispatcher types a dozen ints in well under a microsecond, where turning each
-# tensor into a NumPy array and typing it costs about one microsecond per tensor. ``xt``
-# and ``at`` are empty arrays whose dtypes say what the addresses hold: x's storage dtype
+# Entry points. Python hands over tensors as addresses (``Tensor.data_ptr()``) and sizes,
+# which numba's dispatcher types far faster than arrays. ``storage_tag`` and ``acc_tag``
+# are empty arrays whose dtypes say what the addresses hold: x's storage dtype
 # (int16/uint16 for float16/bfloat16 bits) and the accumulation dtype.
 
 
@@ -420,156 +435,205 @@ def _cast_impl(tag, value):
 
 
 @_jit()
-def _forward_views(xt, at, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, rms, st):
-    rows = (m - 1) * xs + n
+def _forward_views(
+    storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out,
+    weight, bias, y, mean, rstd, m, n, rms, store_stats,
+):  # fmt: skip
     return (
-        _view(x, rows, xt),
-        _view(r, (m - 1) * rs + n if has_r else 1, xt),
-        _view(h, m * n if has_r else 1, xt),
-        _view(w, n, at),
-        _view(b, n, at),
-        _view(y, m * n, xt),
-        _view(mean, 0 if rms or not st else m, at),
-        _view(rstd, m if st else 0, at),
+        _view(x, (m - 1) * x_stride + n, storage_tag),
+        _view(residual, (m - 1) * residual_stride + n if has_residual else 1, storage_tag),
+        _view(residual_out, m * n if has_residual else 1, storage_tag),
+        _view(weight, n, acc_tag),
+        _view(bias, n, acc_tag),
+        _view(y, m * n, storage_tag),
+        _view(mean, 0 if rms or not store_stats else m, acc_tag),
+        _view(rstd, m if store_stats else 0, acc_tag),
     )
 
 
 @_jit()
-def forward_serial(xt, at, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, eps, rms, stream, st):
-    """The forward on addresses, in the calling thread (for small inputs).
-
-    Rows ``i`` of x and r start at ``x + i * xs`` and ``r + i * rs`` elements; without a
-    residual, ``r`` and ``h`` may be any valid address (``has_r`` False). The outputs
-    ``h``, ``y`` are contiguous (M*N); ``mean`` (ignored for RMSNorm) and ``rstd`` (M,),
-    written only when ``st`` (any address otherwise). ``stream`` is ignored: inputs small
-    enough to run here are never streamed (see :func:`forward_kernel_serial`).
+def forward_serial(
+    storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out,
+    weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats,
+):  # fmt: skip
+    """The forward on addresses (the arguments of ``_kernel_abi.FORWARD``), in the
+    calling thread (for small inputs). Without a residual, ``residual`` and
+    ``residual_out`` may be any valid address (``has_residual`` False); ``mean`` and
+    ``rstd`` too when not ``store_stats``. ``stream`` is ignored: inputs small enough to
+    run here are never streamed (see :func:`forward_kernel_serial`).
     """
-    xa, ra, ha, wa, ba, ya, ma, sa = _forward_views(
-        xt, at, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, rms, st
-    )
-    nf, e = _cast(at, n), _cast(at, eps)
-    forward_kernel_serial(xa, xs, ra, rs, has_r, ha, wa, ba, ya, ma, sa, m, n, nf, e, rms, st)
+    views = _forward_views(
+        storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual,
+        residual_out, weight, bias, y, mean, rstd, m, n, rms, store_stats,
+    )  # fmt: skip
+    x_, residual_, residual_out_, weight_, bias_, y_, mean_, rstd_ = views
+    forward_kernel_serial(
+        x_, x_stride, residual_, residual_stride, has_residual, residual_out_, weight_,
+        bias_, y_, mean_, rstd_, m, n, _cast(acc_tag, n), _cast(acc_tag, eps), rms,
+        store_stats,
+    )  # fmt: skip
 
 
 @_jit()
 def forward_parallel(
-    xt, at, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, eps, rms, stream, st
-):
+    storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out,
+    weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats,
+):  # fmt: skip
     """:func:`forward_serial`, rows spread over numba's threads."""
-    xa, ra, ha, wa, ba, ya, ma, sa = _forward_views(
-        xt, at, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, rms, st
-    )
-    nf, e = _cast(at, n), _cast(at, eps)
-    forward_kernel(xa, xs, ra, rs, has_r, ha, wa, ba, ya, ma, sa, m, n, nf, e, rms, stream, st)
+    views = _forward_views(
+        storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual,
+        residual_out, weight, bias, y, mean, rstd, m, n, rms, store_stats,
+    )  # fmt: skip
+    x_, residual_, residual_out_, weight_, bias_, y_, mean_, rstd_ = views
+    forward_kernel(
+        x_, x_stride, residual_, residual_stride, has_residual, residual_out_, weight_,
+        bias_, y_, mean_, rstd_, m, n, _cast(acc_tag, n), _cast(acc_tag, eps), rms, stream,
+        store_stats,
+    )  # fmt: skip
 
 
 @_jit()
-def _backward_arrays(xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, m, n, rms):
+def _backward_arrays(
+    storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride,
+    weight, mean, rstd, dx, m, n, rms,
+):  # fmt: skip
     """The views over the addresses, the per-block partial sums and the per-block
     throwaway values (see :func:`backward_kernel`)."""
-    nblocks = (m + ROW_BLOCK - 1) // ROW_BLOCK
+    blocks = (m + ROW_BLOCK - 1) // ROW_BLOCK
     return (
-        _view(dy, (m - 1) * gs + n, xt),
-        _view(x, (m - 1) * xs + n, xt),
-        _view(dro, (m - 1) * ds + n, xt),
-        _view(w, n, at),
-        _view(mean, 0 if rms else m, at),
-        _view(rstd, m, at),
-        _view(dx, m * n, xt),
-        np.empty(nblocks * n, at.dtype),
-        np.empty(nblocks * n, at.dtype),
-        np.empty(nblocks, at.dtype),
+        _view(dy, (m - 1) * dy_stride + n, storage_tag),
+        _view(x, (m - 1) * x_stride + n, storage_tag),
+        _view(dresidual_out, (m - 1) * dresidual_out_stride + n, storage_tag),
+        _view(weight, n, acc_tag),
+        _view(mean, 0 if rms else m, acc_tag),
+        _view(rstd, m, acc_tag),
+        _view(dx, m * n, storage_tag),
+        np.empty(blocks * n, acc_tag.dtype),
+        np.empty(blocks * n, acc_tag.dtype),
+        np.empty(blocks, acc_tag.dtype),
     )
 
 
 @_jit()
-def _column_sums(at, pw, pb, dweight, dbias, n):
+def _column_sums(acc_tag, dweight_partial, dbias_partial, dweight, dbias, n):
     """dweight and dbias (addresses; 0 when not wanted) from the block partial sums."""
-    nblocks = pw.shape[0] // n
+    blocks = dweight_partial.shape[0] // n
     if dweight != 0:
-        column_sum_kernel(pw, nblocks, n, _view(dweight, n, at))
+        column_sum_kernel(dweight_partial, blocks, n, _view(dweight, n, acc_tag))
     if dbias != 0:
-        column_sum_kernel(pb, nblocks, n, _view(dbias, n, at))
+        column_sum_kernel(dbias_partial, blocks, n, _view(dbias, n, acc_tag))
 
 
 @_jit()
 def backward_serial(
-    xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, dweight, dbias, m, n, rms, stream
-):
-    """The backward on addresses, in the calling thread (for small inputs).
-
-    ``dro``: the residual gradient with row stride ``ds`` (or one row of ``-0.0`` with
-    ``ds = 0``); ``dweight``/``dbias``: (N,) outputs in the accumulation dtype, or 0 when
-    not wanted.
-    """
-    g, xa, r, wa, ma, sa, d, pw, pb, touched = _backward_arrays(
-        xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, m, n, rms
-    )
+    storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride,
+    weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream,
+):  # fmt: skip
+    """The backward on addresses (the arguments of ``_kernel_abi.BACKWARD``), in the
+    calling thread (for small inputs)."""
+    arrays = _backward_arrays(
+        storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out,
+        dresidual_out_stride, weight, mean, rstd, dx, m, n, rms,
+    )  # fmt: skip
+    dy_, x_, dresidual_out_, weight_, mean_, rstd_, dx_, dw_part, db_part, touched = arrays
     backward_kernel_serial(
-        g, gs, xa, xs, r, ds, wa, ma, sa, d, pw, pb, touched, m, n, _cast(at, n), rms, stream
-    )
-    _column_sums(at, pw, pb, dweight, dbias, n)
+        dy_, dy_stride, x_, x_stride, dresidual_out_, dresidual_out_stride, weight_, mean_,
+        rstd_, dx_, dw_part, db_part, touched, m, n, _cast(acc_tag, n), rms, stream,
+    )  # fmt: skip
+    _column_sums(acc_tag, dw_part, db_part, dweight, dbias, n)
 
 
 @_jit()
 def backward_parallel(
-    xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, dweight, dbias, m, n, rms, stream
-):
+    storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride,
+    weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream,
+):  # fmt: skip
     """:func:`backward_serial`, blocks of rows spread over numba's threads."""
-    g, xa, r, wa, ma, sa, d, pw, pb, touched = _backward_arrays(
-        xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, m, n, rms
-    )
-    nf = _cast(at, n)
-    backward_kernel(g, gs, xa, xs, r, ds, wa, ma, sa, d, pw, pb, touched, m, n, nf, rms, stream)
-    _column_sums(at, pw, pb, dweight, dbias, n)
+    arrays = _backward_arrays(
+        storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out,
+        dresidual_out_stride, weight, mean, rstd, dx, m, n, rms,
+    )  # fmt: skip
+    dy_, x_, dresidual_out_, weight_, mean_, rstd_, dx_, dw_part, db_part, touched = arrays
+    backward_kernel(
+        dy_, dy_stride, x_, x_stride, dresidual_out_, dresidual_out_stride, weight_, mean_,
+        rstd_, dx_, dw_part, db_part, touched, m, n, _cast(acc_tag, n), rms, stream,
+    )  # fmt: skip
+    _column_sums(acc_tag, dw_part, db_part, dweight, dbias, n)
 
 
 # ---------------------------------------------------------------------------------------
-# Entries: the four kernels for one dtype, on C types only (addresses, sizes, flags)
+# Entries: the four kernels for one dtype, on C types only (addresses, sizes, flags), as
+# _kernel_abi describes them
 
-_i64, _flag = types.int64, types.boolean
-#: (x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, eps, rms, stream, st)
-FORWARD_ENTRY = types.void(*[_i64] * 4, _flag, *[_i64] * 8, types.float64, *[_flag] * 3)
-#: (dy, gs, x, xs, dro, ds, w, mean, rstd, dx, dweight, dbias, m, n, rms, stream)
-BACKWARD_ENTRY = types.void(*[_i64] * 14, _flag, _flag)
+_NUMBA_TYPES = {"i64": types.int64, "f64": types.float64, "bool": types.boolean}
 
 
-def entry(name: str, xt: np.ndarray, at: np.ndarray):
+def entry_type(direction: str):
+    """The numba signature of the ``direction`` ("forward", "backward") entries, from
+    :mod:`layernorm.backends._kernel_abi`."""
+    return types.void(*(_NUMBA_TYPES[kind] for _, kind in _kernel_abi.KERNELS[direction]))
+
+
+def _check_parameters(function, direction: str, tags: int = 0) -> None:
+    """Raises unless ``function`` takes the ``direction`` entries' arguments, in order,
+    after ``tags`` leading arguments."""
+    parameters = tuple(inspect.signature(function).parameters)[tags:]
+    if parameters != _kernel_abi.names(direction):
+        raise TypeError(
+            f"{function.__qualname__} takes {parameters}, the {direction} entry "
+            f"{_kernel_abi.names(direction)} (layernorm.backends._kernel_abi)"
+        )
+
+
+def entry(name: str, storage_tag: np.ndarray, acc_tag: np.ndarray):
     """Kernel ``name`` (``forward_serial``, ``forward_parallel``, ``backward_serial`` or
-    ``backward_parallel``) for the storage and accumulation dtypes of the tags ``xt`` and
-    ``at``, compiled now (or loaded from the on-disk cache) for the arguments of that
-    kernel without its two tags: all of them C types, so the compiled function also has a
-    C address (:func:`address`) that compiled code calls directly. The tags become
-    constants of the compiled code (numba keys its cache on them too)."""
+    ``backward_parallel``) for the storage and accumulation dtypes of the tags, compiled
+    now (or loaded from the on-disk cache) for the arguments of that kernel without its
+    two tags: all of them C types (:mod:`layernorm.backends._kernel_abi`), so the compiled
+    function also has a C address (:func:`address`) that compiled code calls directly. The
+    tags become constants of the compiled code (numba keys its cache on them too)."""
+    # One function per kernel, each calling its kernel as a global: numba caches a
+    # function by its code and the closure's values (the two tags).
+    run: Callable[..., None]
     if name == "forward_serial":
 
-        def forward(x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, eps, rms, stream, st):
-            forward_serial(xt, at, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, eps, rms, stream, st)  # fmt: skip
+        def forward(x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats):  # fmt: skip
+            forward_serial(storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats)  # fmt: skip
+
+        run = forward
 
     elif name == "forward_parallel":
 
-        def forward(x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, eps, rms, stream, st):
-            forward_parallel(xt, at, x, xs, r, rs, has_r, h, w, b, y, mean, rstd, m, n, eps, rms, stream, st)  # fmt: skip
+        def forward(x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats):  # fmt: skip
+            forward_parallel(storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats)  # fmt: skip
+
+        run = forward
 
     elif name == "backward_serial":
 
-        def backward(dy, gs, x, xs, dro, ds, w, mean, rstd, dx, dweight, dbias, m, n, rms, stream):
-            backward_serial(xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, dweight, dbias, m, n, rms, stream)  # fmt: skip
+        def backward(dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream):  # fmt: skip
+            backward_serial(storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream)  # fmt: skip
+
+        run = backward
 
     elif name == "backward_parallel":
 
-        def backward(dy, gs, x, xs, dro, ds, w, mean, rstd, dx, dweight, dbias, m, n, rms, stream):
-            backward_parallel(xt, at, dy, gs, x, xs, dro, ds, w, mean, rstd, dx, dweight, dbias, m, n, rms, stream)  # fmt: skip
+        def backward(dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream):  # fmt: skip
+            backward_parallel(storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream)  # fmt: skip
+
+        run = backward
 
     else:
         raise ValueError(f"unknown kernel entry {name!r}")
-    function = forward if name.startswith("forward") else backward
+    direction = name.split("_")[0]
+    _check_parameters(run, direction)
+    _check_parameters(globals()[name].py_func, direction, tags=2)
     # One name per entry and dtype: :func:`address` finds the compiled function by its
     # symbol, which numba derives from this name and a per-process counter. Closures of
     # one name loaded from the on-disk cache can share a symbol, and the lookup would then
     # return another dtype's kernel.
-    function.__name__ = function.__qualname__ = f"{name}_{xt.dtype.name}_{at.dtype.name}"
-    return _jit(FORWARD_ENTRY if name.startswith("forward") else BACKWARD_ENTRY)(function)
+    run.__name__ = run.__qualname__ = f"{name}_{storage_tag.dtype.name}_{acc_tag.dtype.name}"
+    return _jit(entry_type(direction))(run)
 
 
 def address(compiled) -> int:

@@ -3,36 +3,37 @@
 The row sums (in one fixed summation order, below), the output pass, the residual add and
 the backward's dx pass are ``@intrinsic`` functions that emit their loops inline where
 they are called: no call per row, no array structs passed by value, and 64-byte vectors
-(16 float32 or 8 float64 lanes; LLVM's own vectorizer is held to 32 bytes on CPUs that
-prefer 256-bit vectors), then a scalar tail. The elementwise passes do the same operations
-in the same order in every lane, so their bits do not depend on the width (tested against
-NumPy). Measured against the LLVM-vectorized loops they replace (in-process A/B, 2
-threads, benchmarks/RESULTS.md): the float32 forward 7-25% and the backward up to 44%
-faster on rows of 64 to 1024, bfloat16 more; on rows of 4096 the forward 7-13% faster and
-the backward the same within the noise.
+(16 float32 or 8 float64 lanes), then a scalar tail. The elementwise passes do the same
+operations in the same order in every lane, so their bits do not depend on the width
+(tested against NumPy).
 
 Every sum over a row's N elements adds them in the same order, whatever the row's dtype,
-the function the sum is inlined into, LLVM's vectorizer or the CPU's vector width:
+the function the sum is inlined into, LLVM's vectorizer or the CPU's vector width. The
+row is cut into blocks of :data:`SUM_BLOCK` elements (the last one shorter, possibly
+empty); each block is summed in the accumulation dtype by steps 1-4, the block totals
+are added in float64 in block order (starting from 0), and that total is rounded once to
+the accumulation dtype. Within a block of B elements:
 
 1. ``UNROLL`` vector accumulators of ``L = lanes(dtype)`` lanes (16 for float32, 8 for
-   float64: 64 bytes each): in block ``b`` (``L * UNROLL`` elements), accumulator ``u``
-   lane ``l`` adds element ``b * L * UNROLL + u * L + l``;
-2. the whole vectors left after the last block go, in order, into accumulator 0;
+   float64: 64 bytes each), starting at 0: in step ``s`` (``L * UNROLL`` elements),
+   accumulator ``u`` lane ``l`` adds element ``s * L * UNROLL + u * L + l``;
+2. the whole vectors left after the last step go, in order, into accumulator 0;
 3. the accumulators are added pairwise (``a0 + a1``) and the lanes halved in a tree
    (lane ``l`` plus lane ``l + L / 2``, down to one);
-4. the last ``N % L`` elements are added one by one to a scalar, added last.
+4. the last ``B % L`` elements are added one by one to a scalar, added last.
 
-The adds carry no fast-math flags, so LLVM keeps exactly this order (it may still unroll
-or interleave, which changes no bits); functions that call these must not be compiled
-with ``fastmath`` either (numba's fast-math pass flags every instruction of a function,
-inlined intrinsics included). Before, the sums were loops with the ``reassoc`` flag whose
-vector order was whatever LLVM picked where they were compiled: code around the call
-(inlining, a neighbouring loop) changed it, and with it the last bits of the outputs.
-Here the order is part of the code: the same bits on every path (serial or parallel,
-streamed or not), in every build, and on any CPU (an accumulator is one AVX-512
-register; a machine with narrower vectors splits each into pieces, lane for lane).
-Against 8 float32 lanes the forward was 15-25% faster from 1024x768 to 512x4096 and the
-backward the same; 2 or 4 accumulators were even.
+Numerics: a float32 lane adds at most ``SUM_BLOCK / (L * UNROLL)`` (128) terms, and the
+float64 block totals lose nothing that matters, so the error of a row sum does not grow
+with N (rows of 16M elements are tested). A row of at most ``SUM_BLOCK`` elements is one
+block: its sum is the block's, bit for bit.
+
+Determinism: the adds carry no fast-math flags, so LLVM keeps exactly this order (it may
+still unroll or interleave, which changes no bits); functions that call these must not be
+compiled with ``fastmath`` either (numba's fast-math pass flags every instruction of a
+function, inlined intrinsics included). The order is part of the code: the same bits on
+every path (serial or parallel, streamed or not), in every build, and on any CPU (an
+accumulator is one AVX-512 register; a machine with narrower vectors splits each into
+pieces, lane for lane).
 
 Elements are loaded in their storage dtype and widened in registers to the accumulation
 dtype (given by the ``zero`` argument: float32, or float64 for float64 rows): float16
@@ -51,6 +52,9 @@ from numba.core.typing import signature
 from numba.extending import intrinsic
 
 UNROLL = 2  # accumulators (independent add chains, so the adds' latency overlaps)
+#: elements per block of a row sum: each block is summed in the accumulation dtype, the
+#: block totals in float64 (a multiple of every ``lanes * UNROLL``)
+SUM_BLOCK = 4096
 _ACCUMULATOR_BYTES = 64  # one accumulator: 16 float32 or 8 float64 lanes
 
 
@@ -184,7 +188,9 @@ def _reduce(
     """``count`` sums over the rows ``arrays`` (numba 1-D C arrays of one length N, the
     first one's): ``terms(builder, elements, scalars)`` gives each element's ``count``
     terms from the arrays' elements (widened) and ``scalars`` (splat to match), as
-    vectors of :func:`lanes` in the body and as scalars in the tail."""
+    vectors of :func:`lanes` in the body and as scalars in the tail. The order is the
+    module docstring's: blocks of :data:`SUM_BLOCK` elements, each summed by
+    :func:`_block_sums`, their totals added in float64 in block order."""
     rows = [Row(context, builder, t, v) for t, v in arrays]
     n = rows[0].length
     intp = n.type
@@ -192,34 +198,90 @@ def _reduce(
     width = lanes(acc)
     vector = ir.VectorType(acc, width)
     vector_scalars = [splat(builder, s, width) for s in scalars]
-
-    def load(index: ir.Value, lanes: int) -> list[ir.Value]:
-        return [row.load(index, lanes) for row in rows]
-
     zero_vector = ir.Constant(vector, [ir.Constant(acc, 0.0)] * width)
     sums = [
         [cgutils.alloca_once_value(builder, zero_vector) for _ in range(UNROLL)]
         for _ in range(count)
     ]
+    tails = [cgutils.alloca_once_value(builder, ir.Constant(acc, 0.0)) for _ in range(count)]
+    wide = ir.DoubleType()
+    totals = [cgutils.alloca_once_value(builder, ir.Constant(wide, 0.0)) for _ in range(count)]
+
+    def load(index: ir.Value, lanes: int) -> list[ir.Value]:
+        return [row.load(index, lanes) for row in rows]
+
+    def block(start: ir.Value, length: ir.Value) -> list[ir.Value]:
+        for k in range(count):
+            for u in range(UNROLL):
+                builder.store(zero_vector, sums[k][u])
+            builder.store(ir.Constant(acc, 0.0), tails[k])
+        return _block_sums(
+            builder, start, length, width, load, terms, vector_scalars, scalars, sums, tails
+        )
+
+    def add_to_totals(values: list[ir.Value]) -> None:
+        for k in range(count):
+            value = values[k] if isinstance(acc, ir.DoubleType) else builder.fpext(values[k], wide)
+            builder.store(builder.fadd(builder.load(totals[k]), value), totals[k])
+
+    full = builder.udiv(n, intp(SUM_BLOCK))
+    with cgutils.for_range(builder, full) as loop:  # whole blocks: constant trip counts
+        add_to_totals(block(builder.mul(loop.index, intp(SUM_BLOCK)), intp(SUM_BLOCK)))
+    last = builder.mul(full, intp(SUM_BLOCK))
+    last_sums = block(last, builder.sub(n, last))  # the last N % SUM_BLOCK elements
+    # One block (N < SUM_BLOCK): its sum as it is, which is what the float64 total would
+    # round back to, without the conversions' latency on the row's critical path.
+    results = [cgutils.alloca_once_value(builder, ir.Constant(acc, 0.0)) for _ in range(count)]
+    with builder.if_else(builder.icmp_unsigned("==", full, intp(0))) as (one, several):
+        with one:
+            for k in range(count):
+                builder.store(last_sums[k], results[k])
+        with several:
+            add_to_totals(last_sums)
+            for k in range(count):
+                total = builder.load(totals[k])
+                if not isinstance(acc, ir.DoubleType):
+                    total = builder.fptrunc(total, acc)
+                builder.store(total, results[k])
+    return [builder.load(r) for r in results]
+
+
+def _block_sums(
+    builder: ir.IRBuilder,
+    start: ir.Value,
+    length: ir.Value,
+    width: int,
+    load: Callable[[ir.Value, int], list[ir.Value]],
+    terms: Terms,
+    vector_scalars: list[ir.Value],
+    scalars: Sequence[ir.Value],
+    sums: list[list[ir.Value]],
+    tails: list[ir.Value],
+) -> list[ir.Value]:
+    """The sums of the terms of elements ``start`` to ``start + length - 1`` in the
+    accumulation dtype, steps 1-4 of the module docstring, into the zeroed accumulators
+    ``sums`` (``UNROLL`` vectors per sum) and ``tails`` (a scalar per sum)."""
+    intp = length.type
+    count = len(sums)
     block = width * UNROLL
-    blocks = builder.udiv(n, intp(block))
+    blocks = builder.udiv(length, intp(block))
     with cgutils.for_range(builder, blocks) as loop:
-        base = builder.mul(loop.index, intp(block))
+        base = builder.add(start, builder.mul(loop.index, intp(block)))
         for u in range(UNROLL):
             values = terms(builder, load(builder.add(base, intp(u * width)), width), vector_scalars)
             for k in range(count):
                 builder.store(builder.fadd(builder.load(sums[k][u]), values[k]), sums[k][u])
-    start = builder.mul(blocks, intp(block))
-    vectors = builder.udiv(builder.sub(n, start), intp(width))
+    done = builder.mul(blocks, intp(block))
+    vectors = builder.udiv(builder.sub(length, done), intp(width))
     with cgutils.for_range(builder, vectors) as loop:
-        index = builder.add(start, builder.mul(loop.index, intp(width)))
+        index = builder.add(start, builder.add(done, builder.mul(loop.index, intp(width))))
         values = terms(builder, load(index, width), vector_scalars)
         for k in range(count):
             builder.store(builder.fadd(builder.load(sums[k][0]), values[k]), sums[k][0])
-    tail_start = builder.add(start, builder.mul(vectors, intp(width)))
-    tails = [cgutils.alloca_once_value(builder, ir.Constant(acc, 0.0)) for _ in range(count)]
-    with cgutils.for_range(builder, builder.sub(n, tail_start)) as loop:
-        values = terms(builder, load(builder.add(tail_start, loop.index), 1), list(scalars))
+    tail_start = builder.add(done, builder.mul(vectors, intp(width)))
+    with cgutils.for_range(builder, builder.sub(length, tail_start)) as loop:
+        index = builder.add(start, builder.add(tail_start, loop.index))
+        values = terms(builder, load(index, 1), list(scalars))
         for k in range(count):
             builder.store(builder.fadd(builder.load(tails[k]), values[k]), tails[k])
     results = []
@@ -338,10 +400,11 @@ def _splat_all(builder: ir.IRBuilder, scalars: Sequence[ir.Value], lanes: int) -
 
 
 @intrinsic
-def normalize_row(typingctx, z, y, m1, delta, rstd, w, b):
-    """``y = ((z - m1) - delta) * rstd * w + b``: the row ``z`` (its dtype) normalized into
-    the row ``y`` (its dtype) with ``w``, ``b`` and the scalars in the accumulation dtype."""
-    sig = signature(types.void, z, y, m1, delta, rstd, w, b)
+def normalize_row(typingctx, z, y, m1, delta, rstd, weight, bias):
+    """``y = ((z - m1) - delta) * rstd * weight + bias``: the row ``z`` (its dtype)
+    normalized into the row ``y`` (its dtype) with ``weight``, ``bias`` and the scalars in
+    the accumulation dtype."""
+    sig = signature(types.void, z, y, m1, delta, rstd, weight, bias)
 
     def codegen(context, builder, sig, args):
         z, y, w, b = (Row(context, builder, sig.args[k], args[k]) for k in (0, 1, 5, 6))
@@ -358,18 +421,22 @@ def normalize_row(typingctx, z, y, m1, delta, rstd, w, b):
 
 
 @intrinsic
-def add_rows(typingctx, x, r, h):
-    """``h = x + r`` for three rows of one dtype (added in the accumulation dtype)."""
-    sig = signature(types.void, x, r, h)
+def add_rows(typingctx, x, residual, residual_out):
+    """``residual_out = x + residual`` for three rows of one dtype (added in the
+    accumulation dtype)."""
+    sig = signature(types.void, x, residual, residual_out)
 
     def codegen(context, builder, sig, args):
-        x, r, h = (Row(context, builder, t, v) for t, v in zip(sig.args, args, strict=True))
+        x, residual, out = (
+            Row(context, builder, t, v) for t, v in zip(sig.args, args, strict=True)
+        )
         acc = ir.DoubleType() if sig.args[0].dtype == types.float64 else ir.FloatType()
 
         def element(index: ir.Value, lanes: int) -> None:
-            h.store(builder.fadd(x.load(index, lanes), r.load(index, lanes)), index, lanes)
+            total = builder.fadd(x.load(index, lanes), residual.load(index, lanes))
+            out.store(total, index, lanes)
 
-        _elementwise(builder, h.length, lanes(acc), element)
+        _elementwise(builder, out.length, lanes(acc), element)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -382,18 +449,19 @@ def add_rows(typingctx, x, r, h):
 def _dx_pass(context, builder, sig, args, touching: bool) -> ir.Value:
     """One row's dx and its terms of the column partial sums, element by element::
 
-        u = ((x - mean) - delta) * rstd;  gh = dy * w
-        dx = rstd * ((gh - c2) - u * c1) + dro;  pw += dy * u;  pb += dy
+        u = ((x - mean) - delta) * rstd;  gh = dy * weight
+        dx = rstd * ((gh - c2) - u * c1) + dresidual_out
+        dweight_partial += dy * u;  dbias_partial += dy
 
     (the same operations in the same order in every lane: no reductions, so the bits do
     not depend on the vector width). ``touching``: the next row's ``dy`` and ``x`` (the
-    two arrays after ``pb``) are loaded too and summed, any which way, into the value
+    two arrays after ``dbias_partial``) are loaded too and summed, any which way, into the value
     returned, which the caller stores so the loads stay (see ``_backward_block``)."""
     arrays = len(args) - 5
     rows = [
         Row(context, builder, t, v) for t, v in zip(sig.args[:arrays], args[:arrays], strict=True)
     ]
-    dy, x, dro, dx, w, pw, pb = rows[:7]
+    dy, x, dresidual_out, dx, weight, dweight_partial, dbias_partial = rows[:7]
     scalars = args[arrays:]
     acc = scalars[0].type
     width = lanes(acc)
@@ -405,11 +473,12 @@ def _dx_pass(context, builder, sig, args, touching: bool) -> ir.Value:
         mean, delta, rstd, c1, c2 = _splat_all(builder, scalars, lanes)
         g = dy.load(index, lanes)
         u = builder.fmul(builder.fsub(builder.fsub(x.load(index, lanes), mean), delta), rstd)
-        gh = builder.fmul(g, w.load(index, lanes))
+        gh = builder.fmul(g, weight.load(index, lanes))
         dz = builder.fmul(rstd, builder.fsub(builder.fsub(gh, c2), builder.fmul(u, c1)))
-        dx.store(builder.fadd(dz, dro.load(index, lanes)), index, lanes)
-        pw.store(builder.fadd(pw.load(index, lanes), builder.fmul(g, u)), index, lanes)
-        pb.store(builder.fadd(pb.load(index, lanes), g), index, lanes)
+        dx.store(builder.fadd(dz, dresidual_out.load(index, lanes)), index, lanes)
+        partial = builder.fadd(dweight_partial.load(index, lanes), builder.fmul(g, u))
+        dweight_partial.store(partial, index, lanes)
+        dbias_partial.store(builder.fadd(dbias_partial.load(index, lanes), g), index, lanes)
         if touching and lanes > 1:
             dy_next, x_next = rows[7:]
             loaded = builder.fadd(dy_next.load(index, lanes), x_next.load(index, lanes))
@@ -420,11 +489,17 @@ def _dx_pass(context, builder, sig, args, touching: bool) -> ir.Value:
 
 
 @intrinsic
-def dx_row(typingctx, dy, x, dro, dx, w, pw, pb, mean, delta, rstd, c1, c2):
-    """Writes one row's ``dx`` and adds its terms to ``pw`` and ``pb`` (see
-    :func:`_dx_pass`); ``pw``, ``pb``, ``w`` and the scalars are in the accumulation
-    dtype, the rows in theirs."""
-    sig = signature(types.void, dy, x, dro, dx, w, pw, pb, mean, delta, rstd, c1, c2)
+def dx_row(
+    typingctx, dy, x, dresidual_out, dx, weight, dweight_partial, dbias_partial,
+    mean, delta, rstd, c1, c2,
+):  # fmt: skip
+    """Writes one row's ``dx`` and adds its terms to ``dweight_partial`` and
+    ``dbias_partial`` (see :func:`_dx_pass`); those two, ``weight`` and the scalars are in
+    the accumulation dtype, the rows in theirs."""
+    sig = signature(
+        types.void, dy, x, dresidual_out, dx, weight, dweight_partial, dbias_partial,
+        mean, delta, rstd, c1, c2,
+    )  # fmt: skip
 
     def codegen(context, builder, sig, args):
         _dx_pass(context, builder, sig, args, touching=False)
@@ -435,10 +510,14 @@ def dx_row(typingctx, dy, x, dro, dx, w, pw, pb, mean, delta, rstd, c1, c2):
 
 @intrinsic
 def dx_row_touching(
-    typingctx, dy, x, dro, dx, w, pw, pb, dy_next, x_next, mean, delta, rstd, c1, c2
-):
+    typingctx, dy, x, dresidual_out, dx, weight, dweight_partial, dbias_partial,
+    dy_next, x_next, mean, delta, rstd, c1, c2,
+):  # fmt: skip
     """:func:`dx_row`, also loading ``dy_next`` and ``x_next``: returns their sum."""
-    sig = signature(mean, dy, x, dro, dx, w, pw, pb, dy_next, x_next, mean, delta, rstd, c1, c2)
+    sig = signature(
+        mean, dy, x, dresidual_out, dx, weight, dweight_partial, dbias_partial,
+        dy_next, x_next, mean, delta, rstd, c1, c2,
+    )  # fmt: skip
 
     def codegen(context, builder, sig, args):
         return _dx_pass(context, builder, sig, args, touching=True)

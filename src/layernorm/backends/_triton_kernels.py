@@ -7,7 +7,7 @@ Layout: ``x``, ``residual``, ``dy``, ``dresidual_out`` are ``(M, N)`` with conti
 read through their row stride (no copy); outputs are contiguous. Every row index is cast to
 int64 before it is multiplied by a stride, so tensors past 2^31 elements address correctly.
 
-Numerics (SPEC §3): float32 arithmetic whatever the storage dtype; means and the reciprocal
+Numerics (docs/contract.md §3): float32 arithmetic whatever the storage dtype; means and the reciprocal
 square root use IEEE-rounded ``div_rn`` / ``sqrt_rn`` so the compiled and the interpreted
 kernels agree and a constant row gives a core of exactly 0. Layer norm uses the corrected
 two-pass ``m1 = mean(z)``, ``d = z - m1``, ``delta = mean(d)``, ``c = d - delta``.
@@ -24,7 +24,10 @@ Three forward paths, chosen by the host from N and the dtype only:
 The looped and wide paths keep per-chunk statistics of ``d = z - z[0]`` (shifting by the
 row's first element keeps the chunk means small, so float32 loses nothing, and makes a
 constant row exactly 0) and combine them in a fixed order with the parallel-variance
-formula ``M2 = Σ M2_c + Σ n_c (mean_c - mean)²`` (mean by the corrected two-pass).
+formula ``M2 = Σ M2_c + Σ n_c (mean_c - mean)²`` (mean by the corrected two-pass). Sums
+within a chunk are float32 trees (``tl.sum``); sums over a row's chunk partials, forward
+and backward, add in float64 (:func:`_total`), so the error does not grow with the number
+of chunks (rows of 16M elements are tested on a GPU).
 
 Backward: each program owns a fixed block of rows (and one chunk of columns on the wide
 path), loops over them in order and accumulates ``dweight``/``dbias`` in float32
@@ -74,6 +77,13 @@ def _cast(y, DTYPE: tl.constexpr):
 @triton.jit
 def _mean(total, count):
     return tl.div_rn(total, count)
+
+
+@triton.jit
+def _total(partials):
+    # The sum of a row's chunk partials, added in float64 and rounded once to float32
+    # (docs/contract.md §3): the error of a row sum does not grow with the chunk count.
+    return tl.sum(partials.to(tl.float64), 0).to(tl.float32)
 
 
 @triton.jit
@@ -172,11 +182,11 @@ def _combine(mean_c, m2_c, N, n_f, num_chunks, CHUNK: tl.constexpr, CHUNKS_P2: t
     index = tl.arange(0, CHUNKS_P2)
     valid = index < num_chunks
     count_c = tl.where(valid, tl.minimum(N - index * CHUNK, CHUNK), 0).to(tl.float32)
-    m1 = _mean(tl.sum(count_c * mean_c, 0), n_f)
+    m1 = _mean(_total(count_c * mean_c), n_f)
     e_c = tl.where(valid, mean_c - m1, 0.0)
-    delta = _mean(tl.sum(count_c * e_c, 0), n_f)
+    delta = _mean(_total(count_c * e_c), n_f)
     f_c = tl.where(valid, e_c - delta, 0.0)
-    var = _mean(tl.sum(m2_c, 0) + tl.sum(count_c * f_c * f_c, 0), n_f)
+    var = _mean(_total(m2_c) + _total(count_c * f_c * f_c), n_f)
     return m1 + delta, var
 
 
@@ -207,7 +217,7 @@ def forward_looped_kernel(
             part_a = tl.where(index == chunk, mean_c, part_a)
             part_b = tl.where(index == chunk, m2_c, part_b)
     if RMS:
-        rstd = _rstd(_mean(tl.sum(part_a, 0), n_f), eps)
+        rstd = _rstd(_mean(_total(part_a), n_f), eps)
     else:
         mean_d, var = _combine(part_a, part_b, N, n_f, num_chunks, CHUNK, CHUNKS_P2)
         rstd = _rstd(var, eps)
@@ -278,7 +288,7 @@ def forward_wide_kernel(
     valid = index < num_chunks
     slots = row * num_chunks + index
     if RMS:
-        rstd = _rstd(_mean(tl.sum(tl.load(PART_A + slots, mask=valid, other=0.0), 0), n_f), eps)
+        rstd = _rstd(_mean(_total(tl.load(PART_A + slots, mask=valid, other=0.0)), n_f), eps)
         u = z * rstd
     else:
         shift = tl.load(Z + row * stride_z).to(tl.float32)
@@ -336,7 +346,7 @@ def backward_kernel(
     of columns; grid (programs, num_chunks). FUSED: one chunk spans the row and c1, c2
     are reduced here; else they come from backward_partial_kernel. The saved mean is
     rounded to float32, so u is re-centered: with d = z − mean, u = (d − mean(d))·rstd
-    (SPEC's corrected two-pass), which keeps the gradient's error independent of the row
+    (the corrected two-pass of docs/contract.md §3), which keeps the gradient's error independent of the row
     offset. This program's Σ g·u and Σ g over its rows go to row ``program_id(0)`` of
     DW_PART / DB_PART."""
     pid = tl.program_id(0)
@@ -364,7 +374,7 @@ def backward_kernel(
             if FUSED:
                 c1 = _mean(tl.sum(gh * u, 0), n_f)
             else:
-                c1 = _mean(tl.sum(tl.load(PART_C1 + slots, mask=valid, other=0.0), 0), n_f)
+                c1 = _mean(_total(tl.load(PART_C1 + slots, mask=valid, other=0.0)), n_f)
             dx = rstd * (gh - u * c1)
         else:
             d = tl.where(mask, z - tl.load(MEAN + row), 0.0)
@@ -374,10 +384,10 @@ def backward_kernel(
                 c1 = _mean(tl.sum(gh * u, 0), n_f)
                 c2 = _mean(tl.sum(gh, 0), n_f)
             else:
-                delta = _mean(tl.sum(tl.load(PART_D + slots, mask=valid, other=0.0), 0), n_f)
+                delta = _mean(_total(tl.load(PART_D + slots, mask=valid, other=0.0)), n_f)
                 u = tl.where(mask, d - delta, 0.0) * rstd
-                c2 = _mean(tl.sum(tl.load(PART_C2 + slots, mask=valid, other=0.0), 0), n_f)
-                ghd = _mean(tl.sum(tl.load(PART_C1 + slots, mask=valid, other=0.0), 0), n_f)
+                c2 = _mean(_total(tl.load(PART_C2 + slots, mask=valid, other=0.0)), n_f)
+                ghd = _mean(_total(tl.load(PART_C1 + slots, mask=valid, other=0.0)), n_f)
                 c1 = rstd * (ghd - delta * c2)
             dx = rstd * (gh - c2 - u * c1)
         if HAS_DRES:

@@ -1,25 +1,26 @@
 """Numba backend: fused, multithreaded CPU kernels for layer norm and RMSNorm.
 
 It follows the kernel contract of :mod:`layernorm.backends.torch_` (same arguments, same
-dtypes, same SPEC §3 numerics) with one kernel per direction:
+dtypes, the numerics of docs/contract.md §3) with one kernel per direction:
 
 - forward: per row (``prange`` over rows), ``residual_out = x + residual`` written in the
   same pass, the corrected two-pass statistics and ``y``; the row is read once from memory,
   and a large float32 ``y`` is written with non-temporal stores (:data:`STREAM_BYTES`).
 - backward: per block of ``_numba_kernels.ROW_BLOCK`` (32) rows, ``dx``
-  (``+ dresidual_out``) for each row and float32 partial sums of ``g * u`` and ``g``; a
-  tiny serial loop adds the block partials in block order (float64) for dweight/dbias.
+  (``+ dresidual_out``) for each row and partial sums of ``g * u`` and ``g`` in the
+  accumulation dtype; a serial loop adds the block partials in block order (float64) for
+  dweight/dbias.
 
 Tensors reach the kernels as addresses (``data_ptr()``) and sizes, through per-dtype
-entries of C-typed arguments only (:func:`entry`), which numba's dispatcher types in about
-a microsecond and :mod:`layernorm.compiled` calls from C++ by their addresses
-(:func:`entry_address`); inputs under :data:`SERIAL_NUMEL` elements run in
-the calling thread (no parallel region to wake), larger ones over numba's threads. Both
+entries of C-typed arguments only (:func:`entry`; the arguments are described once, in
+:mod:`layernorm.backends._kernel_abi`), which :mod:`layernorm.compiled` also calls from C++
+by their addresses (:func:`entry_address`). Inputs under :data:`SERIAL_NUMEL` elements run
+in the calling thread (no parallel region to wake), larger ones over numba's threads. Both
 variants run the same compiled row function, so a row's bits do not depend on which ran.
 
-Outputs of 32 MiB or more come from :mod:`layernorm.backends._host_memory`, a cache of
-freed output blocks: a fresh large tensor is a fresh ``mmap`` whose pages Linux clears on
-first touch, which costs more than the normalization itself (``benchmarks/RESULTS.md``).
+Outputs of ``_host_memory.MIN_BYTES`` or more come from
+:mod:`layernorm.backends._host_memory`, a cache of freed output blocks: a fresh large
+tensor is a fresh ``mmap`` whose pages Linux clears on first touch.
 ``layernorm.empty_cache()`` releases the idle blocks; ``LAYERNORM_HOST_CACHE_MB`` caps them.
 
 float16 and bfloat16 are converted inside the kernels (no full-size float32 copies);
@@ -30,16 +31,13 @@ run, for a row alone or in any batch, and at any thread count (see
 Threads: numba's pool, so ``numba.set_num_threads(k)`` or ``NUMBA_NUM_THREADS`` apply.
 
 JIT cost: nothing is compiled until the first call; each dtype then compiles its forward
-or backward kernel once (a few seconds) and stores it in numba's on-disk cache, which later
-processes load in milliseconds. The cache lives in ``NUMBA_CACHE_DIR`` when that
-environment variable is set (set it before numba is imported), else in ``__pycache__``
-beside the kernels, else (read-only install) in numba's user-wide cache directory
-(``~/.cache/numba`` or the platform's equivalent); with no writable place at all the
-kernels still run, compiled in memory.
+or backward kernel once and stores it in numba's on-disk cache, which later processes
+load. The cache lives in ``NUMBA_CACHE_DIR`` when that environment variable is set (set it
+before numba is imported), else in ``__pycache__`` beside the kernels, else (read-only
+install) in numba's user-wide cache directory (``~/.cache/numba`` or the platform's
+equivalent); with no writable place at all the kernels still run, compiled in memory.
 
-Automatic choice: :func:`prefers` is True for every CPU input, whatever its size (measured
-against the portable torch backend, see ``benchmarks/RESULTS.md``: no crossover; numba
-was faster at every size from 64 elements up, forward and backward).
+Automatic choice: :func:`prefers` is True for every CPU input, whatever its size.
 """
 
 from __future__ import annotations
@@ -119,7 +117,7 @@ def entry_address(dtype: torch.dtype, name: str) -> int:
 
 
 #: inputs of fewer elements run in the calling thread: below this, waking numba's threads
-#: costs more than it saves (measured, benchmarks/RESULTS.md). Same bits either way.
+#: costs more than it saves. Same bits either way.
 SERIAL_NUMEL = 1 << 15
 
 
@@ -142,10 +140,10 @@ _TYPES = {
 }
 
 
-def _empty(like: torch.Tensor, nbytes: int) -> torch.Tensor:
+def _output(like: torch.Tensor, nbytes: int) -> torch.Tensor:
     """An uninitialized contiguous output shaped like ``like``, of ``nbytes``: from the
     host cache when large (see :mod:`layernorm.backends._host_memory`: a fresh large
-    tensor costs a page clear per page, more than the normalization itself), else
+    tensor costs a page clear per page), else
     ``torch.empty_like`` (contiguous for every input the kernels see: 2-D rows that are
     not dense, ``stride(0) > N``, give a contiguous result)."""
     if nbytes >= _host_memory.MIN_BYTES:
@@ -176,7 +174,7 @@ def _constant(n: int, dtype: torch.dtype, value: float) -> torch.Tensor:
     return t
 
 
-def _param(p: torch.Tensor | None, n: int, acc: torch.dtype, default: float) -> torch.Tensor:
+def _kernel_param(p: torch.Tensor | None, n: int, acc: torch.dtype, default: float) -> torch.Tensor:
     """``p`` (contiguous, as the contract promises) in the accumulation dtype, or the
     default row."""
     if p is None:
@@ -193,16 +191,15 @@ def forward(
     rms: bool,
     stats: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    # Every Python step here costs ~0.1 us, and a small call is a few us in all: the body
-    # is written flat on purpose.
+    # Written flat on purpose: every Python step counts in a small call.
     n = x.shape[-1]
     numel = x.numel()
     m = numel // n
     types = _TYPES[x.dtype]
     nbytes = numel * types.itemsize
-    y = _empty(x, nbytes)
-    w = _param(weight, n, types.acc_dtype, 1.0)
-    b = _param(bias, n, types.acc_dtype, -0.0)
+    y = _output(x, nbytes)
+    w = _kernel_param(weight, n, types.acc_dtype, 1.0)
+    b = _kernel_param(bias, n, types.acc_dtype, -0.0)
     x_address = x.data_ptr()
     if stats:
         mean = None if rms else torch.empty(m, dtype=types.acc_dtype)
@@ -212,35 +209,34 @@ def forward(
     else:  # the kernel writes no statistics: any valid address will do
         mean = rstd = None
         mean_address = rstd_address = x_address
-    if residual is None:
+    if residual is None:  # the kernel reads no residual: any valid address will do
         residual_out = None
-        r_address, rs, h_address = x_address, 0, x_address
+        residual_address, residual_stride, residual_out_address = x_address, 0, x_address
     else:
-        residual_out = _empty(x, nbytes)
-        r_address, rs, h_address = (
-            residual.data_ptr(),
-            _stride(residual, n),
-            residual_out.data_ptr(),
-        )
+        residual_out = _output(x, nbytes)
+        residual_address = residual.data_ptr()
+        residual_stride = _stride(residual, n)
+        residual_out_address = residual_out.data_ptr()
     run = entry(x.dtype, "forward_serial" if numel < SERIAL_NUMEL else "forward_parallel")
+    # the arguments of _kernel_abi.FORWARD, in its order
     run(
-        x_address,
-        _stride(x, n),
-        r_address,
-        rs,
-        residual is not None,
-        h_address,
-        w.data_ptr(),
-        b.data_ptr(),
-        y.data_ptr(),
-        mean_address,
-        rstd_address,
-        m,
-        n,
-        eps,
-        rms,
-        nbytes >= STREAM_BYTES,
-        stats,
+        x_address,  # x
+        _stride(x, n),  # x_stride
+        residual_address,  # residual
+        residual_stride,  # residual_stride
+        residual is not None,  # has_residual
+        residual_out_address,  # residual_out
+        w.data_ptr(),  # weight
+        b.data_ptr(),  # bias
+        y.data_ptr(),  # y
+        mean_address,  # mean
+        rstd_address,  # rstd
+        m,  # m
+        n,  # n
+        eps,  # eps
+        rms,  # rms
+        nbytes >= STREAM_BYTES,  # stream
+        stats,  # store_stats
     )
     return y, residual_out, mean, rstd
 
@@ -262,30 +258,32 @@ def backward(
     types = _TYPES[x.dtype]
     acc = types.acc_dtype
     nbytes = numel * types.itemsize
-    w = _param(weight, n, acc, 1.0)
-    stats_rstd = _param(rstd, m, acc, 0.0)
-    stats_mean = stats_rstd if mean is None else _param(mean, m, acc, 0.0)
-    dro = _constant(n, x.dtype, -0.0) if dresidual_out is None else dresidual_out
-    dx = _empty(x, nbytes)
+    w = _kernel_param(weight, n, acc, 1.0)
+    stats_rstd = _kernel_param(rstd, m, acc, 0.0)
+    stats_mean = stats_rstd if mean is None else _kernel_param(mean, m, acc, 0.0)
+    # no residual gradient: one row of -0.0 with a stride of 0 (v + -0.0 == v bitwise)
+    dres = _constant(n, x.dtype, -0.0) if dresidual_out is None else dresidual_out
+    dx = _output(x, nbytes)
     dweight = torch.empty(n, dtype=acc) if need_dweight else None
     dbias = torch.empty(n, dtype=acc) if need_dbias else None
     run = entry(x.dtype, "backward_serial" if numel < SERIAL_NUMEL else "backward_parallel")
+    # the arguments of _kernel_abi.BACKWARD, in its order
     run(
-        dy.data_ptr(),
-        _stride(dy, n),
-        x.data_ptr(),
-        _stride(x, n),
-        dro.data_ptr(),
-        0 if dresidual_out is None else _stride(dresidual_out, n),
-        w.data_ptr(),
-        stats_mean.data_ptr(),
-        stats_rstd.data_ptr(),
-        dx.data_ptr(),
-        0 if dweight is None else dweight.data_ptr(),
-        0 if dbias is None else dbias.data_ptr(),
-        m,
-        n,
-        rms,
-        nbytes >= STREAM_BYTES,
+        dy.data_ptr(),  # dy
+        _stride(dy, n),  # dy_stride
+        x.data_ptr(),  # x
+        _stride(x, n),  # x_stride
+        dres.data_ptr(),  # dresidual_out
+        0 if dresidual_out is None else _stride(dresidual_out, n),  # dresidual_out_stride
+        w.data_ptr(),  # weight
+        stats_mean.data_ptr(),  # mean
+        stats_rstd.data_ptr(),  # rstd
+        dx.data_ptr(),  # dx
+        0 if dweight is None else dweight.data_ptr(),  # dweight
+        0 if dbias is None else dbias.data_ptr(),  # dbias
+        m,  # m
+        n,  # n
+        rms,  # rms
+        nbytes >= STREAM_BYTES,  # stream
     )
     return dx, dweight, dbias

@@ -22,7 +22,7 @@ It defines the kernel contract every backend follows (see ``layernorm.backends``
   ``d = x − mean``, ``u = (d − mean(d)) · rstd``; otherwise the gradient's error would grow
   with the row's offset (7e−3 at offset 1e6 in float32) while the forward's does not.
 
-Statistics are the corrected two-pass of SPEC §3. Reductions go through :func:`row_sum`
+Statistics are the corrected two-pass of docs/contract.md §3. Reductions go through :func:`row_sum`
 and :func:`column_sum`, whose summation order depends only on N (and the row
 partition), never on M or the thread count: torch's own reductions split a long single
 row across threads, which would make a row's result depend on its batch.

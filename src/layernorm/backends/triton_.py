@@ -176,13 +176,13 @@ def _chunk_columns(n: int) -> int:
 
 
 @overload
-def _rows(t: torch.Tensor) -> torch.Tensor: ...
+def _unit_stride(t: torch.Tensor) -> torch.Tensor: ...
 @overload
-def _rows(t: None) -> None: ...
+def _unit_stride(t: None) -> None: ...
 @overload
-def _rows(t: torch.Tensor | None) -> torch.Tensor | None: ...
-def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
-    # The kernels index columns with unit stride.
+def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None: ...
+def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
+    # ``t`` with unit column stride (the kernels index columns so), or None.
     return None if t is None else contiguous_rows(t)
 
 
@@ -219,8 +219,11 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     kernels = _kernels()
     shape = x.shape
-    x, residual = _rows(matrix(x)), None if residual is None else _rows(matrix(residual))
-    weight, bias = _rows(weight), _rows(bias)
+    x, residual = (
+        _unit_stride(matrix(x)),
+        None if residual is None else _unit_stride(matrix(residual)),
+    )
+    weight, bias = _unit_stride(weight), _unit_stride(bias)
     with _quiet(kernels):
         y, residual_out, mean, rstd = _forward(kernels, x, residual, weight, bias, eps, rms)
     return y.view(shape), None if residual_out is None else residual_out.view(shape), mean, rstd
@@ -299,8 +302,8 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     kernels = _kernels()
     shape = x.shape
-    dy, x, weight = _rows(matrix(dy)), _rows(matrix(x)), _rows(weight)
-    dresidual_out = None if dresidual_out is None else _rows(matrix(dresidual_out))
+    dy, x, weight = _unit_stride(matrix(dy)), _unit_stride(matrix(x)), _unit_stride(weight)
+    dresidual_out = None if dresidual_out is None else _unit_stride(matrix(dresidual_out))
     with _quiet(kernels):
         dx, dweight, dbias = _backward(
             kernels, dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias

@@ -1,0 +1,81 @@
+"""The numba kernel entries' C signatures, written once.
+
+Each entry (``forward_serial``/``forward_parallel`` take :data:`FORWARD`,
+``backward_serial``/``backward_parallel`` take :data:`BACKWARD`) is a ``void`` C function
+of these positional arguments, in this order. Three places follow this description:
+``_numba_kernels.entry`` compiles the entries with the types given here (and checks the
+parameter names of the functions it compiles), ``numba_.forward``/``numba_.backward`` pass
+the arguments in this order (``tests/test_numba_backend.py`` checks it), and a compiled
+caller compares :func:`signature` with its own description at load time, so that a
+mismatch raises instead of calling the kernel with the wrong arguments.
+
+Types: ``i64`` (a 64-bit signed integer: a tensor's address from ``data_ptr()``, an
+element count or a row stride in elements; an address of 0 means "not wanted" where the
+argument says so), ``f64`` (a C double) and ``bool`` (a C ``bool``).
+
+This module imports nothing but the standard library: it can be read without numba.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BACKWARD", "CTYPES", "FORWARD", "KERNELS", "names", "signature"]
+
+#: the forward entry: rows ``i`` of x and residual start ``i * x_stride`` and
+#: ``i * residual_stride`` elements after their addresses; ``residual_out``, ``y`` are
+#: contiguous (m * n); ``mean`` (unused for RMSNorm) and ``rstd`` (m,) are written only
+#: when ``store_stats``; ``stream`` asks for non-temporal stores of a large float32 ``y``.
+FORWARD: tuple[tuple[str, str], ...] = (
+    ("x", "i64"),
+    ("x_stride", "i64"),
+    ("residual", "i64"),
+    ("residual_stride", "i64"),
+    ("has_residual", "bool"),
+    ("residual_out", "i64"),
+    ("weight", "i64"),
+    ("bias", "i64"),
+    ("y", "i64"),
+    ("mean", "i64"),
+    ("rstd", "i64"),
+    ("m", "i64"),
+    ("n", "i64"),
+    ("eps", "f64"),
+    ("rms", "bool"),
+    ("stream", "bool"),
+    ("store_stats", "bool"),
+)
+
+#: the backward entry: ``dresidual_out`` is one row of ``-0.0`` with a stride of 0 when
+#: there is no residual gradient; ``dweight`` and ``dbias`` are 0 when not wanted.
+BACKWARD: tuple[tuple[str, str], ...] = (
+    ("dy", "i64"),
+    ("dy_stride", "i64"),
+    ("x", "i64"),
+    ("x_stride", "i64"),
+    ("dresidual_out", "i64"),
+    ("dresidual_out_stride", "i64"),
+    ("weight", "i64"),
+    ("mean", "i64"),
+    ("rstd", "i64"),
+    ("dx", "i64"),
+    ("dweight", "i64"),
+    ("dbias", "i64"),
+    ("m", "i64"),
+    ("n", "i64"),
+    ("rms", "bool"),
+    ("stream", "bool"),
+)
+
+KERNELS = {"forward": FORWARD, "backward": BACKWARD}
+#: the C type of each type name
+CTYPES = {"i64": "int64_t", "f64": "double", "bool": "bool"}
+
+
+def names(direction: str) -> tuple[str, ...]:
+    """The argument names of the ``direction`` ("forward" or "backward") entries, in order."""
+    return tuple(name for name, _ in KERNELS[direction])
+
+
+def signature(direction: str) -> str:
+    """The compact form of the ``direction`` entries' arguments, for a caller to compare
+    with its own, e.g. ``"x:i64,x_stride:i64,...,store_stats:bool"``."""
+    return ",".join(f"{name}:{kind}" for name, kind in KERNELS[direction])
