@@ -406,3 +406,17 @@ def test_kernel_addresses_are_distinct_and_survive_forget(in_use):
         x, w = torch.randn(4, 64).to(dtype), torch.rand(64).to(dtype) + 0.5
         y, _ = in_use(x, None, 64, w, None, 1e-5, False, None)
         assert torch.equal(y, numba_.forward(x, None, w, None, 1e-5, False, False)[0])
+
+
+def test_a_kernel_signature_mismatch_raises(in_use):
+    """The extension compares the numba forward kernel's signature (_kernel_abi) with the
+    one it was built for, so a mismatch raises instead of calling with wrong arguments."""
+    from layernorm.backends import _kernel_abi
+
+    extension = compiled._extension
+    assert extension is not None
+    wrong = _kernel_abi.signature("forward").replace("x_stride", "stride")
+    with pytest.raises(RuntimeError, match="rebuild it"):
+        extension.set_up(torch.Tensor, torch.nn.Parameter, compiled._resolve, 1, 1, wrong)
+    compiled._use(extension)  # (set up again, as it was)
+    assert in_use(torch.randn(2, 8), None, 8, None, None, 1e-5, False, None) is not None

@@ -58,11 +58,6 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SOURCE = Path(__file__).with_name("_compiled.cpp")
 _FLAGS = ["-O2"]
 _ENV = "LAYERNORM_COMPILED"
-_FORWARD_SIGNATURE = (
-    "x:i64,x_stride:i64,residual:i64,residual_stride:i64,has_residual:bool,"
-    "residual_out:i64,weight:i64,bias:i64,y:i64,mean:i64,rstd:i64,m:i64,n:i64,eps:f64,"
-    "rms:bool,stream:bool,store_stats:bool"
-)
 
 _extension: ModuleType | None = None
 _reason: str | None = "not loaded yet: it is loaded on the first call"
@@ -242,7 +237,7 @@ def _load() -> ModuleType | None:
 def _use(module: ModuleType) -> None:
     global _extension, _reason, norm
     from . import backends
-    from .backends import numba_
+    from .backends import _kernel_abi, numba_
 
     # Inputs of numba_.STREAM_BYTES or more go through Python: the numba backend streams
     # their outputs or takes them from its host cache, and Python's cost is lost in the
@@ -253,7 +248,7 @@ def _use(module: ModuleType) -> None:
         _resolve,
         numba_.SERIAL_NUMEL,
         numba_.STREAM_BYTES,
-        _FORWARD_SIGNATURE,
+        _kernel_abi.signature("forward"),
     )
     if _extension is None:
         backends.on_forget(_forget)
