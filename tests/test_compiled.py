@@ -1,5 +1,6 @@
-"""The compiled dispatch (layernorm.compiled): the common call through C++, with the bits
-of the Python path, and every other call left to Python."""
+"""The compiled dispatch (layernorm.compiled): plain eager inference through C++, with the
+bits of the Python path, and every other call (gradients, every PyTorch mechanism, the
+uncommon calls) left to Python."""
 
 import shutil
 
@@ -103,15 +104,57 @@ def test_parameters_of_another_dtype_and_parameter_leaves(monkeypatch, in_use):
         assert torch.equal(p, q)
 
 
-def test_the_call_goes_through_the_extension(in_use):
-    x = torch.randn(2, 8, requires_grad=True)
+def test_inference_goes_through_the_extension_and_autograd_does_not(in_use):
+    x = torch.randn(2, 8)
     y, h = in_use(x, torch.randn(2, 8), 8, None, None, 1e-5, False, None)
-    assert y.grad_fn.name() == "layernorm::NormBackward" and h.grad_fn is y.grad_fn
-    assert layernorm.layer_norm(x, 8).grad_fn.name() == "layernorm::NormBackward"
-    assert layernorm.LayerNorm(8)(x).grad_fn.name() == "layernorm::NormBackward"
+    assert y.grad_fn is None and h.shape == (2, 8)
     with torch.no_grad():
-        y, h = in_use(x, None, (8,), None, None, 1e-5, True, None)
-    assert y.grad_fn is None and h is None
+        assert in_use(x.requires_grad_(), None, (8,), None, None, 1e-5, True, None) is not None
+    assert in_use(x, None, 8, None, None, 1e-5, False, None) is None  # x requires grad
+    w = torch.nn.Parameter(torch.randn(8))
+    assert in_use(torch.randn(2, 8), None, 8, w, None, 1e-5, False, None) is None
+    assert layernorm.LayerNorm(8)(x).grad_fn.name() == "NormBackward"
+
+
+def _declines(in_use, x, w=None):
+    return in_use(x, None, 8, w, None, 1e-5, False, None) is None
+
+
+def test_declines_every_mechanism(in_use):
+    """None under every mechanism that would see or change the call: the Python path
+    then takes it (tests/test_mechanisms.py checks what each mechanism gets)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.autograd import forward_ad
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Dispatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    x, w = torch.randn(2, 8), torch.randn(8)
+    assert not _declines(in_use, x, w)
+    with torch.inference_mode():
+        assert not _declines(in_use, torch.randn(2, 8))  # inference tensors are plain
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _declines(in_use, x)
+    with Dispatch():
+        assert _declines(in_use, x)
+    with TorchFunctionMode():
+        assert _declines(in_use, x)
+    with torch.device("cpu"):  # a function mode too
+        assert _declines(in_use, x)
+    with FakeTensorMode():
+        assert _declines(in_use, x)
+    with forward_ad.dual_level():
+        assert _declines(in_use, forward_ad.make_dual(x, torch.ones_like(x)))
+        assert _declines(in_use, x, forward_ad.make_dual(w, torch.ones_like(w)))
+    seen = []
+    torch.func.vmap(lambda t: seen.append(_declines(in_use, t)) or t)(x)
+    torch.func.vmap(lambda t: seen.append(_declines(in_use, x)) or t)(x)  # a closed-over x
+    torch.func.grad(lambda t: seen.append(_declines(in_use, t)) or t.sum())(x)
+    torch.jit.trace(lambda t: seen.append(_declines(in_use, t)) or t * 1, x, check_trace=False)
+    assert seen == [True, True, True, True]
 
 
 def test_every_other_call_is_left_to_python(monkeypatch, in_use):
@@ -209,7 +252,6 @@ def test_double_backward(monkeypatch, in_use, op):
 
     leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, residual, w, b)]
     given = tuple(t for t in leaves if t is not None)
-    assert f(*leaves)[0].grad_fn.name() == "layernorm::NormBackward"
     present = [t is not None for t in leaves]
     assert torch.autograd.gradgradcheck(lambda *t: f(*_fill(t, present)), given)
 

@@ -1,6 +1,6 @@
 """layernorm: exact, fast and inspectable layer normalization and RMSNorm.
 
-Public API (SPEC §2)::
+Public API (docs/contract.md §2)::
 
     layer_norm, rms_norm, add_layer_norm, add_rms_norm     functions on torch tensors
     LayerNorm, RMSNorm                                      drop-ins for torch's modules
@@ -8,16 +8,19 @@ Public API (SPEC §2)::
     empty_cache()                                           release cached CPU output memory
     patch(model), unpatch(model)                            put our modules into a model
     reference                                               the NumPy float64 math
+    NormalizedShapeError                                    shape mismatches (a RuntimeError
+                                                            and a ValueError)
 """
 
 from . import reference
 from .backends import available_backends
 from .backends._host_memory import empty_cache
 from .nn import LayerNorm, RMSNorm, patch, unpatch
-from .ops import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from .ops import NormalizedShapeError, add_layer_norm, add_rms_norm, layer_norm, rms_norm
 
 __all__ = [
     "LayerNorm",
+    "NormalizedShapeError",
     "RMSNorm",
     "add_layer_norm",
     "add_rms_norm",

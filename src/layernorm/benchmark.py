@@ -45,6 +45,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import _extras
+
 __all__ = [
     "ISSUE_SHAPES",
     "Result",
@@ -235,8 +237,6 @@ def run(
     Returns one :class:`Result` per provider and configuration (copy once per shape).
     A provider that fails (torch.compile where it cannot compile) gets ``error`` set.
     """
-    from tqdm import tqdm
-
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")
     torch_dtype = DTYPES[dtype]
@@ -244,7 +244,8 @@ def run(
     configs = [(op, d, s) for s in shapes for op in ops for d in directions]
     results: list[Result] = []
     copy_ms: dict[tuple[int, int], float] = {}
-    for op, direction, (m, n) in tqdm(configs, desc="bench", disable=not progress, leave=False):
+    bar = _extras.progress(configs, desc="bench", disable=not progress, leave=False)
+    for op, direction, (m, n) in bar:
         elements = m * n * itemsize
         fns: dict[str, Callable] = {}
         errors: dict[str, str] = {}
@@ -387,10 +388,9 @@ def format_table(results: Sequence[Result]) -> str:
 
 def plot(results: Sequence[Result], path: Path) -> Path:
     """Bar charts of GB/s per shape (one panel per op and direction), copy as a line."""
-    import matplotlib
-
+    matplotlib = _extras.require("matplotlib", "report", "layernorm's benchmark plot")
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _extras.require("matplotlib.pyplot", "report", "layernorm's benchmark plot")
 
     panels = sorted({(r.op, r.direction) for r in results if r.provider != "copy"})
     providers = sorted({r.provider for r in results if r.provider != "copy"})

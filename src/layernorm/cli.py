@@ -12,6 +12,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from ._extras import MissingExtra
+
 __all__ = ["main"]
 
 # Subcommands that live beside the library's own modules: module -> its add_parser.
@@ -113,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
         "build",
         help="build the compiled dispatch (once per machine; faster small calls)",
         description="Builds layernorm's compiled dispatch, a small C++ extension that runs "
-        "the common small call without Python in between (~40 s; needs a C++ compiler and "
-        "ninja), into LAYERNORM_CACHE_DIR (default ~/.cache/layernorm); every later process "
+        "the common small call without Python in between (needs a C++ compiler and "
+        "ninja: pip install 'layernorm[build]'), into LAYERNORM_CACHE_DIR (default ~/.cache/layernorm); every later process "
         "uses it.",
     )
     p.add_argument("--verbose", action="store_true", help="show the compiler's output")
@@ -127,4 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except MissingExtra as error:
+        print(f"layernorm {args.command}: error: {error}", file=sys.stderr)
+        return 1

@@ -1,23 +1,25 @@
-"""Compiled dispatch: the common small call without Python between the caller and the kernel.
+"""Compiled dispatch: plain eager inference without Python between the caller and the kernel.
 
-On small inputs a call's time is Python's, not the kernel's: each tensor attribute read
-from Python costs 0.2-0.35 us and a call needs about twenty, and ``autograd.Function``
-alone costs more than torch's whole ``layer_norm`` (``benchmarks/RESULTS.md``). So the
-four functions of :mod:`layernorm.ops` first offer each eager call to ``_compiled.cpp``, a
-small torch C++ extension: for the common call (the one ``ops._common_call`` accepts:
-plain contiguous CPU tensors of the four kernel dtypes, an int or 1-tuple
-``normalized_shape``, a float ``eps``, the automatic backend) whose automatic backend is
-numba, it checks the arguments, allocates the outputs and calls numba's compiled kernels
-through their C addresses (``numba_.entry_address``), with autograd as a C++ node. The
-kernels are the ones the Python path calls, so the bits are the same either way. Any
-other call (and inputs of ``numba_.STREAM_BYTES``, 16 MiB, or more, where Python's cost is
-lost in the kernel's) goes through Python as before.
+On small inputs a call's time is Python's, not the kernel's (each tensor attribute read
+from Python costs a fraction of a microsecond and a call needs about twenty;
+``benchmarks/RESULTS.md`` has the numbers). So the four functions of :mod:`layernorm.ops`
+first offer each eager call to ``_compiled.cpp``, a small torch C++ extension. It answers
+the common call (the one ``ops._common_call`` accepts: plain contiguous CPU tensors of the
+four kernel dtypes, an int or 1-tuple ``normalized_shape``, a float ``eps``, the
+automatic backend) when no gradient is needed, no PyTorch mechanism is active (functorch,
+dispatch and function modes, jit tracing, autocast, forward AD: ``docs/contract.md`` §6)
+and the automatic backend is numba: it checks the arguments, allocates the outputs and
+calls numba's compiled forward kernel through its C address (``numba_.entry_address``).
+The kernel is the one the Python path calls, so the bits are the same either way. Any
+other call (and inputs of ``numba_.STREAM_BYTES`` or more, where Python's cost is lost in
+the kernel's) gets None and goes through Python. Autograd is never C++'s.
 
 The extension is built once per machine and torch version by :func:`build` (``layernorm
-build``; ~40 s, needs a C++ compiler and ninja) into :func:`cache_dir`, and loaded from
-there by every later process on its first call. Until it is built (or where it cannot be
-built, or with ``LAYERNORM_COMPILED=0``, read once per process) everything runs through
-Python, only slower on small inputs; :func:`unavailable_reason` says why.
+build``; needs a C++ compiler and ninja, the ``build`` extra) into :func:`cache_dir`, and
+loaded from there by every later process on its first call; a build whose forward kernel
+signature differs from the numba kernels' refuses to load. Until it is built (or where it
+cannot be built, or with ``LAYERNORM_COMPILED=0``, read once per process) everything runs
+through Python, only slower on small inputs; :func:`unavailable_reason` says why.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from typing import Any
 
 import torch
 
+from ._extras import progress, require
+
 __all__ = [
     "DTYPES",
     "build",
@@ -54,6 +58,11 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SOURCE = Path(__file__).with_name("_compiled.cpp")
 _FLAGS = ["-O2"]
 _ENV = "LAYERNORM_COMPILED"
+_FORWARD_SIGNATURE = (
+    "x:i64,x_stride:i64,residual:i64,residual_stride:i64,has_residual:bool,"
+    "residual_out:i64,weight:i64,bias:i64,y:i64,mean:i64,rstd:i64,m:i64,n:i64,eps:f64,"
+    "rms:bool,stream:bool,store_stats:bool"
+)
 
 _extension: ModuleType | None = None
 _reason: str | None = "not loaded yet: it is loaded on the first call"
@@ -129,7 +138,7 @@ def ensure(progress: bool = False) -> str:
     if _extension is None and os.environ.get(_ENV) != "0" and not library_path().exists():
         try:
             build(progress=progress)
-        except RuntimeError as error:
+        except (RuntimeError, ImportError) as error:
             return f"not in use: {error}"
         line = status()
     return line
@@ -144,9 +153,11 @@ def build(verbose: bool = False, progress: bool = False) -> Path:
         progress: show a bar with the time spent (a build takes ~40 s). Default: ``False``.
 
     Raises:
+        MissingExtra: (an ImportError) without ninja: ``pip install 'layernorm[build]'``.
         RuntimeError: when it cannot be built here (no C++ compiler or ninja, a
             read-only cache directory), with the compiler's words.
     """
+    require("ninja", "build", "layernorm build")
     with _elapsed("building the compiled dispatch (~40 s)", progress):
         module = _compile(verbose)
     _use(module)
@@ -159,10 +170,8 @@ def _elapsed(description: str, show: bool) -> Iterator[None]:
     if not show:
         yield
         return
-    from tqdm.auto import tqdm
-
     done = threading.Event()
-    with tqdm(desc=description, unit="s", bar_format="{desc}: {elapsed}") as bar:
+    with progress(desc=description, unit="s", bar_format="{desc}: {elapsed}") as bar:
 
         def tick() -> None:
             while not done.wait(0.5):
@@ -234,18 +243,17 @@ def _use(module: ModuleType) -> None:
     global _extension, _reason, norm
     from . import backends
     from .backends import numba_
-    from .ops import _composite_backward
 
     # Inputs of numba_.STREAM_BYTES or more go through Python: the numba backend streams
-    # their outputs or takes them from its host cache, and Python's microseconds are lost
-    # in the kernel's milliseconds there.
+    # their outputs or takes them from its host cache, and Python's cost is lost in the
+    # kernel's there.
     module.set_up(
         torch.Tensor,
         torch.nn.Parameter,
         _resolve,
-        _composite_backward,
         numba_.SERIAL_NUMEL,
         numba_.STREAM_BYTES,
+        _FORWARD_SIGNATURE,
     )
     if _extension is None:
         backends.on_forget(_forget)

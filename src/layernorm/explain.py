@@ -1,4 +1,4 @@
-"""Layer normalization of one vector, step by step: every quantity of SPEC §1, exactly.
+"""Layer normalization of one vector, step by step: every quantity of docs/contract.md §1.
 
 Used by ``layernorm explain``. Numbers may be given as fractions (``1/3``) so the seeds'
 worked examples can be redone exactly; the arithmetic is float64 through

@@ -1,8 +1,8 @@
 """The math of layer normalization and RMSNorm in NumPy: the source of truth.
 
 Every fast backend is tested against these functions. They compute in float64
-unless told otherwise (``dtype=``), one function per formula of SPEC §1, with the
-same names everywhere: ``mean``, ``rstd``, ``u`` (the normalized core), ``gh``,
+unless told otherwise (``dtype=``), one function per formula of docs/contract.md §1,
+with the same names everywhere: ``mean``, ``rstd``, ``u`` (the normalized core), ``gh``,
 ``c1 = mean(gh * u)`` and ``c2 = mean(gh)``.
 
 For one row ``z`` of ``d`` elements::

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from . import __version__, reference
+from ._extras import progress, require
 from ._html import img_tag, table
 from .checks import backends_to_check, run_checks
 
@@ -32,12 +33,9 @@ pre { white-space: pre-wrap; overflow-wrap: anywhere; } table { display: block; 
 
 
 def _figure():
-    import matplotlib
-
+    matplotlib = require("matplotlib", "report", "layernorm report")
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return require("matplotlib.pyplot", "report", "layernorm report")
 
 
 def plot_h_eps(path: Path, eps_values: tuple[float, ...] = (0.01, 0.1, 1.0, 4.0)) -> Path:
@@ -202,8 +200,7 @@ def write_report(
         experiments: include the experiments section; results already in
             ``out/experiments/`` are reused, missing ones are run. Default: ``True``.
     """
-    from tqdm.auto import tqdm
-
+    _figure()  # fails now, naming the extra, rather than after the checks
     out.mkdir(parents=True, exist_ok=True)
     sections: list[tuple[str, Callable[[], str]]] = [
         ("compiled dispatch", _compiled_section),
@@ -230,7 +227,7 @@ def write_report(
             )
         )
     parts = []
-    with tqdm(sections, desc="report", unit="section") as bar:
+    with progress(sections, desc="report", unit="section") as bar:
         for name, make in bar:
             bar.set_postfix_str(name)
             parts.append(make())

@@ -2,8 +2,8 @@
 
 A fresh large CPU tensor is a fresh ``mmap``: Linux hands it over as zero pages and
 clears each one on its first write, so a kernel writing a new 128 MiB output pays for
-clearing 128 MiB before it writes a byte (measured here: the clearing alone took as long
-as the whole normalization). torch's own CPU allocator asks the system each time (glibc
+clearing 128 MiB before it writes a byte, which costs about as much as the normalization
+itself. torch's own CPU allocator asks the system each time (glibc
 returns blocks above 32 MiB to the system at once); its CUDA allocator caches, and this
 module does the same for the numba backend's outputs.
 
@@ -42,15 +42,14 @@ __all__ = ["MIN_BYTES", "cached_bytes", "empty", "empty_cache", "limit"]
 #: smaller requests go to ``torch.empty`` directly. torch's CPU allocator is glibc's
 #: ``malloc``, which keeps freed blocks below 32 MiB (its largest adaptive mmap threshold)
 #: in its heap once one such block has been freed, so those come back without page
-#: clearing, and without this cache's Python bookkeeping (~5 us a call). Measured with the
-#: numba forward, both ways interleaved in one process (benchmarks/RESULTS.md):
-#: ``torch.empty`` as fast or faster from 1 to 31 MiB, 3-4x slower at 32 MiB.
+#: clearing and without this cache's Python bookkeeping (benchmarks/RESULTS.md, "Host
+#: cache").
 MIN_BYTES = 32 << 20
 #: a request may take an idle block up to this many times its (rounded) size
 SLACK = 1.5
 _GRANULE = 2 << 20  # size classes: multiples of a huge page
 #: blocks start on a cache line, as torch's own allocations do (NumPy's large arrays start
-#: 16 bytes in: every other 32-byte vector store then straddles two lines, ~5% slower)
+#: 16 bytes in, so every other 32-byte vector store would straddle two lines)
 _ALIGNMENT = 64
 
 
@@ -160,7 +159,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     twin = _numpy_dtype(dtype)
     if twin is None:
         tensor = torch.frombuffer(array, dtype=dtype).view(shape)
-    else:  # NumPy's views cost ~1 us, a third of torch's ``.view(dtype).view(shape)``
+    else:  # a NumPy view is cheaper than torch's ``.view(dtype).view(shape)``
         array = array.view(twin).reshape(shape)
         tensor = torch.from_numpy(array)
     # ``array`` is the object the tensor's storage keeps alive (its base is ``block``: a

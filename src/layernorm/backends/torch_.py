@@ -32,8 +32,6 @@ backends do not.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 CHUNK = 4096  # a reduction of <= 32768 elements is never split by torch's CPU reducer
@@ -57,8 +55,17 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def matrix(t: torch.Tensor) -> torch.Tensor:
-    """A ``(*, N)`` argument as the (M, N) matrix of its rows (a view where it can)."""
-    return t if t.dim() == 2 else t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+    """A ``(*, N)`` argument as the (M, N) matrix of its rows (a view where it can; M is
+    left to ``reshape`` so that a traced graph keeps it symbolic)."""
+    if t.dim() == 2:
+        return t
+    n = t.shape[-1]
+    if n > 0:
+        return t.reshape(-1, n)
+    m = 1
+    for size in t.shape[:-1]:
+        m *= size
+    return t.reshape(m, n)
 
 
 def contiguous_rows(t: torch.Tensor) -> torch.Tensor:
@@ -67,14 +74,15 @@ def contiguous_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
-def row_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sums each row of ``t`` (M, N) in an order that depends only on N."""
-    m, n = t.shape
-    if n <= CHUNK:
+def row_sum(t: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """Sums each row of ``t`` (M, N) in an order that depends only on N. (``chunk`` is
+    a parameter because TorchScript reads no globals.)"""
+    n = t.shape[1]
+    if n <= chunk:
         return t.sum(1)
-    k = n // CHUNK
-    total = t[:, : k * CHUNK].reshape(m, k, CHUNK).sum(2).sum(1)
-    return total + t[:, k * CHUNK :].sum(1) if n % CHUNK else total
+    k = n // chunk
+    total = t[:, : k * chunk].reshape(-1, k, chunk).sum(2).sum(1)
+    return total + t[:, k * chunk :].sum(1) if n % chunk else total
 
 
 def column_sum(t: torch.Tensor) -> torch.Tensor:
@@ -94,15 +102,20 @@ def forward(
     eps: float,
     rms: bool,
     stats: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    # (written for TorchScript too: the scripted modules run it, docs/contract.md §6)
     acc = accumulation_dtype(x.dtype)
     shape = x.shape
-    x = matrix(x)
-    residual_out = None if residual is None else (x.to(acc) + matrix(residual).to(acc)).to(x.dtype)
-    z = (x if residual_out is None else residual_out).to(acc)
+    rows = matrix(x)
+    residual_out: torch.Tensor | None = None
+    z = rows.to(acc)
+    if residual is not None:
+        h = (z + matrix(residual).to(acc)).to(x.dtype)
+        residual_out = h.view(shape)
+        z = h.to(acc)
     n = z.shape[1]
+    mean: torch.Tensor | None = None
     if rms:
-        mean = None
         rstd = torch.rsqrt(row_sum(z * z) / n + eps)
         u = z * rstd[:, None]
     else:
@@ -113,10 +126,12 @@ def forward(
         c = d - delta[:, None]
         rstd = torch.rsqrt(row_sum(c * c) / n + eps)
         u = c * rstd[:, None]
-    y = u if weight is None else u * weight.to(acc)
-    y = y if bias is None else y + bias.to(acc)
-    y = y.to(x.dtype).contiguous().view(shape)
-    return y, None if residual_out is None else residual_out.view(shape), mean, rstd
+    y = u
+    if weight is not None:
+        y = y * weight.to(acc)
+    if bias is not None:
+        y = y + bias.to(acc)
+    return y.to(x.dtype).contiguous().view(shape), residual_out, mean, rstd
 
 
 def backward(

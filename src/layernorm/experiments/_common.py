@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from matplotlib.figure import Figure
-from tqdm.auto import tqdm
+
+from .._extras import progress, require
 
 __all__ = [
     "finish",
@@ -36,7 +36,12 @@ __all__ = [
 
 
 def settings(name: str, defaults: Mapping[str, Any], sizes: Mapping[str, Any]) -> dict[str, Any]:
-    """``defaults`` updated with ``sizes``; a key not in ``defaults`` is an error."""
+    """``defaults`` updated with ``sizes``; a key not in ``defaults`` is an error.
+
+    Every run calls it first, so it also checks that matplotlib is installed: a missing
+    ``layernorm[report]`` fails before the training, not after it.
+    """
+    require("matplotlib.figure", "report", "layernorm experiment")
     unknown = sorted(set(sizes) - set(defaults))
     if unknown:
         raise TypeError(
@@ -62,7 +67,7 @@ def one_thread() -> Iterator[None]:
     """Runs the block with one intra-op thread, then restores the caller's count.
 
     The experiments' tensors are tiny: more threads only add synchronisation, and on a
-    busy machine oversubscribed threads made the prenorm run seven times slower.
+    busy machine oversubscribed threads slow a run down several times.
     """
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -72,9 +77,10 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def progress_bar(total: int, name: str, enabled: bool) -> tqdm:
-    """A tqdm bar on stderr counting ``total`` units of work (silent unless ``enabled``)."""
-    return tqdm(
+def progress_bar(total: int, name: str, enabled: bool) -> Any:
+    """A tqdm bar on stderr counting ``total`` units of work (silent unless ``enabled``
+    and tqdm is installed)."""
+    return progress(
         total=total, desc=f"experiment {name}", unit="step", disable=not enabled, leave=False
     )
 
@@ -88,9 +94,14 @@ def moving_average(values: Sequence[float], window: int) -> np.ndarray:
     return (c[idx] - c[lo]) / (idx - lo)
 
 
-def new_figure(ncols: int = 1, width: float = 5.0, height: float = 3.8) -> tuple[Figure, list]:
-    """A matplotlib figure with ``ncols`` axes, drawn off-screen (no pyplot, no GUI backend)."""
-    fig = Figure(figsize=(width * ncols, height), layout="constrained")
+def new_figure(ncols: int = 1, width: float = 5.0, height: float = 3.8) -> tuple[Any, list]:
+    """A matplotlib figure with ``ncols`` axes, drawn off-screen (no pyplot, no GUI backend).
+
+    Raises:
+        ImportError: matplotlib is not installed (it comes with ``layernorm[report]``).
+    """
+    figure = require("matplotlib.figure", "report", "layernorm experiment")
+    fig = figure.Figure(figsize=(width * ncols, height), layout="constrained")
     axes = [fig.add_subplot(1, ncols, k + 1) for k in range(ncols)]
     return fig, axes
 
@@ -110,7 +121,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def finish(out: Path, name: str, fig: Figure, result: dict[str, Any], started: float) -> dict:
+def finish(out: Path, name: str, fig: Any, result: dict[str, Any], started: float) -> dict:
     """Saves ``fig`` to ``out/NAME.png`` and ``result`` to ``out/NAME.json``; returns ``result``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .._extras import require
 from ..nn.modules import LayerNorm
 from ._common import finish, new_figure, one_thread, progress_bar, seeded, settings
 
@@ -56,15 +57,8 @@ NORMS = ("layer", "batch")
 
 def load_digits_split(test_fraction: float, seed: int) -> tuple[torch.Tensor, ...]:
     """Digits as float32 tensors ``(x_train, y_train, x_test, y_test)``, pixels scaled to [0, 1]."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as error:
-        raise ImportError(
-            "the batchsize experiment needs scikit-learn for its bundled digits data: "
-            "pip install 'layernorm[experiments]'"
-        ) from error
-
-    digits = load_digits()
+    datasets = require("sklearn.datasets", "report", "the batchsize experiment (digits data)")
+    digits = datasets.load_digits()
     x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
     y = torch.tensor(digits.target, dtype=torch.long)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))

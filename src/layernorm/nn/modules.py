@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._op import scripted_norm
 from ..ops import layer_norm, rms_norm
 
 __all__ = ["LayerNorm", "RMSNorm"]
@@ -44,6 +45,14 @@ class LayerNorm(torch.nn.LayerNorm):
     backend: str | None = None
 
     def forward(self, input: Tensor) -> Tensor:
+        if torch.jit.is_scripting():
+            return scripted_norm(
+                input, self.normalized_shape, self.weight, self.bias, self.eps, False
+            )
+        return self._eager(input)
+
+    @torch.jit.unused
+    def _eager(self, input: Tensor) -> Tensor:
         return layer_norm(
             input, self.normalized_shape, self.weight, self.bias, self.eps, backend=self.backend
         )
@@ -76,4 +85,10 @@ class RMSNorm(torch.nn.RMSNorm):
     backend: str | None = None
 
     def forward(self, x: Tensor) -> Tensor:
+        if torch.jit.is_scripting():
+            return scripted_norm(x, self.normalized_shape, self.weight, None, self.eps, True)
+        return self._eager(x)
+
+    @torch.jit.unused
+    def _eager(self, x: Tensor) -> Tensor:
         return rms_norm(x, self.normalized_shape, self.weight, self.eps, backend=self.backend)

@@ -1,0 +1,491 @@
+"""The op: layer norm and RMSNorm on rows, defined once for every PyTorch mechanism.
+
+One forward (a backend's kernel), one backward formula, one analytic JVP, one vmap rule,
+one autocast policy, fake kernels and one decomposition into torch operations
+(``docs/contract.md`` §1 and §6). :mod:`layernorm.ops` validates a call and hands it to
+exactly one of the entry points below, by what the call meets:
+
+===============================  =========================================================
+the call meets                   entry point
+===============================  =========================================================
+jit tracing, torch.export, ONNX  :func:`decomposition` (torch operations, recorded as such)
+torch.compile, tensor subclasses :data:`forward_op`, a ``torch.library`` custom op with
+(DTensor, FakeTensor)            fake kernels, autograd and autocast registered on it
+a torch.func transform           :class:`TransformNorm` (setup_context, vmap rule, JVP)
+eager autograd or forward AD     :class:`Norm` (the same context, backward and JVP)
+eager inference                  :func:`forward` (the backend's kernel)
+===============================  =========================================================
+
+All of them compute the same thing; the kernel-calling ones the same bits. Inside the two
+autograd functions the kernel is called directly only when ``direct`` says the tensors are
+plain and no dispatch mode is active (:func:`direct_call`); otherwise they call the custom
+op, so that a mode sees ``layernorm::forward``. Statistics saved for the backward are
+``mean`` and ``rstd`` per row (the accumulation dtype), never ``u``; a second derivative
+goes through :func:`composite_backward`, the backward in differentiable torch operations.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import backends
+from .backends import torch_
+from .backends.torch_ import accumulation_dtype
+
+__all__ = [
+    "AUTOCAST_DTYPE",
+    "Norm",
+    "TransformNorm",
+    "autocast",
+    "backward_op",
+    "composite_backward",
+    "decomposition",
+    "direct_call",
+    "forward",
+    "forward_op",
+]
+
+Outputs = tuple[Tensor, Tensor | None, Tensor | None, Tensor]
+
+
+def _kernels(x: Tensor, backend: str):
+    # Zero-size work never reaches a compiled kernel.
+    return backends.get("torch") if x.numel() == 0 else backends.pick(x, backend or None)
+
+
+def forward(
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+    backend: str,
+    stats: bool = True,
+) -> Outputs:
+    """The backend's forward on kernel arguments (``docs/contract.md`` §5):
+    ``(y, residual_out, mean, rstd)``; ``backend`` "" is the automatic choice."""
+    return _kernels(x, backend).forward(x, residual, weight, bias, eps, rms, stats)
+
+
+def _backward_kernel(
+    dy: Tensor,
+    z: Tensor,
+    weight: Tensor | None,
+    mean: Tensor | None,
+    rstd: Tensor,
+    dresidual_out: Tensor | None,
+    rms: bool,
+    need_dweight: bool,
+    need_dbias: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    return _kernels(z, backend).backward(
+        dy, z, weight, None if rms else mean, rstd, dresidual_out, rms, need_dweight, need_dbias
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# The custom ops: what torch.compile and tensor subclasses see (opaque, with fake kernels).
+# Their schemas have no optional outputs, so absent ones are empty tensors.
+
+
+def _empty(like: Tensor) -> Tensor:
+    return like.new_empty(0)
+
+
+def _forward_impl(
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    y, residual_out, mean, rstd = forward(x, residual, weight, bias, eps, rms, backend)
+    return (
+        y,
+        _empty(x) if residual_out is None else residual_out,
+        _empty(rstd) if mean is None else mean,
+        rstd,
+    )
+
+
+def _backward_impl(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor | None,
+    mean: Tensor,
+    rstd: Tensor,
+    dresidual_out: Tensor | None,
+    rms: bool,
+    need_dweight: bool,
+    need_dbias: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    dx, dweight, dbias = _backward_kernel(
+        dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias, backend
+    )
+    return (
+        dx,
+        _empty(rstd) if dweight is None else dweight,
+        _empty(rstd) if dbias is None else dbias,
+    )
+
+
+forward_op = torch.library.custom_op("layernorm::forward", mutates_args=())(_forward_impl)
+backward_op = torch.library.custom_op("layernorm::backward", mutates_args=())(_backward_impl)
+
+
+@forward_op.register_fake
+def _(x, residual, weight, bias, eps, rms, backend):
+    m = x.numel() // x.shape[-1] if x.shape[-1] else x.shape[:-1].numel()
+    stat = accumulation_dtype(x.dtype)
+    return (
+        x.new_empty(x.shape),
+        x.new_empty(x.shape if residual is not None else (0,)),
+        x.new_empty((0,) if rms else (m,), dtype=stat),
+        x.new_empty((m,), dtype=stat),
+    )
+
+
+@backward_op.register_fake
+def _(dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias, backend):
+    n = x.shape[-1]
+    stat = accumulation_dtype(x.dtype)
+    return (
+        x.new_empty(x.shape),
+        x.new_empty((n,) if need_dweight else (0,), dtype=stat),
+        x.new_empty((n,) if need_dbias else (0,), dtype=stat),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Autocast: the one policy. torch runs layer_norm in float32 under CUDA autocast (its fp32
+# list) and leaves it alone under CPU autocast (output in the input's dtype); so do we.
+
+#: device type -> the dtype autocast casts the floating inputs to (absent: no cast)
+AUTOCAST_DTYPE: dict[str, torch.dtype] = {"cuda": torch.float32}
+
+for _device, _dtype in AUTOCAST_DTYPE.items():
+    torch.library.register_autocast(forward_op, _device, _dtype)
+
+
+def autocast(
+    x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """The arguments as :data:`AUTOCAST_DTYPE` casts them when autocast is enabled for
+    ``x``'s device type (the casts are recorded by autograd, as torch's autocast does)."""
+    dtype = AUTOCAST_DTYPE.get(x.device.type)
+    if dtype is None or not torch.is_autocast_enabled(x.device.type):
+        return x, residual, weight, bias
+
+    def cast(t: Tensor | None) -> Tensor | None:
+        return t if t is None or t.dtype == dtype else t.to(dtype)
+
+    return cast(x), cast(residual), cast(weight), cast(bias)  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------
+# Autograd: one context, one backward, one JVP.
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, residual, weight, bias, eps, rms, backend = inputs[:7]
+    _, residual_out, mean, rstd = output
+    z = x if residual is None else residual_out
+    ctx.save_for_backward(z, weight, mean, rstd)
+    ctx.has_residual = residual is not None
+    ctx.has_bias = bias is not None
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.eps, ctx.rms, ctx.backend = eps, rms, backend
+    ctx.direct = False  # the backward runs through layernorm::backward (Norm says otherwise)
+
+
+def _as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _kernel_rows(t: Tensor, n: int) -> Tensor:
+    """``t`` as kernels take it: itself when contiguous with rows of its last dim, else
+    (M, N) with contiguous rows (an incoming gradient may be expanded: strides (0, 0))."""
+    if t.is_contiguous() and t.shape[-1] == n:
+        return t
+    return torch_.contiguous_rows(torch_.matrix(t))
+
+
+def _backward(ctx, dy, dresidual_out, _dmean=None, _drstd=None):
+    z, weight, mean, rstd = ctx.saved_tensors
+    need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+    need_dweight = weight is not None and ctx.needs_input_grad[2]
+    need_dbias = ctx.has_bias and ctx.needs_input_grad[3]
+    if not ctx.has_residual or dresidual_out is None or dresidual_out.numel() == 0:
+        dresidual_out = None
+    n = z.shape[-1]
+    dy = _kernel_rows(dy, n)
+    dresidual_out = None if dresidual_out is None else _kernel_rows(dresidual_out, n)
+    if torch.is_grad_enabled():  # a graph of the backward is wanted: differentiable ops
+        dz, dweight, dbias = composite_backward(dy, z, weight, ctx.eps, ctx.rms, dresidual_out)
+    else:
+        run = _backward_impl if ctx.direct else backward_op
+        dz, dweight, dbias = run(
+            dy, z, weight, mean, rstd, dresidual_out, ctx.rms, need_dweight, need_dbias, ctx.backend
+        )
+    dweight = _as_dtype(dweight, weight.dtype) if need_dweight else None
+    dbias = _as_dtype(dbias, ctx.bias_dtype) if need_dbias else None
+    dresidual = None
+    if ctx.has_residual and ctx.needs_input_grad[1] and need_x:
+        # x and residual get the same gradient; never hand one tensor to two leaves.
+        dresidual = dz.clone() if ctx.needs_input_grad[0] else dz
+    dx = dz if ctx.needs_input_grad[0] else None
+    return dx, dresidual, dweight, dbias, None, None, None
+
+
+forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def composite_backward(
+    dy: Tensor,
+    z: Tensor,
+    weight: Tensor | None,
+    eps: float,
+    rms: bool,
+    dresidual_out: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of ``docs/contract.md`` §1 in differentiable torch operations
+    (statistics recomputed from ``z``): ``(dz, dweight, dbias)``."""
+    acc = accumulation_dtype(z.dtype)
+    zf, g = torch_.matrix(z).to(acc), torch_.matrix(dy).to(acc)
+    if rms:
+        rstd = torch.rsqrt((zf * zf).mean(1, keepdim=True) + eps)
+        u = zf * rstd
+    else:
+        c = zf - zf.mean(1, keepdim=True)
+        c = c - c.mean(1, keepdim=True)  # the corrected two-pass, as in the kernels
+        rstd = torch.rsqrt((c * c).mean(1, keepdim=True) + eps)
+        u = c * rstd
+    gh = g if weight is None else g * weight.to(acc)
+    c1 = (gh * u).mean(1, keepdim=True)
+    dz = rstd * (gh - u * c1) if rms else rstd * (gh - gh.mean(1, keepdim=True) - u * c1)
+    if dresidual_out is not None:
+        dz = dz + torch_.matrix(dresidual_out).to(acc)
+    return dz.to(z.dtype).view(z.shape), (g * u).sum(0), g.sum(0)
+
+
+def _jvp(ctx, x_t, residual_t, weight_t, bias_t, *_):
+    """Tangents of ``(y, residual_out)`` (``docs/contract.md`` §1; ``mean`` and ``rstd``
+    are not differentiable): with ``h`` the normalized input and ``h_t`` its tangent,
+    ``u_t = rstd * (h_t - mean(h_t) - u * mean(u * h_t))`` (no ``mean(h_t)`` for RMSNorm)
+    and ``y_t = u_t * weight + u * weight_t + bias_t``."""
+    z, weight, mean, rstd = ctx.saved_tensors
+    acc = accumulation_dtype(z.dtype)
+    h_t = x_t
+    if residual_t is not None:
+        h_t = residual_t if h_t is None else h_t + residual_t
+    rstd_col = rstd.unsqueeze(-1)
+    if ctx.rms:
+        u = z.to(acc) * rstd_col
+    else:
+        d = z.to(acc) - mean.unsqueeze(-1)
+        u = (d - d.mean(-1, keepdim=True)) * rstd_col  # re-centered, as the backward
+    y_t = torch.zeros_like(u)
+    if h_t is not None:
+        hf = h_t.to(acc)
+        c1 = (u * hf).mean(-1, keepdim=True)
+        if not ctx.rms:
+            hf = hf - hf.mean(-1, keepdim=True)
+        y_t = rstd_col * (hf - u * c1)
+    if weight is not None:
+        y_t = y_t * weight.to(acc)
+    if weight_t is not None:
+        y_t = y_t + u * weight_t.to(acc)
+    if bias_t is not None:
+        y_t = y_t + bias_t.to(acc)
+    residual_out_t = None
+    if ctx.has_residual:
+        residual_out_t = torch.zeros_like(z) if h_t is None else h_t.to(z.dtype)
+    return y_t.to(z.dtype), residual_out_t, None, None
+
+
+def direct_call(*tensors: Tensor | None) -> bool:
+    """Whether a kernel may be called on these tensors directly, as no mechanism would
+    see it: plain tensors (no subclass, no functorch wrapper), not meta, and no dispatch
+    or function mode active."""
+    for t in tensors:
+        if t is not None and (
+            type(t) not in _PLAIN or t.is_meta or torch._C._functorch.is_functorch_wrapped_tensor(t)
+        ):
+            return False
+    return not (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled())
+
+
+#: types a kernel may be handed directly (anything else dispatches through the custom op)
+_PLAIN = frozenset({Tensor, torch.nn.Parameter})
+
+
+def _forward_outputs(x, residual, weight, bias, eps, rms, backend, direct) -> Outputs:
+    if direct and direct_call(x, residual, weight, bias):
+        return forward(x, residual, weight, bias, eps, rms, backend)
+    y, residual_out, mean, rstd = forward_op(x, residual, weight, bias, eps, rms, backend)
+    return y, residual_out if residual is not None else None, None if rms else mean, rstd
+
+
+class Norm(torch.autograd.Function):
+    """Eager autograd and forward AD: outputs ``(y, residual_out, mean, rstd)`` (None for
+    an absent one); ``mean`` and ``rstd`` are not differentiable. ``direct``: the kernel
+    may be called without the custom op (:func:`direct_call` decides per call)."""
+
+    # forward(ctx, ...) rather than setup_context: the latter binds the signature with
+    # inspect on every call, which a small eager call cannot afford.
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, rms, backend, direct):
+        output = _forward_outputs(x, residual, weight, bias, eps, rms, backend, direct)
+        _save(ctx, (x, residual, weight, bias, eps, rms, backend), output)
+        ctx.direct = direct and direct_call(x, residual, weight, bias)
+        return output
+
+    @staticmethod
+    def backward(ctx, dy, dresidual_out, _dmean, _drstd):
+        return (*_backward(ctx, dy, dresidual_out), None)
+
+    @staticmethod
+    def jvp(ctx, x_t, residual_t, weight_t, bias_t, *_):
+        return _jvp(ctx, x_t, residual_t, weight_t, bias_t)
+
+
+def _save(ctx, inputs, output) -> None:
+    _setup_context(ctx, inputs, output)
+    x, residual, weight = inputs[:3]
+    ctx.save_for_forward(x if residual is None else output[1], weight, output[2], output[3])
+    ctx.mark_non_differentiable(*(t for t in output[2:] if t is not None))
+
+
+class TransformNorm(torch.autograd.Function):
+    """:class:`Norm` as torch.func needs it (``setup_context`` and a ``vmap`` rule)."""
+
+    @staticmethod
+    def forward(x, residual, weight, bias, eps, rms, backend, direct):
+        return _forward_outputs(x, residual, weight, bias, eps, rms, backend, direct)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _save(ctx, inputs[:7], output)
+        x, residual, weight, bias = inputs[:4]
+        ctx.direct = inputs[7] and direct_call(x, residual, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy, dresidual_out, _dmean, _drstd):
+        return (*_backward(ctx, dy, dresidual_out), None)
+
+    @staticmethod
+    def jvp(ctx, x_t, residual_t, weight_t, bias_t, *_):
+        return _jvp(ctx, x_t, residual_t, weight_t, bias_t)
+
+    @staticmethod
+    def vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct):
+        return _vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct)
+
+
+def _vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct):
+    """The vmap rule: the batch becomes more rows. Per-sample ``weight``/``bias`` (batched)
+    are applied to the core ``u`` in the accumulation dtype, outside the kernel."""
+    size = info.batch_size
+
+    def front(t: Tensor | None, dim: int | None) -> Tensor | None:
+        if t is None:
+            return None
+        if dim is None:
+            return t.expand(size, *t.shape)
+        return t.movedim(dim, 0)
+
+    x_dim, residual_dim, weight_dim, bias_dim = in_dims[:4]
+    xb = front(x, x_dim)
+    assert xb is not None
+    shape = xb.shape
+    n = shape[-1]
+    rows = xb.reshape(-1, n)
+    residual_rows = None
+    if residual is not None:
+        residual_rows = front(residual, residual_dim).reshape(-1, n)  # type: ignore[union-attr]
+    per_sample = weight_dim is not None or bias_dim is not None
+    y, residual_out, mean, rstd = TransformNorm.apply(
+        rows,
+        residual_rows,
+        None if per_sample else weight,
+        None if per_sample else bias,
+        eps,
+        rms,
+        backend,
+        direct,
+    )
+    y = y.view(shape)
+    if per_sample:
+        acc = accumulation_dtype(y.dtype)
+        broadcast = (size,) + (1,) * (len(shape) - 2) + (n,)
+        affine = y.to(acc)
+        if weight is not None:
+            affine = affine * front(weight, weight_dim).reshape(broadcast).to(acc)  # type: ignore[union-attr]
+        if bias is not None:
+            affine = affine + front(bias, bias_dim).reshape(broadcast).to(acc)  # type: ignore[union-attr]
+        y = affine.to(y.dtype)
+    stats_shape = shape[:-1]
+    outputs = (
+        y,
+        None if residual_out is None else residual_out.view(shape),
+        None if mean is None else mean.view(stats_shape),
+        rstd.view(stats_shape),
+    )
+    return outputs, tuple(None if t is None else 0 for t in outputs)
+
+
+# ---------------------------------------------------------------------------------------
+# The decomposition: the portable backend's torch operations, for whatever records them.
+
+
+def decomposition(
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """``(y, residual_out)`` in differentiable torch operations: the portable backend's
+    corrected two-pass (``docs/contract.md`` §3), which jit tracing and scripting,
+    torch.export and the ONNX exporters record op by op."""
+    y, residual_out, _, _ = torch_.forward(x, residual, weight, bias, eps, rms)
+    return y, residual_out
+
+
+def scripted_norm(
+    x: Tensor,
+    normalized_shape: list[int],
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float | None,
+    rms: bool,
+) -> Tensor:
+    """What a TorchScript-compiled :class:`layernorm.LayerNorm` / :class:`RMSNorm` runs
+    (``torch.jit.script``): the portable backend's corrected two-pass in torch operations,
+    over the trailing ``normalized_shape`` dims. Written in TorchScript's subset."""
+    k = len(normalized_shape)
+    if x.dim() < k or x.shape[x.dim() - k :] != normalized_shape:
+        raise RuntimeError(
+            "Given normalized_shape="
+            + str(normalized_shape)
+            + ", expected input with shape [*, "
+            + ", ".join([str(s) for s in normalized_shape])
+            + "], but got input of size"
+            + str(x.shape)
+        )
+    if eps is None:  # the machine epsilon of the arithmetic's dtype, as torch
+        eps = 2.220446049250313e-16 if x.dtype == torch.float64 else 1.1920928955078125e-07
+    rows = x.flatten(x.dim() - k) if k > 1 else x
+    if weight is not None:
+        weight = weight.reshape(-1)
+    if bias is not None:
+        bias = bias.reshape(-1)
+    y, _, _, _ = torch_.forward(rows, None, weight, bias, eps, rms)
+    return y.view(x.shape)
