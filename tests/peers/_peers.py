@@ -1,5 +1,5 @@
-"""What the peer suites under tests/peers/ share: the backends to run, the float64 oracle,
-and the marks for contract changes still pending (issue 14).
+"""What the peer suites under tests/peers/ share: the backends to run and the float64
+oracle.
 
 Each peer suite re-expresses another project's layer-norm / RMSNorm tests against our
 public API (``layernorm.layer_norm``, ``rms_norm``, ``add_layer_norm``, ``add_rms_norm``,
@@ -37,14 +37,6 @@ def parametrize_backends(func):
 def runs_on(backend: str | None, x: torch.Tensor) -> str:
     """The backend that actually runs ``x`` (the automatic choice resolved)."""
     return backends.choose(x, backend)
-
-
-#: issue 14 item 7: shape mismatches raise a class deriving from ValueError and RuntimeError
-PENDING_RUNTIME_ERROR = pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="pending: bad shapes raise ValueError, not yet a RuntimeError (issue 14 item 7)",
-)
 
 
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from _peers import (
     BACKENDS,
-    PENDING_RUNTIME_ERROR,
     assert_close_or_nearer,
     max_abs,
     parametrize_backends,
@@ -105,7 +104,6 @@ def test_layer_norm_general_bad_shapes_torch(normalized_shape, input_shape, matc
         torch.nn.LayerNorm(normalized_shape)(x)
 
 
-@PENDING_RUNTIME_ERROR
 @parametrize_backends
 @pytest.mark.parametrize(("normalized_shape", "input_shape", "match"), BAD_NORM_SHAPES)
 def test_layer_norm_general_bad_shapes(backend, normalized_shape, input_shape, match):
@@ -464,26 +462,16 @@ def test_error_inputs_torch(op, shape, normalized_shape, weight, bias, match):
         _error_call(F, op, shape, normalized_shape, weight, bias)
 
 
-@PENDING_RUNTIME_ERROR
 @parametrize_backends
 @pytest.mark.parametrize(
     ("op", "shape", "normalized_shape", "weight", "bias", "match"), ERROR_INPUTS
 )
 def test_error_inputs(backend, op, shape, normalized_shape, weight, bias, match):
     """OpInfo error inputs: the same exception type as torch (RuntimeError) and a message
-    matching torch's regex."""
-    with pytest.raises(RuntimeError, match=match):
+    matching torch's regex; the exception is a ValueError too (issue 14 item 7)."""
+    with pytest.raises(RuntimeError, match=match) as raised:
         _error_call(layernorm, op, shape, normalized_shape, weight, bias, backend=backend)
-
-
-@parametrize_backends
-@pytest.mark.parametrize(
-    ("op", "shape", "normalized_shape", "weight", "bias", "match"), ERROR_INPUTS
-)
-def test_error_inputs_message(backend, op, shape, normalized_shape, weight, bias, match):
-    """Until the exception class lands: the message already matches torch's regex."""
-    with pytest.raises((ValueError, RuntimeError), match=match):
-        _error_call(layernorm, op, shape, normalized_shape, weight, bias, backend=backend)
+    assert isinstance(raised.value, ValueError)
 
 
 assert BACKENDS[0] is None  # the automatic choice always runs
