@@ -56,12 +56,12 @@ def test_family_replaced_and_exact(model_type):
     assert ours <= 1.25 * theirs
 
 
-def _llama(**overrides):
+def _llama(layers=2, **overrides):
     config = transformers.LlamaConfig(
         vocab_size=96,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
@@ -187,7 +187,7 @@ def test_generate_with_kv_cache_matches():
 
 
 def test_torch_compile_traces_the_patched_norms():
-    model = _llama(num_hidden_layers=1)
+    model = _llama(layers=1)
     ids = torch.randint(0, 96, (2, 6))
     with torch.no_grad():
         want = model(ids).logits
