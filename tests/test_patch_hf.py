@@ -263,3 +263,18 @@ def test_patched_model_is_deep_copyable():
     clone = copy.deepcopy(model)
     assert _recognize.is_replaced(clone.model.norm)
     assert layernorm.unpatch(clone) == layernorm.unpatch(model)
+
+
+def test_model_bench_quick_runs_both_models(capsys, tmp_path):
+    from layernorm.cli import main
+
+    out = tmp_path / "model.txt"
+    argv = ["bench", "--model", "llama", "--quick", "--model-repeat", "1"]
+    assert main([*argv, "--model-dtypes", "float32", "--model-out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text == out.read_text()
+    rows = [line.split() for line in text.splitlines()[3:]]
+    assert [r[1] for r in rows] == ["forward", "forward+backward", "generate"]
+    assert all(float(r[-3]) > 0 and float(r[-2]) > 0 for r in rows)
+    assert main([*argv, "--model-repeat", "0"]) == 2
+    assert "--model-repeat must be >= 1" in capsys.readouterr().err

@@ -386,7 +386,7 @@ def recognize(module: torch.nn.Module) -> Recipe:
     if reason is not None:
         raise NotANorm(reason)
     prober = _Prober(module)
-    params = [module._parameters[n] for n in prober.names]
+    params: list[Tensor] = [module._parameters[n] for n in prober.names]  # type: ignore[misc]
     eps_list = _eps_candidates(module)
     found: Recipe | None = None
     last_error: str | None = None

@@ -187,16 +187,15 @@ def build_model(model_type: str, seed: int = 0) -> tuple[torch.nn.Module, str]:
 
 def make_inputs(model: torch.nn.Module, seed: int = 0) -> dict[str, torch.Tensor]:
     """Inputs for ``model``'s forward: token ids, pixels or audio, by its main input."""
-    config = model.config  # type: ignore[attr-defined]
+    config: Any = model.config
     generator = torch.Generator().manual_seed(seed)
     main = getattr(model, "main_input_name", "input_ids")
     if main == "input_ids":
         vocab = getattr(config, "vocab_size", None) or getattr(
             config.get_text_config(), "vocab_size", _VOCAB
         )
-        inputs = {
-            "input_ids": torch.randint(3, min(vocab, _VOCAB) - 1, (2, 12), generator=generator)
-        }
+        high = min(int(vocab), _VOCAB) - 1
+        inputs = {"input_ids": torch.randint(3, high, (2, 12), generator=generator)}
         if getattr(config, "is_encoder_decoder", False):
             inputs["decoder_input_ids"] = inputs["input_ids"][:, :6].clone()
         return inputs
