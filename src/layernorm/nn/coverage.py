@@ -194,7 +194,7 @@ def make_inputs(model: torch.nn.Module, seed: int = 0) -> dict[str, torch.Tensor
         vocab = getattr(config, "vocab_size", None) or getattr(
             config.get_text_config(), "vocab_size", _VOCAB
         )
-        high = min(int(vocab), _VOCAB) - 1
+        high = min(int(vocab or _VOCAB), _VOCAB) - 1
         inputs = {"input_ids": torch.randint(3, high, (2, 12), generator=generator)}
         if getattr(config, "is_encoder_decoder", False):
             inputs["decoder_input_ids"] = inputs["input_ids"][:, :6].clone()
