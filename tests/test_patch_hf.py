@@ -118,7 +118,16 @@ def test_summary_names_replacements_and_reasons():
         def forward(self, x):
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
 
+    class BufferNorm(torch.nn.Module):  # its gain is a buffer, which a recipe cannot follow
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("gain", torch.ones(8))
+
+        def forward(self, x):
+            return torch.nn.functional.rms_norm(x, (8,), self.gain, 1e-6)
+
     llama_norm = transformers.models.llama.modeling_llama.LlamaRMSNorm(8)
+    unused = transformers.models.falcon_mamba.modeling_falcon_mamba.FalconMambaWeightlessRMSNorm(8)
     model = torch.nn.ModuleDict(
         {
             "a": llama_norm,
@@ -127,20 +136,24 @@ def test_summary_names_replacements_and_reasons():
             "d": torch.nn.GroupNorm(2, 8),
             "e": BF16Norm(),
             "f": torch.nn.LayerNorm(8),
+            "g": BufferNorm(),
+            "h": unused,  # a buffer the forward never reads: proven unused
         }
     )
     result = layernorm.patch(model)
-    assert result == ["a", "f"]
+    assert result == ["a", "f", "h"]
     reasons = {name: reason for name, _, reason in result.skipped}
     assert reasons["b"] == "forward takes 2 required inputs, not one"
     assert reasons["c"] == "matches no layer norm or RMSNorm over the trailing dims"
     assert reasons["d"] == "normalizes over the batch or channel groups, not the trailing dims"
     assert "bfloat16 rounding matches no casting order" in reasons["e"]
+    assert reasons["g"] == "matches no layer norm or RMSNorm over the trailing dims"
     text = result.summary()
-    assert text.startswith("2 modules of 2 classes replaced, 4 skipped")
+    assert text.startswith("3 modules of 3 classes replaced, 5 skipped")
     assert "replaced 1 x LlamaRMSNorm: rms_norm(eps=1e-06, weight, cast-then-scale)" in text
     assert layernorm.patch(model) == []  # already patched
-    assert layernorm.unpatch(model) == ["a", "f"]
+    assert unused.__dict__["_layernorm_recipe"].shape is None  # any width, as its own forward
+    assert layernorm.unpatch(model) == ["a", "f", "h"]
 
 
 def test_unproven_dtypes_and_extra_arguments_run_the_module_own_forward():

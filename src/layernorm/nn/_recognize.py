@@ -214,7 +214,12 @@ class NotANorm(Exception):
 
 
 def _looks_like_norm(module: torch.nn.Module) -> bool:
-    """Whether a module that is not replaced deserves a line in the summary."""
+    """Whether a module that is not replaced deserves a line in the summary: a leaf module
+    named like a norm (not a weight parametrization such as weight norm), or torch's."""
+    if next(iter(module.children()), None) is not None:
+        return False
+    if type(module).__module__.startswith("torch.nn.utils.parametriz"):
+        return False
     return "norm" in type(module).__name__.lower() or isinstance(
         module, (torch.nn.LayerNorm, torch.nn.RMSNorm, *_OTHER_NORMS)
     )
@@ -226,8 +231,8 @@ def candidate_reason(module: torch.nn.Module) -> str | None:
         return "normalizes over the batch or channel groups, not the trailing dims"
     if next(iter(module.children()), None) is not None:
         return "has submodules"
-    if any(b is not None for b in module._buffers.values()):
-        return "has buffers"
+    if any(b is not None and not b.is_floating_point() for b in module._buffers.values()):
+        return "has non-floating-point buffers"
     params = [p for p in module._parameters.values() if p is not None]
     if len(params) > 2:
         return f"has {len(params)} parameters"
@@ -283,7 +288,11 @@ def _shape_candidates(module: torch.nn.Module, params: list[Tensor]):
         if isinstance(v, tuple | list) and v and all(type(s) is int and s > 0 for s in v):
             out.append(tuple(v))
             break
-    return [*out, None]
+    out.append(None)  # any width: proven on two
+    for b in module._buffers.values():  # then a buffer's shape, the likeliest row shape
+        if b is not None and 0 < b.dim() <= 2 and tuple(b.shape) not in out:
+            out.append(tuple(b.shape))
+    return out
 
 
 class _Prober:
@@ -327,7 +336,11 @@ class _Prober:
             n: torch.nn.Parameter(self.values[n].to(param_dtype or torch.float32), grad)
             for n in self.names
         }
-        probe._buffers = dict(self.module._buffers)
+        # buffers random too: a recipe that ignores them then proves they are unused
+        probe._buffers = {
+            n: None if b is None else self._random(b.shape, 0.5).to(param_dtype or torch.float32)
+            for n, b in self.module._buffers.items()
+        }
         probe.training = training
         with torch.enable_grad() if grad else torch.no_grad():
             out = self.forward(probe, x)
@@ -419,7 +432,12 @@ def recognize(module: torch.nn.Module) -> Recipe:
         if found is not None:
             break
     if found is None:
-        raise NotANorm(last_error or "matches no layer norm or RMSNorm over the trailing dims")
+        ran = any(probe is not None for probe in probes.values())
+        raise NotANorm(
+            "matches no layer norm or RMSNorm over the trailing dims"
+            if ran or last_error is None
+            else last_error
+        )
     _check_float32(prober, found)
     return _orders(prober, found)
 
