@@ -121,16 +121,18 @@ def test_root_module_shared_module_and_idempotence():
     assert isinstance(model["b"][0], layernorm.LayerNorm)
 
 
-def test_leaves_subclasses_and_native_modules_alone():
+def test_leaves_native_modules_alone_and_recognizes_subclasses():
     class CastingLayerNorm(torch.nn.LayerNorm):
         def forward(self, x):
             return super().forward(x.float()).to(x.dtype)
 
     native = layernorm.LayerNorm(4)
     model = torch.nn.Sequential(CastingLayerNorm(4), native, torch.nn.LayerNorm(4))
-    assert layernorm.patch(model) == ["2"]
+    # the subclass's own forward is proven equivalent first (tests/test_patch_hf.py)
+    assert layernorm.patch(model) == ["0", "2"]
+    assert isinstance(model[0], CastingLayerNorm) and type(model[0]) is not CastingLayerNorm
+    assert layernorm.unpatch(model) == ["0", "2"]
     assert type(model[0]) is CastingLayerNorm
-    assert layernorm.unpatch(model) == ["2"]
     assert type(model[1]) is layernorm.LayerNorm  # built as ours: unpatch keeps it
 
 

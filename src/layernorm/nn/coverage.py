@@ -1,0 +1,487 @@
+"""What :func:`layernorm.patch` does to the installed transformers' models: build, patch, compare.
+
+``python -m layernorm.nn.coverage [--out docs/hf_coverage.md] [--only llama,t5] [--limit N]``
+builds every model of the installed ``transformers`` that has a causal-LM, seq2seq-LM,
+masked-LM, image-classification, CTC or audio-classification head, from its default config
+shrunk to a tiny size (:func:`tiny_config`; no download, no ``from_pretrained``), patches it,
+and checks it against an unpatched copy (:func:`check_model`):
+
+- float32: logits within ``1e-5`` relative (to the largest logit), gradients of every parameter
+  within ``1e-4`` relative (to the largest gradient of that parameter), three SGD steps whose
+  losses agree within ``1e-5`` relative;
+- bfloat16: the share of logits bitwise equal to the unpatched model's, and both models'
+  largest error against the float64 model (relative to its largest logit).
+
+The table it writes says, per family: the norm classes, the modules replaced and skipped, the
+reason of each skip, and the checks. A family that fails to build, or whose forward needs
+inputs this module does not make (multimodal prompts, say), is listed with the error; its
+norms are still counted from the built model when it builds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .patch import patch
+
+__all__ = ["Family", "build_model", "check_model", "main", "survey", "tiny_config"]
+
+#: config attribute -> tiny value (set only where the config has the attribute)
+_TINY: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 128,
+    "d_model": 64,
+    "d_ff": 128,
+    "d_kv": 16,
+    "num_layers": 2,
+    "num_decoder_layers": 2,
+    "num_heads": 4,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_inner": 128,
+    "n_positions": 128,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "image_size": 32,
+    "patch_size": 8,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "embed_dim": 64,
+}
+_VOCAB = 512
+_TASKS = (
+    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "MODEL_FOR_CTC_MAPPING_NAMES",
+    "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
+)
+_MAX_PARAMETERS = 30_000_000
+
+
+def _shrink(config: Any, depth: int = 0) -> None:
+    for name, value in _TINY.items():
+        current = getattr(config, name, None)
+        if isinstance(current, int) and not isinstance(current, bool) and current > value:
+            with contextlib.suppress(Exception):
+                setattr(config, name, value)
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and vocab > _VOCAB:
+        with contextlib.suppress(Exception):
+            config.vocab_size = _VOCAB
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+            token = getattr(config, name, None)
+            if isinstance(token, int) and token >= _VOCAB:
+                with contextlib.suppress(Exception):
+                    setattr(config, name, _VOCAB - 1)
+    conv = getattr(config, "conv_dim", None)
+    if isinstance(conv, list | tuple) and conv and max(conv) > 32:
+        with contextlib.suppress(Exception):
+            config.conv_dim = type(conv)(32 for _ in conv)
+    for name in ("layer_types", "mlp_layer_types"):
+        types = getattr(config, name, None)
+        if isinstance(types, list) and len(types) > 2:
+            with contextlib.suppress(Exception):
+                setattr(config, name, types[:2])
+    for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout"):
+        if isinstance(getattr(config, name, None), float):
+            with contextlib.suppress(Exception):
+                setattr(config, name, 0.0)
+    if depth < 3:
+        for value in list(vars(config).values()):
+            if hasattr(value, "to_dict") and hasattr(value, "model_type"):
+                _shrink(value, depth + 1)
+
+
+def tiny_config(model_type: str) -> Any:
+    """The default config of ``model_type``, shrunk (hidden 64, 2 layers, 4 heads, ...)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    _shrink(config)
+    with contextlib.suppress(Exception):
+        config._attn_implementation = "eager"
+    return config
+
+
+def _model_class(model_type: str) -> tuple[str, type] | None:
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    for task in _TASKS:
+        name = getattr(modeling_auto, task).get(model_type)
+        if isinstance(name, tuple | list):
+            name = name[0]
+        if name and hasattr(transformers, name):
+            return task.removeprefix("MODEL_FOR_").removesuffix("_MAPPING_NAMES").lower(), getattr(
+                transformers, name
+            )
+    return None
+
+
+def model_types() -> list[str]:
+    """Every model type with a head this module builds, sorted."""
+    from transformers.models.auto import modeling_auto
+
+    types: set[str] = set()
+    for task in _TASKS:
+        types.update(getattr(modeling_auto, task))
+    return sorted(types)
+
+
+def build_model(model_type: str, seed: int = 0) -> tuple[torch.nn.Module, str]:
+    """A tiny float32 model of ``model_type`` in eval mode, and its task."""
+    found = _model_class(model_type)
+    if found is None:
+        raise LookupError(f"no supported head for {model_type}")
+    task, cls = found
+    config = tiny_config(model_type)
+    with torch.device("meta"):
+        meta = cls(config)
+    count = sum(p.numel() for p in meta.parameters())
+    if count > _MAX_PARAMETERS:
+        raise MemoryError(f"{count / 1e6:.0f}M parameters after shrinking")
+    torch.manual_seed(seed)
+    model = cls(config).float().eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # gains of ones and zeros would hide a wrong offset or bias
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if p is not None and p.dim() == 1 and "norm" in type(module).__name__.lower():
+                    p.copy_(torch.rand(p.shape, generator=generator) * 0.5 + 0.75)
+                    if "bias" in name:
+                        p.sub_(1.0)
+    return model, task
+
+
+def make_inputs(model: torch.nn.Module, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Inputs for ``model``'s forward: token ids, pixels or audio, by its main input."""
+    config: Any = model.config
+    generator = torch.Generator().manual_seed(seed)
+    main = getattr(model, "main_input_name", "input_ids")
+    if main == "input_ids":
+        vocab = getattr(config, "vocab_size", None) or getattr(
+            config.get_text_config(), "vocab_size", _VOCAB
+        )
+        high = min(int(vocab or _VOCAB), _VOCAB) - 1
+        inputs = {"input_ids": torch.randint(3, high, (2, 12), generator=generator)}
+        if getattr(config, "is_encoder_decoder", False):
+            inputs["decoder_input_ids"] = inputs["input_ids"][:, :6].clone()
+        return inputs
+    if main == "pixel_values":
+        vision = getattr(config, "vision_config", None) or config
+        channels = getattr(vision, "num_channels", 3)
+        size = getattr(vision, "image_size", 32)
+        size = size if isinstance(size, int) else size[0]
+        return {"pixel_values": torch.randn(2, channels, size, size, generator=generator)}
+    if main == "input_values":
+        return {"input_values": torch.randn(2, 1600, generator=generator)}
+    if main == "input_features":
+        bins = getattr(config, "num_mel_bins", 80)
+        frames = 2 * getattr(config, "max_source_positions", 32)
+        return {"input_features": torch.randn(2, bins, frames, generator=generator)}
+    raise LookupError(f"no inputs for main input {main!r}")
+
+
+def _logits(output: Any) -> torch.Tensor:
+    for name in ("logits", "prediction_logits", "last_hidden_state"):
+        value = getattr(output, name, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(output, torch.Tensor):
+        return output
+    for value in output.to_tuple() if hasattr(output, "to_tuple") else output:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value
+    raise LookupError("no floating-point output")
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+@dataclass
+class Family:
+    """One model type's row of the coverage table."""
+
+    model_type: str
+    task: str = ""
+    classes: dict[str, list[int]] = field(default_factory=dict)  # class -> [replaced, skipped]
+    replaced: int = 0
+    skipped: int = 0
+    reasons: list[str] = field(default_factory=list)
+    recipes: list[str] = field(default_factory=list)
+    error: str = ""
+    float32: float = math.nan  # logits, relative
+    grads: float = math.nan  # worst parameter, relative
+    steps: float = math.nan  # losses of three SGD steps, relative
+    bf16_same: float = math.nan  # share of logits bitwise equal
+    bf16_err: tuple[float, float] = (math.nan, math.nan)  # (patched, unpatched) vs float64
+    seconds: float = 0.0
+
+    @property
+    def exact(self) -> bool:
+        return self.float32 <= 1e-5 and self.grads <= 1e-4 and self.steps <= 1e-5
+
+
+def check_model(model: torch.nn.Module, inputs: dict[str, torch.Tensor], family: Family) -> None:
+    """Patches a copy of ``model`` and fills ``family``'s checks against ``model`` itself."""
+    patched = copy.deepcopy(model)
+    result = patch(patched)
+    family.replaced = len(result)
+    family.skipped = len(result.skipped)
+    for _, cls, what in result.replaced:
+        family.classes.setdefault(cls, [0, 0])[0] += 1
+        if what not in family.recipes:
+            family.recipes.append(what)
+    for _, cls, reason in result.skipped:
+        family.classes.setdefault(cls, [0, 0])[1] += 1
+        if f"{cls}: {reason}" not in family.reasons:
+            family.reasons.append(f"{cls}: {reason}")
+    if not result:
+        return
+    # three SGD steps on each; the first step's logits and gradients are compared
+    runs = []
+    for m in (copy.deepcopy(model), copy.deepcopy(patched)):
+        optimizer = torch.optim.SGD(m.parameters(), lr=1e-2)
+        trace: list[float] = []
+        first = torch.empty(0)
+        grads: dict[str, torch.Tensor] = {}
+        for step in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            logits = _logits(m(**inputs))
+            loss = logits.float().pow(2).mean()
+            loss.backward()
+            if step == 0:
+                first = logits.detach()
+                grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+            optimizer.step()
+            trace.append(float(loss.detach()))
+        runs.append((first, grads, trace))
+    (want, want_grads, want_trace), (got, got_grads, got_trace) = runs
+    family.float32 = _relative(got, want)
+    # relative to the parameter's largest gradient, floored at 1e-3 of the model's largest:
+    # a gradient that is zero in exact arithmetic is rounding noise in both models
+    largest = max(float(g.abs().max()) for g in want_grads.values())
+    worst = 0.0
+    for name, g in want_grads.items():
+        other = got_grads.get(name)
+        if other is None:
+            worst = math.inf
+            break
+        scale = max(float(g.abs().max()), 1e-3 * largest, 1e-30)
+        worst = max(worst, float((other.double() - g.double()).abs().max()) / scale)
+    family.grads = worst
+    family.steps = max(
+        abs(a - b) / max(abs(b), 1e-30) for a, b in zip(got_trace, want_trace, strict=True)
+    )
+
+    with torch.no_grad():
+        try:
+            truth = _logits(copy.deepcopy(model).double()(**_cast(inputs, torch.float64)))
+        except RuntimeError:  # some kernels (MoE grouped matmuls) have no float64
+            truth = want
+        low = _cast(inputs, torch.bfloat16)
+        plain = _logits(copy.deepcopy(model).bfloat16()(**low))
+        ours = _logits(copy.deepcopy(patched).bfloat16()(**low))
+    family.bf16_same = float((plain == ours).double().mean())
+    family.bf16_err = (_relative(ours, truth), _relative(plain, truth))
+
+
+def _cast(inputs: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+
+
+class _Timeout(BaseException):
+    pass
+
+
+def _alarm(_signum: int, _frame: Any) -> None:
+    signal.alarm(5)  # again, in case C code (numba's compiler callbacks) swallows this one
+    raise _Timeout
+
+
+def survey(model_type: str, timeout: int = 120) -> Family:
+    """Builds, patches and checks one model type; errors go into the row, never out."""
+    family = Family(model_type)
+    start = time.perf_counter()
+    use_alarm = hasattr(signal, "SIGALRM")
+    if use_alarm:
+        signal.signal(signal.SIGALRM, _alarm)
+        signal.alarm(timeout)
+    try:
+        model, family.task = build_model(model_type)
+        inputs = make_inputs(model)
+        try:
+            with torch.no_grad():
+                _logits(model(**inputs))
+        except Exception as error:  # the inputs made here do not fit this model
+            result = patch(model)
+            family.replaced, family.skipped = len(result), len(result.skipped)
+            for _, cls, _what in result.replaced:
+                family.classes.setdefault(cls, [0, 0])[0] += 1
+            for _, cls, reason in result.skipped:
+                family.classes.setdefault(cls, [0, 0])[1] += 1
+                if f"{cls}: {reason}" not in family.reasons:
+                    family.reasons.append(f"{cls}: {reason}")
+            family.error = f"unpatched forward: {type(error).__name__}: {_short(error)}"
+            return family
+        try:
+            check_model(model, inputs, family)
+        except _Timeout:
+            raise
+        except Exception as error:
+            family.error = f"check: {type(error).__name__}: {_short(error)}"
+            if family.replaced == 0 and not family.classes:
+                result = patch(model)
+                family.replaced, family.skipped = len(result), len(result.skipped)
+                for _, cls, _what in result.replaced:
+                    family.classes.setdefault(cls, [0, 0])[0] += 1
+                for _, cls, reason in result.skipped:
+                    family.classes.setdefault(cls, [0, 0])[1] += 1
+                    family.reasons.append(f"{cls}: {reason}")
+    except _Timeout:
+        family.error = f"over {timeout} s"
+    except Exception as error:
+        family.error = f"build: {type(error).__name__}: {_short(error)}"
+    finally:
+        if use_alarm:
+            signal.alarm(0)
+        family.seconds = time.perf_counter() - start
+    return family
+
+
+def _short(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return text[:120] + ("..." if len(text) > 120 else "")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def table(families: list[Family]) -> str:
+    """The markdown document: totals, then one row per family."""
+    import transformers
+
+    built = [f for f in families if not f.error.startswith("build") and f.error != "over"]
+    with_norms = [f for f in built if f.replaced + f.skipped]
+    other = "normalizes over the batch or channel groups"
+    trailing = [f for f in with_norms if not all(other in r for r in f.reasons) or f.replaced]
+    modules = sum(f.replaced + f.skipped for f in trailing)
+    other_skips = sum(
+        count[1]
+        for f in trailing
+        for cls, count in f.classes.items()
+        if any(r.startswith(f"{cls}: ") and other in r for r in f.reasons)
+    )
+    replaced = sum(f.replaced for f in trailing)
+    checked = [f for f in trailing if f.replaced and not math.isnan(f.float32)]
+    exact = [f for f in checked if f.exact]
+    exact_modules = sum(f.replaced for f in exact)
+    lines = [
+        "# What `layernorm.patch` does to Hugging Face models",
+        "",
+        f"Generated by `python -m layernorm.nn.coverage` with transformers "
+        f"{transformers.__version__} and torch {torch.__version__}: every model type with a "
+        "causal-LM, seq2seq-LM, masked-LM, image-classification, CTC or audio-classification "
+        "head, built from its default config shrunk to a tiny size (hidden 64, 2 layers), "
+        "patched, and compared with its unpatched self (see the module's docstring for the "
+        "checks).",
+        "",
+        f"- Model types tried: {len(families)}; built: {len(built)}; with norm modules: "
+        f"{len(with_norms)}.",
+        f"- Norm modules in families with trailing-dim norms: {modules}; replaced: {replaced} "
+        f"({100 * replaced / max(modules - other_skips, 1):.1f}% of the {modules - other_skips} "
+        "that are not batch or group norms).",
+        f"- Families replaced and checked: {len(checked)}; exact in float32 (logits 1e-5, "
+        f"gradients 1e-4, three SGD steps 1e-5): {len(exact)}, holding {exact_modules} of the "
+        "replaced modules.",
+        "",
+        "Columns: modules replaced / skipped; float32 logits error (relative to the largest "
+        "logit); worst parameter gradient error; bfloat16: share of logits bitwise equal to "
+        "the unpatched model's, then the error of patched / unpatched against float64.",
+        "",
+        "| family | task | norm classes | repl. | skip. | f32 logits | grads | bf16 same | "
+        "bf16 err vs f64 (ours / theirs) | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for f in sorted(families, key=lambda f: f.model_type):
+        classes = ", ".join(f"{c} ({r}/{s})" for c, (r, s) in f.classes.items())
+
+        def num(v: float, fmt: str = ".1e") -> str:
+            return "" if math.isnan(v) else format(v, fmt)
+
+        notes = "; ".join([*f.reasons, *([f.error] if f.error else [])])
+        lines.append(
+            f"| {f.model_type} | {f.task} | {_cell(classes)} | {f.replaced} | {f.skipped} | "
+            f"{num(f.float32)} | {num(f.grads)} | {num(f.bf16_same, '.4f')} | "
+            f"{num(f.bf16_err[0], '.2e')} / {num(f.bf16_err[1], '.2e')} | {_cell(notes)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m layernorm.nn.coverage", description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path("docs/hf_coverage.md"))
+    parser.add_argument("--only", help="comma-separated model types (default: all)")
+    parser.add_argument("--limit", type=int, help="at most this many model types")
+    parser.add_argument("--timeout", type=int, default=120, help="seconds per model type")
+    args = parser.parse_args(argv)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    types = args.only.split(",") if args.only else model_types()
+    if args.limit:
+        types = types[: args.limit]
+    families = []
+    for i, model_type in enumerate(types):
+        family = survey(model_type, args.timeout)
+        families.append(family)
+        print(
+            f"[{i + 1}/{len(types)}] {model_type}: {family.replaced} replaced, "
+            f"{family.skipped} skipped, f32 {family.float32:.1e} {family.error[:80]} "
+            f"({family.seconds:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(table(families))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

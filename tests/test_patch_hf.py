@@ -1,0 +1,293 @@
+"""patch() on Hugging Face models: norms recognized by what they compute, replaced exactly.
+
+Models are built from tiny configs (layernorm.nn.coverage); nothing is downloaded. The sweep
+over every model type of the installed transformers is slow and runs only with
+LAYERNORM_SLOW=1.
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+
+import layernorm
+from layernorm.nn import _recognize
+
+transformers = pytest.importorskip("transformers")
+coverage = pytest.importorskip("layernorm.nn.coverage")
+
+#: one model per norm family: Llama, Gemma (1 + w), Gemma2, Qwen3 (per-head q/k), T5, OLMo
+#: (no parameters), OLMo-2 (scale then cast), Cohere (layer norm, per-head), GPT-2 and BERT
+#: and ViT (torch's LayerNorm), Phi-3
+REPRESENTATIVE = [
+    "llama",
+    "gemma",
+    "gemma2",
+    "qwen3",
+    "t5",
+    "olmo",
+    "olmo2",
+    "cohere",
+    "gpt2",
+    "phi3",
+    "bert",
+    "vit",
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _quiet():
+    transformers.logging.set_verbosity_error()
+
+
+@pytest.mark.parametrize("model_type", REPRESENTATIVE)
+def test_family_replaced_and_exact(model_type):
+    model, _ = coverage.build_model(model_type)
+    family = coverage.Family(model_type)
+    coverage.check_model(model, coverage.make_inputs(model), family)
+    assert family.replaced > 0 and family.skipped == 0, family.reasons
+    assert family.float32 <= 1e-5
+    assert family.grads <= 1e-4
+    assert family.steps <= 1e-5
+    # bfloat16: the family's own rounding order, so (nearly) every logit is the same bits
+    assert family.bf16_same >= 0.99
+    ours, theirs = family.bf16_err
+    assert ours <= 1.25 * theirs
+
+
+def _llama(layers=2, **overrides):
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **overrides,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if "RMSNorm" in type(m).__name__:
+                m.weight.uniform_(0.5, 1.5)
+    return model
+
+
+def test_unpatch_restores_class_attributes_and_bits():
+    model = _llama()
+    ids = torch.randint(0, 96, (1, 7))
+    before = {n: (type(m), dict(vars(m))) for n, m in model.named_modules()}
+    with torch.no_grad():
+        want = model(ids).logits
+    result = layernorm.patch(model)
+    norm = model.model.norm
+    assert isinstance(norm, transformers.models.llama.modeling_llama.LlamaRMSNorm)
+    assert type(norm) is not before["model.norm"][0]
+    assert repr(norm) == "LlamaRMSNorm((32,), eps=1e-06)"  # same name, same repr
+    assert layernorm.unpatch(model) == list(result)
+    after = {n: (type(m), dict(vars(m))) for n, m in model.named_modules()}
+    assert after.keys() == before.keys()
+    for name, (cls, attributes) in before.items():
+        assert after[name][0] is cls
+        assert after[name][1].keys() == attributes.keys()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)
+
+
+def test_summary_names_replacements_and_reasons():
+    class GatedNorm(torch.nn.Module):  # two inputs: left alone
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, x, gate):
+            return torch.nn.functional.rms_norm(x * gate, (8,), self.weight)
+
+    class L2Norm(torch.nn.Module):  # not a layer norm or an RMSNorm
+        def forward(self, x):
+            return x / x.norm(dim=-1, keepdim=True)
+
+    class BF16Norm(torch.nn.Module):  # float32 matches, but it rounds in bfloat16 throughout
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+    class BufferNorm(torch.nn.Module):  # its gain is a buffer, which a recipe cannot follow
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("gain", torch.ones(8))
+
+        def forward(self, x):
+            return torch.nn.functional.rms_norm(x, (8,), self.gain, 1e-6)
+
+    llama_norm = transformers.models.llama.modeling_llama.LlamaRMSNorm(8)
+    unused = transformers.models.falcon_mamba.modeling_falcon_mamba.FalconMambaWeightlessRMSNorm(8)
+    model = torch.nn.ModuleDict(
+        {
+            "a": llama_norm,
+            "b": GatedNorm(),
+            "c": L2Norm(),
+            "d": torch.nn.GroupNorm(2, 8),
+            "e": BF16Norm(),
+            "f": torch.nn.LayerNorm(8),
+            "g": BufferNorm(),
+            "h": unused,  # a buffer the forward never reads: proven unused
+        }
+    )
+    result = layernorm.patch(model)
+    assert result == ["a", "f", "h"]
+    reasons = {name: reason for name, _, reason in result.skipped}
+    assert reasons["b"] == "forward takes 2 required inputs, not one"
+    assert reasons["c"] == "matches no layer norm or RMSNorm over the trailing dims"
+    assert reasons["d"] == "normalizes over the batch or channel groups, not the trailing dims"
+    assert "bfloat16 rounding matches no casting order" in reasons["e"]
+    assert reasons["g"] == "matches no layer norm or RMSNorm over the trailing dims"
+    text = result.summary()
+    assert text.startswith("3 modules of 3 classes replaced, 5 skipped")
+    assert "replaced 1 x LlamaRMSNorm: rms_norm(eps=1e-06, weight, cast-then-scale)" in text
+    assert layernorm.patch(model) == []  # already patched
+    assert unused.__dict__["_layernorm_recipe"].shape is None  # any width, as its own forward
+    assert layernorm.unpatch(model) == ["a", "f", "h"]
+
+
+def test_unproven_dtypes_and_extra_arguments_run_the_module_own_forward():
+    norm = transformers.models.llama.modeling_llama.LlamaRMSNorm(16)
+    layernorm.patch(norm)
+    recipe = norm.__dict__["_layernorm_recipe"]
+    assert (torch.float32, torch.float32) in recipe.dtypes
+    assert (torch.bfloat16, torch.bfloat16) in recipe.dtypes
+    assert (torch.float64, torch.float64) not in recipe.dtypes
+    norm.double()
+    x = torch.randn(3, 16, dtype=torch.float64)
+    base = transformers.models.llama.modeling_llama.LlamaRMSNorm.forward
+    assert torch.equal(norm(x), base(norm, x))  # float64: the module's own float32 path
+
+
+def test_state_dict_and_save_pretrained_round_trip(tmp_path):
+    model = _llama()
+    ids = torch.randint(0, 96, (2, 9))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    layernorm.patch(model)
+    assert list(model.state_dict()) == list(state)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    with torch.no_grad():
+        patched = model(ids).logits
+    model.save_pretrained(tmp_path)
+    loaded, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info.values())  # no missing, unexpected or mismatched keys
+    loaded.eval()
+    with torch.no_grad():
+        plain = loaded(ids).logits
+    torch.testing.assert_close(patched, plain, rtol=1e-5, atol=1e-6)
+    layernorm.patch(loaded)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, patched)
+
+
+def test_generate_with_kv_cache_matches():
+    model = _llama()
+    prompt = torch.randint(0, 96, (1, 5))
+    kwargs = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    want = model.generate(prompt, **kwargs)
+    layernorm.patch(model)
+    assert torch.equal(model.generate(prompt, **kwargs), want)
+
+
+def test_torch_compile_traces_the_patched_norms():
+    model = _llama(layers=1)
+    ids = torch.randint(0, 96, (2, 6))
+    with torch.no_grad():
+        want = model(ids).logits
+    layernorm.patch(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    got = compiled(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    got.float().pow(2).mean().backward()
+    assert model.model.norm.weight.grad is not None
+
+
+def test_casting_subclass_of_torch_layer_norm_is_recognized():
+    class CastingLayerNorm(torch.nn.LayerNorm):
+        def forward(self, x):
+            return super().forward(x.float()).to(x.dtype)
+
+    norm = CastingLayerNorm(8)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(4, 8)
+    want = norm(x)
+    assert layernorm.patch(norm) == [""]
+    recipe = norm.__dict__["_layernorm_recipe"]
+    assert recipe.describe() == "layer_norm(eps=1e-05, weight, bias, scale-then-cast)"
+    torch.testing.assert_close(norm(x), want, rtol=1e-6, atol=1e-6)
+    assert layernorm.unpatch(norm) == [""] and type(norm) is CastingLayerNorm
+
+
+@pytest.mark.parametrize(
+    ("order", "dtype"),
+    [(o, d) for o in _recognize.ORDERS for d in (torch.float32, torch.bfloat16)],
+)
+def test_each_casting_order_matches_its_formula(order, dtype):
+    """compute() against each order written out in torch ops, bfloat16 bits included."""
+    torch.manual_seed(1)
+    x = (torch.randn(64, 32) * 3).to(dtype)
+    weight = (torch.rand(32) + 0.5).to(dtype)
+    recipe = _recognize.Recipe("rms", (32,), 1e-6, "weight", 0.0, None, order)
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)
+    if order == "scale-then-cast":
+        want = (normed * weight.float()).to(dtype)
+    else:  # cast-then-scale and t5 agree when x and the weight share a dtype
+        want = weight * normed.to(dtype)
+    got = _recognize.compute(recipe, x, weight, None)
+    assert got.dtype == want.dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        assert (got != want).double().mean() <= 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("LAYERNORM_SLOW") != "1", reason="set LAYERNORM_SLOW=1")
+def test_every_model_type_of_the_installed_transformers():
+    families = [coverage.survey(t, timeout=120) for t in coverage.model_types()]
+    replaced = sum(f.replaced for f in families)
+    other = "normalizes over the batch or channel groups"
+    skipped = sum(
+        1 for f in families for r in f.reasons if other not in r
+    )  # at least one module per reason
+    assert replaced / (replaced + skipped) >= 0.95
+    checked = [f for f in families if f.replaced and f.float32 == f.float32]
+    assert all(f.float32 <= 1e-5 for f in checked), [
+        (f.model_type, f.float32) for f in checked if f.float32 > 1e-5
+    ]
+
+
+def test_patched_model_is_deep_copyable():
+    model = _llama()
+    layernorm.patch(model)
+    clone = copy.deepcopy(model)
+    assert _recognize.is_replaced(clone.model.norm)
+    assert layernorm.unpatch(clone) == layernorm.unpatch(model)
+
+
+def test_model_bench_quick_runs_both_models(capsys, tmp_path):
+    from layernorm.cli import main
+
+    out = tmp_path / "model.txt"
+    argv = ["bench", "--model", "llama", "--quick", "--model-repeat", "1"]
+    assert main([*argv, "--model-dtypes", "float32", "--model-out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text == out.read_text()
+    rows = [line.split() for line in text.splitlines()[3:]]
+    assert [r[1] for r in rows] == ["forward", "forward+backward", "generate"]
+    assert all(float(r[-3]) > 0 and float(r[-2]) > 0 for r in rows)
+    assert main([*argv, "--model-repeat", "0"]) == 2
+    assert "--model-repeat must be >= 1" in capsys.readouterr().err
