@@ -40,7 +40,7 @@ def runs_on(backend: str | None, x: torch.Tensor) -> str:
 
 
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+    return float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0
 
 
 def _np(t):

@@ -32,7 +32,6 @@ from _peers import (
     max_abs,
     parametrize_backends,
     reference_forward,
-    runs_on,
 )
 from torch.testing import assert_close, make_tensor
 
@@ -161,19 +160,11 @@ def test_layer_norm_numeric_torch(wide_row):
 
 
 @parametrize_backends
-def test_layer_norm_numeric(backend, wide_row, request):
+def test_layer_norm_numeric(backend, wide_row):
     """test_nn ``test_LayerNorm_numeric``: ``nn.LayerNorm([256, 256, 144])`` on uniform
     [0, 1) input is within atol 1e-5 (rtol 0) of the reference; here the reference is
     float64, and one row of 9.4M elements is normalized (the original does two)."""
     x, want = wide_row
-    if runs_on(backend, x) == "numba":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="pending: numba's float32 sums lose accuracy on rows of millions "
-                "(5.1e-5 at 256*256*144; issue 14 item 8)",
-            )
-        )
     y = _layer_norm_module(backend, WIDE_SHAPE)(x)
     assert max_abs(y, want) <= 1e-5
 
