@@ -27,6 +27,7 @@ goes through :func:`composite_backward`, the backward in differentiable torch op
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
 
 from . import backends
@@ -342,7 +343,8 @@ class Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, rms, backend, direct):
         output = _forward_outputs(x, residual, weight, bias, eps, rms, backend, direct)
-        _save(ctx, (x, residual, weight, bias, eps, rms, backend), output)
+        jvp = forward_ad._current_level >= 0  # a JVP is asked for during the forward only
+        _save(ctx, (x, residual, weight, bias, eps, rms, backend), output, jvp)
         ctx.direct = direct and direct_call(x, residual, weight, bias)
         return output
 
@@ -355,10 +357,13 @@ class Norm(torch.autograd.Function):
         return _jvp(ctx, x_t, residual_t, weight_t, bias_t)
 
 
-def _save(ctx, inputs, output) -> None:
+def _save(ctx, inputs, output, jvp: bool = True) -> None:
+    """The context of the backward and, with ``jvp``, of the JVP (saving for it costs an
+    eager call as much as the kernel, so :class:`Norm` asks only under a dual level)."""
     _setup_context(ctx, inputs, output)
-    x, residual, weight = inputs[:3]
-    ctx.save_for_forward(x if residual is None else output[1], weight, output[2], output[3])
+    if jvp:
+        x, residual, weight = inputs[:3]
+        ctx.save_for_forward(x if residual is None else output[1], weight, output[2], output[3])
     ctx.mark_non_differentiable(*(t for t in output[2:] if t is not None))
 
 
