@@ -193,7 +193,7 @@ def test_shard_mismatch_fails_on_every_rank(run):
         "op": ("ShardMismatchError", r"different ops \(layer_norm vs rms_norm\)"),
         "eps": ("ValueError", r"rank\(s\) \[0\].*eps must be non-negative"),
         "shape": ("ShardMismatchError", "normalized_shape differs"),
-        "empty_shape": ("ValueError", r"normalized_shape to be at least 1-dimensional"),
+        "empty_shape": ("NormalizedShapeError", r"normalized_shape to be at least 1-dimensional"),
     }
     for key, (kind, pattern) in patterns.items():
         got = [e[key] for e in errors]

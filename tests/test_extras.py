@@ -14,6 +14,7 @@ def test_require_imports_an_installed_module():
 
 def test_a_missing_module_names_its_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "sklearn", None)
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # (an earlier test may import it)
     with pytest.raises(
         _extras.MissingExtra,
         match=r"^the demo needs scikit-learn: pip install 'layernorm\[report\]'$",
