@@ -16,28 +16,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 import layernorm
+from _triton_interpreter import HAS_TRITON, import_for_the_interpreter
 from layernorm import backends, checks
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-if HAS_TRITON and "triton" not in sys.modules and not torch.cuda.is_available():
-    # Triton's own @jit helpers run in its interpreter only when TRITON_INTERPRET=1 is set
-    # as triton is first imported: set it for that import alone.
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton  # noqa: F401
-    finally:
-        if _saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = _saved
+import_for_the_interpreter()
 
 
 def _interpreted_triton() -> bool:

@@ -7,10 +7,6 @@ looped, wide) and the chunked backward. Tests that need a GPU are marked ``gpu``
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -18,21 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import layernorm
+from _triton_interpreter import HAS_TRITON, import_for_the_interpreter
 from layernorm import backends, reference
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-if HAS_TRITON and "triton" not in sys.modules and not torch.cuda.is_available():
-    # Triton's own @jit helpers (tl.sum, ...) run in its interpreter only when
-    # TRITON_INTERPRET=1 is set as triton is first imported: set it for that import alone.
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton  # noqa: F401
-    finally:
-        if _saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = _saved
+import_for_the_interpreter()
 
 if HAS_TRITON:
     from layernorm.backends import torch_, triton_
