@@ -291,3 +291,11 @@ def test_model_bench_quick_runs_both_models(capsys, tmp_path):
     assert all(float(r[-3]) > 0 and float(r[-2]) > 0 for r in rows)
     assert main([*argv, "--model-repeat", "0"]) == 2
     assert "--model-repeat must be >= 1" in capsys.readouterr().err
+
+
+def test_the_report_s_whole_model_section_is_a_table_of_ratios():
+    from layernorm import model_bench
+
+    section = model_bench.report_section(quick=True)
+    assert section.count("<tr>") == 4  # a header, then forward, forward+backward, generate
+    assert "speedup" in section and "layernorm bench --model llama" in section

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["add_parser", "llama_config", "run"]
+__all__ = ["add_parser", "llama_config", "report_section", "run"]
 
 MODELS = ("llama",)
 
@@ -139,6 +139,39 @@ def run(
             row.update(dtype=dtype_name, what=what, ratio=medians["plain"] / medians["patched"])
             rows.append(row)
     return rows
+
+
+def report_section(quick: bool) -> str:
+    """An HTML fragment for ``layernorm report``: the Llama of :func:`llama_config`,
+    patched vs unpatched, in float32 on a 128-token sequence (about a minute; ``quick``: the
+    tiny config). Without transformers installed, a line saying so."""
+    import html
+    import importlib.util
+
+    from ._html import table
+
+    title = "<h2>Whole model: a small Llama, patched vs unpatched</h2>"
+    if importlib.util.find_spec("transformers") is None:
+        return title + "<p>Needs transformers (<code>pip install transformers</code>).</p>"
+    rows = run("llama", ("float32",), quick=quick, repeat=3, seq=None if quick else 128)
+    cells = [
+        (
+            r["dtype"],
+            r["what"],
+            r["unit"],
+            f"{r['plain']:.2f}",
+            f"{r['patched']:.2f}",
+            f"{r['ratio']:.3f}x",
+        )
+        for r in rows
+    ]
+    size = "the tiny test config" if quick else "hidden 1024, 4 layers, sequence 128"
+    return (
+        title + f"<p>{html.escape(size)}, medians of 3 interleaved runs; speedup = unpatched time /"
+        " patched time. The full-size run (sequence 512, float32 and bfloat16):"
+        " <code>layernorm bench --model llama</code>.</p>"
+        + table(("dtype", "measurement", "unit", "unpatched", "patched", "speedup"), cells)
+    )
 
 
 def format_rows(rows: list[dict[str, Any]], header: str) -> str:

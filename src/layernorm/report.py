@@ -264,6 +264,12 @@ def write_report(
                 ),
             )
         )
+        sections.append(
+            (
+                "whole model",
+                lambda: _plugin_section("layernorm.model_bench", lambda m: m.report_section(quick)),
+            )
+        )
     if experiments:
         sections.append(
             (
