@@ -110,38 +110,55 @@ def plot_eigenvalues(path: Path, d: int = 8, eps: float = 0.1) -> Path:
     return path
 
 
-def plot_offset_error(path: Path, names: list[str]) -> tuple[Path, list[list[str]]]:
-    """Max core error against the float64 reference on float32 rows ``N(c, 1)``, for
-    torch.nn.functional.layer_norm and each of our backends that runs on the CPU."""
+def _core_errors(inputs: list[torch.Tensor], names: list[str]) -> dict[str, list[float]]:
+    """Max core error against the float64 reference of each float32 input (rows of its
+    last dim), for torch.nn.functional.layer_norm and each of our backends in ``names``."""
     from .ops import layer_norm
 
-    plt = _figure()
-    offsets = [0.0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6]
-    gen = torch.Generator().manual_seed(0)
     series: dict[str, list[float]] = {"torch.nn.functional": []}
     series.update({f"layernorm ({n})": [] for n in names})
-    for c in offsets:
-        x = (torch.randn(64, 1024, dtype=torch.float64, generator=gen) + c).float()
-        want = reference.layer_norm(x.numpy(), 1024)[0]
-        outs = {"torch.nn.functional": torch.nn.functional.layer_norm(x, (1024,))}
-        outs.update({f"layernorm ({n})": layer_norm(x, 1024, backend=n) for n in names})
+    for x in inputs:
+        n = x.shape[-1]
+        want = reference.layer_norm(x.double().numpy(), n)[0]
+        outs = {"torch.nn.functional": torch.nn.functional.layer_norm(x, (n,))}
+        outs.update({f"layernorm ({b})": layer_norm(x, n, backend=b) for b in names})
         for key, y in outs.items():
             series[key].append(float(np.max(np.abs(y.double().numpy() - want))))
+    return series
+
+
+def _plot_errors(
+    path: Path, xs: list[float], series: dict[str, list[float]], xlabel: str, title: str
+) -> None:
+    """The errors of :func:`_core_errors` against ``xs``, log-log, with the contract's bound."""
+    plt = _figure()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for key, errs in series.items():
-        ax.plot([max(c, 1e-1) for c in offsets], errs, "o-", label=key)
+        ax.plot(xs, errs, "o-", label=key)
     ax.axhline(4e-6, ls="--", color="gray", lw=1, label="contract: 4e-6")
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="row offset c (0 drawn at 0.1)",
-        ylabel="max |core error|",
-        title="float32 rows N(c, 1), N = 1024: error against float64",
-    )
+    ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel="max |core error|", title=title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_offset_error(path: Path, names: list[str]) -> tuple[Path, list[list[str]]]:
+    """Max core error against the float64 reference on float32 rows ``N(c, 1)``, for
+    torch.nn.functional.layer_norm and each of our backends that runs on the CPU."""
+    offsets = [0.0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6]
+    gen = torch.Generator().manual_seed(0)
+    inputs = [
+        (torch.randn(64, 1024, dtype=torch.float64, generator=gen) + c).float() for c in offsets
+    ]
+    series = _core_errors(inputs, names)
+    _plot_errors(
+        path,
+        [max(c, 1e-1) for c in offsets],
+        series,
+        "row offset c (0 drawn at 0.1)",
+        "float32 rows N(c, 1), N = 1024: error against float64",
+    )
     rows = [[f"{c:g}"] + [f"{series[k][i]:.1e}" for k in series] for i, c in enumerate(offsets)]
     return path, [["offset c", *series], *rows]
 
@@ -150,35 +167,16 @@ def plot_width_error(path: Path, names: list[str]) -> tuple[Path, list[list[str]
     """Max core error against the float64 reference on one float32 row ``N(0, 1)`` of
     each width from 1K to 16M elements, for torch.nn.functional.layer_norm and each of
     our backends in ``names``."""
-    from .ops import layer_norm
-
-    plt = _figure()
     widths = [1 << k for k in range(10, 25, 2)]
     gen = torch.Generator().manual_seed(0)
-    series: dict[str, list[float]] = {"torch.nn.functional": []}
-    series.update({f"layernorm ({n})": [] for n in names})
-    for n in widths:
-        x = torch.randn(1, n, generator=gen)
-        want = reference.layer_norm(x.double().numpy(), n)[0]
-        outs = {"torch.nn.functional": torch.nn.functional.layer_norm(x, (n,))}
-        outs.update({f"layernorm ({b})": layer_norm(x, n, backend=b) for b in names})
-        for key, y in outs.items():
-            series[key].append(float(np.max(np.abs(y.double().numpy() - want))))
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for key, errs in series.items():
-        ax.plot(widths, errs, "o-", label=key)
-    ax.axhline(4e-6, ls="--", color="gray", lw=1, label="contract: 4e-6")
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="row width N",
-        ylabel="max |core error|",
-        title="one float32 row N(0, 1): error against float64",
+    series = _core_errors([torch.randn(1, n, generator=gen) for n in widths], names)
+    _plot_errors(
+        path,
+        [float(n) for n in widths],
+        series,
+        "row width N",
+        "one float32 row N(0, 1): error against float64",
     )
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
     rows = [[f"{n}"] + [f"{series[k][i]:.1e}" for k in series] for i, n in enumerate(widths)]
     return path, [["width N", *series], *rows]
 
