@@ -6,7 +6,10 @@ LAYERNORM_SLOW=1.
 """
 
 import copy
+import math
 import os
+import pickle
+import statistics
 
 import pytest
 import torch
@@ -278,19 +281,68 @@ def test_patched_model_is_deep_copyable():
     assert layernorm.unpatch(clone) == layernorm.unpatch(model)
 
 
+@pytest.mark.parametrize("protocol", [2, pickle.HIGHEST_PROTOCOL])
+def test_patched_model_survives_torch_save_and_pickle(tmp_path, protocol):
+    model = _llama()
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    layernorm.patch(model)
+    with torch.no_grad():
+        want = model(ids).logits
+    path = tmp_path / "model.pt"
+    torch.save(model, path, pickle_protocol=protocol)
+    loaded = torch.load(path, weights_only=False)
+    norm = loaded.model.norm
+    assert type(norm) is type(model.model.norm) and _recognize.is_replaced(norm)
+    assert repr(loaded) == repr(model)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, want)
+    assert layernorm.unpatch(loaded) == layernorm.unpatch(model)
+    assert type(norm) is transformers.models.llama.modeling_llama.LlamaRMSNorm
+    layernorm.patch(loaded)  # plain pickle, its oldest protocol too
+    again = pickle.loads(pickle.dumps(loaded.model.norm, protocol=0))
+    assert _recognize.is_replaced(again) and again.state_dict().keys() == norm.state_dict().keys()
+
+
 def test_model_bench_quick_runs_both_models(capsys, tmp_path):
     from layernorm.cli import main
 
     out = tmp_path / "model.txt"
-    argv = ["bench", "--model", "llama", "--quick", "--model-repeat", "1"]
+    argv = ["bench", "--model", "llama", "--quick", "--model-repeat", "2", "--model-seconds", "0"]
     assert main([*argv, "--model-dtypes", "float32", "--model-out", str(out)]) == 0
     text = capsys.readouterr().out
     assert text == out.read_text()
-    rows = [line.split() for line in text.splitlines()[3:]]
+    lines = text.splitlines()
+    assert lines[3].split()[:3] == ["dtype", "measurement", "unit"]
+    rows = [line.split() for line in lines[4:]]
     assert [r[1] for r in rows] == ["forward", "forward+backward", "generate"]
-    assert all(float(r[-3]) > 0 and float(r[-2]) > 0 for r in rows)
+    for r in rows:  # ... unpatched patched speedup low-high pairs norms -> norms
+        plain, patched, speedup, interval, pairs = r[-8:-3]
+        low, high = map(float, interval.split("-"))
+        assert float(plain) > 0 and float(patched) > 0 and pairs == "2"
+        assert low <= float(speedup.rstrip("x")) <= high
+        assert float(r[-3]) > 0 and float(r[-1]) > 0  # time inside the norms, both models
     assert main([*argv, "--model-repeat", "0"]) == 2
     assert "--model-repeat must be >= 1" in capsys.readouterr().err
+    assert main([*argv[:-1], "-1"]) == 2
+    assert "--model-seconds must be >= 0" in capsys.readouterr().err
+
+
+def test_median_interval_is_the_order_statistics_interval_of_the_median():
+    from layernorm.model_bench import median_interval
+
+    def coverage(n, k):  # P(x_(k+1) <= median <= x_(n-k)) for a continuous distribution
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+
+    assert median_interval([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)
+    for n in range(1, 80):
+        values = [float(v) for v in range(n, 0, -1)]
+        median, low, high = median_interval(values)
+        k = int(low) - 1
+        assert median == statistics.median(values) and high == n - k
+        assert coverage(n, k) >= 0.95 or k == 0  # covers 95%, or [min, max] is all there is
+        assert k + 1 > (n - 1) // 2 or coverage(n, k + 1) < 0.95  # and is the narrowest such
+    with pytest.raises(ValueError, match="at least one value"):
+        median_interval([])
 
 
 def test_the_report_s_whole_model_section_is_a_table_of_ratios():

@@ -39,7 +39,7 @@ import copy
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 from torch import Tensor
@@ -167,6 +167,18 @@ def _patched_forward(self: torch.nn.Module, x: Tensor, *args: Any, **kwargs: Any
 _CLASSES: dict[type, type] = {}
 
 
+def _new_patched(cls: type) -> Any:
+    """An empty instance of ``cls``'s generated subclass, for unpickling (the state follows)."""
+    sub = _patched_class(cls)
+    return sub.__new__(sub)
+
+
+def _reduce_ex(self: torch.nn.Module, protocol: SupportsIndex) -> tuple[Any, ...]:
+    # the generated class shares its qualname with its base, so pickle cannot find it by name:
+    # pickle the base's name and generate the subclass again on load
+    return _new_patched, (type(self)._layernorm_base,), self.__getstate__()  # type: ignore[attr-defined]
+
+
 def _patched_class(cls: type) -> type:
     """A subclass of ``cls`` that differs only in ``forward``; same name, so ``repr`` is unchanged."""
     sub = _CLASSES.get(cls)
@@ -176,6 +188,7 @@ def _patched_class(cls: type) -> type:
             (cls,),
             {
                 "forward": _patched_forward,
+                "__reduce_ex__": _reduce_ex,
                 "_layernorm_base": cls,
                 "__module__": cls.__module__,
                 "__qualname__": cls.__qualname__,
@@ -194,7 +207,8 @@ def is_replaced(module: torch.nn.Module) -> bool:
 def replace(module: torch.nn.Module, recipe: Recipe) -> None:
     """Gives ``module`` the library's forward for ``recipe``: its class becomes a generated
     subclass that differs only in ``forward``; parameters, buffers, hooks and state_dict are
-    the same objects."""
+    the same objects. It survives deepcopy, pickle and ``torch.save``: it is stored
+    under its own class's name and patched again on load."""
     module.__class__ = _patched_class(type(module))
     module.__dict__[_RECIPE] = recipe
 
