@@ -215,6 +215,41 @@ def test_torch_compile_traces_the_patched_norms():
     assert model.model.norm.weight.grad is not None
 
 
+def test_hf_trainer_steps_track_the_unpatched_model(tmp_path):
+    pytest.importorskip("accelerate")  # transformers.Trainer needs it
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 96, (8, 10), generator=generator)
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    histories = []
+    for patched in (False, True):
+        model = _llama().train()
+        if patched:
+            assert len(layernorm.patch(model)) == 5
+        arguments = transformers.TrainingArguments(
+            output_dir=str(tmp_path / str(patched)),
+            max_steps=4,
+            per_device_train_batch_size=2,
+            learning_rate=1e-1,
+            optim="sgd",  # Adam's g / sqrt(g^2) would magnify last-bit differences of tiny g
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            seed=0,
+            disable_tqdm=True,
+        )
+        trainer = transformers.Trainer(model=model, args=arguments, train_dataset=data)
+        trainer.train()
+        histories.append(([h["loss"] for h in trainer.state.log_history if "loss" in h], model))
+    (want, plain), (got, ours) = histories
+    start = _llama().model.norm.weight
+    assert len(want) == 4 and not torch.allclose(plain.model.norm.weight, start)  # it trained
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    assert _recognize.is_replaced(ours.model.norm)  # the trainer kept the patched modules
+    for (name, p), q in zip(plain.named_parameters(), ours.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_casting_subclass_of_torch_layer_norm_is_recognized():
     class CastingLayerNorm(torch.nn.LayerNorm):
         def forward(self, x):
