@@ -74,3 +74,16 @@ def test_sum_of_squares_identity_loses_precision():
     ours = layernorm.layer_norm(x, 1000)
     want = reference.layer_norm(x.numpy(), 1000)[0]
     assert np.abs(ours.double().numpy() - want).max() < 4e-6
+
+
+def test_torch_cpu_error_grows_with_the_row_offset_and_ours_does_not():
+    """docs/claims.md #30: float32 rows N(c, 1), 64 rows of 1000, against float64."""
+    generator = torch.Generator().manual_seed(0)
+    noise = torch.randn(64, 1000, generator=generator, dtype=torch.float64)
+    for offset, torch_at_least in ((0.0, 0.0), (1e4, 1e-4), (1e6, 1e-2)):
+        x = (noise + offset).float()
+        truth = torch.from_numpy(reference.layer_norm(x.double().numpy(), 1000)[0])
+        ours = (layernorm.layer_norm(x, 1000).double() - truth).abs().max()
+        theirs = (F.layer_norm(x, (1000,)).double() - truth).abs().max()
+        assert ours < 4e-6, (offset, ours)
+        assert theirs >= torch_at_least, (offset, theirs)
