@@ -250,6 +250,22 @@ def test_hf_trainer_steps_track_the_unpatched_model(tmp_path):
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_layer_norm_subclass_without_bias_is_recognized():
+    class CastingLayerNorm(torch.nn.LayerNorm):  # ESMC's: bias=False registers bias = None
+        def forward(self, x):
+            return super().forward(x).to(x.dtype)
+
+    norm = CastingLayerNorm(16, bias=False)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(4, 16)
+    want, want_half = norm(x), norm(x.bfloat16())
+    assert layernorm.patch(norm) == [""]
+    assert norm.bias is None and list(norm.state_dict()) == ["weight"]
+    torch.testing.assert_close(norm(x), want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(norm(x.bfloat16()), want_half)
+
+
 def test_casting_subclass_of_torch_layer_norm_is_recognized():
     class CastingLayerNorm(torch.nn.LayerNorm):
         def forward(self, x):

@@ -169,7 +169,7 @@ _CLASSES: dict[type, type] = {}
 
 def _new_patched(cls: type) -> Any:
     """An empty instance of ``cls``'s generated subclass, for unpickling (the state follows)."""
-    sub = _patched_class(cls)
+    sub: Any = _patched_class(cls)
     return sub.__new__(sub)
 
 
@@ -346,9 +346,11 @@ class _Prober:
         grad: bool = False,
     ) -> tuple[Tensor, dict[str, Tensor], Tensor | None]:
         probe = copy.copy(self.module)
-        probe._parameters = {
-            n: torch.nn.Parameter(self.values[n].to(param_dtype or torch.float32), grad)
-            for n in self.names
+        probe._parameters = {  # a parameter registered as None (bias=False) stays None
+            n: None
+            if p is None
+            else torch.nn.Parameter(self.values[n].to(param_dtype or torch.float32), grad)
+            for n, p in self.module._parameters.items()
         }
         # buffers random too: a recipe that ignores them then proves they are unused
         probe._buffers = {
@@ -358,7 +360,10 @@ class _Prober:
         probe.training = training
         with torch.enable_grad() if grad else torch.no_grad():
             out = self.forward(probe, x)
-        return out, probe._parameters, None  # type: ignore[return-value]
+        parameters: dict[str, Tensor] = {
+            n: p for n, p in probe._parameters.items() if p is not None
+        }
+        return out, parameters, None
 
 
 def _float_close(a: Any, b: Tensor, rtol: float) -> bool:
