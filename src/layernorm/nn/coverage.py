@@ -90,7 +90,83 @@ _TASKS = (
 _MAX_PARAMETERS = 30_000_000
 
 
+def _integers(config: Any) -> dict[str, int]:
+    return {
+        name: value
+        for name, value in vars(config).items()
+        if isinstance(value, int) and not isinstance(value, bool)
+    }
+
+
+def _set(config: Any, name: str, value: Any) -> None:
+    with contextlib.suppress(Exception):
+        setattr(config, name, value)
+
+
+def _keep_derived(config: Any, before: dict[str, int]) -> None:
+    """Re-derives the sizes that the shrunk ones determined, from ``before`` (the originals).
+
+    - sizes named ``*dim*`` that were equal stay equal (MLA's ``head_dim`` is its
+      ``qk_rope_head_dim``), at the smaller tiny value;
+    - a ``*dim*`` size left alone that equalled a shrunk one, or the sum of two
+      (``qk_head_dim = qk_nope_head_dim + qk_rope_head_dim``), follows them;
+    - other per-head sizes (``rotary_dim``, ``linear_head_dim``, ``mamba_d_head``) are capped
+      at the tiny head size, 16;
+    - state-space heads times their size stay ``expand * hidden_size``;
+    - multi-head attention stays multi-head (MLA repeats no key-value heads).
+    """
+    after = _integers(config)
+    for heads, kv_heads in (
+        ("num_attention_heads", "num_key_value_heads"),
+        ("decoder_attention_heads", "num_key_value_heads"),
+    ):
+        if heads in before and kv_heads in before and before[heads] == before[kv_heads]:
+            _set(config, kv_heads, after[heads])
+    shrunk = {n for n in after if n in before and after[n] != before[n] and "dim" in n}
+    for name in sorted(shrunk):
+        twins = [n for n in shrunk if before[n] == before[name]]
+        _set(config, name, min(getattr(config, n) for n in twins))
+    after = _integers(config)
+    for name, value in after.items():
+        if name in shrunk or "dim" not in name or name not in before or value != before[name]:
+            continue
+        equal = [n for n in sorted(shrunk) if before[n] == value]
+        sums = [
+            (a, b) for a in sorted(shrunk) for b in sorted(shrunk) if before[a] + before[b] == value
+        ]
+        if equal:
+            _set(config, name, after[equal[0]])
+        elif sums:
+            _set(config, name, after[sums[0][0]] + after[sums[0][1]])
+        elif value > 16 and ("head" in name or name == "rotary_dim"):
+            _set(config, name, 16)
+    experts = min(
+        (
+            v
+            for n, v in after.items()
+            if n in ("num_experts", "num_local_experts", "n_routed_experts")
+        ),
+        default=None,
+    )
+    for name in ("n_group", "num_expert_group", "topk_group"):
+        if experts is not None and after.get(name, 0) > 1:  # groups of experts
+            _set(config, name, 1)
+    after = _integers(config)
+    for heads, size, expand in (
+        ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
+        ("num_heads", "head_dim", "expand"),
+    ):
+        if (
+            all(n in before for n in (heads, size, expand, "hidden_size"))
+            and before[heads] * before[size] == before[expand] * before["hidden_size"]
+        ):
+            inner = after[expand] * after["hidden_size"]
+            if inner % after[size] == 0:
+                _set(config, heads, inner // after[size])
+
+
 def _shrink(config: Any, depth: int = 0) -> None:
+    before = _integers(config)
     for name, value in _TINY.items():
         current = getattr(config, name, None)
         if isinstance(current, int) and not isinstance(current, bool) and current > value:
@@ -112,8 +188,15 @@ def _shrink(config: Any, depth: int = 0) -> None:
     for name in ("layer_types", "mlp_layer_types"):
         types = getattr(config, name, None)
         if isinstance(types, list) and len(types) > 2:
+            # keep two kinds of layer where there are two (linear and full attention, say)
+            other = next((t for t in types if t != types[0]), types[1])
             with contextlib.suppress(Exception):
-                setattr(config, name, types[:2])
+                setattr(config, name, [types[0], other])
+    _keep_derived(config, before)
+    if getattr(config, "use_cache", None) is True:
+        # one forward, no generation: hybrid caches with no attention layer cannot count tokens
+        with contextlib.suppress(Exception):
+            config.use_cache = False
     for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout"):
         if isinstance(getattr(config, name, None), float):
             with contextlib.suppress(Exception):
