@@ -108,10 +108,11 @@ def _keep_derived(config: Any, before: dict[str, int]) -> None:
 
     - sizes named ``*dim*`` that were equal stay equal (MLA's ``head_dim`` is its
       ``qk_rope_head_dim``), at the smaller tiny value;
-    - a ``*dim*`` size left alone that equalled a shrunk one, or the sum of two
+    - a ``*dim*`` size left alone that equalled a shrunk one (or the width), or the sum of two
       (``qk_head_dim = qk_nope_head_dim + qk_rope_head_dim``), follows them;
     - other per-head sizes (``rotary_dim``, ``linear_head_dim``, ``mamba_d_head``) are capped
       at the tiny head size, 16;
+    - expert groups collapse to one, and a missing experts-per-token becomes 2;
     - state-space heads times their size stay ``expand * hidden_size``;
     - multi-head attention stays multi-head (MLA repeats no key-value heads).
     """
@@ -122,6 +123,7 @@ def _keep_derived(config: Any, before: dict[str, int]) -> None:
     ):
         if heads in before and kv_heads in before and before[heads] == before[kv_heads]:
             _set(config, kv_heads, after[heads])
+    widths = {n for n in ("hidden_size", "d_model", "n_embd") if after.get(n) != before.get(n)}
     shrunk = {n for n in after if n in before and after[n] != before[n] and "dim" in n}
     for name in sorted(shrunk):
         twins = [n for n in shrunk if before[n] == before[name]]
@@ -130,7 +132,7 @@ def _keep_derived(config: Any, before: dict[str, int]) -> None:
     for name, value in after.items():
         if name in shrunk or "dim" not in name or name not in before or value != before[name]:
             continue
-        equal = [n for n in sorted(shrunk) if before[n] == value]
+        equal = [n for n in sorted(shrunk | widths) if before[n] == value]
         sums = [
             (a, b) for a in sorted(shrunk) for b in sorted(shrunk) if before[a] + before[b] == value
         ]
@@ -148,6 +150,8 @@ def _keep_derived(config: Any, before: dict[str, int]) -> None:
         ),
         default=None,
     )
+    if experts is not None and getattr(config, "num_experts_per_tok", 0) is None:
+        _set(config, "num_experts_per_tok", 2)
     for name in ("n_group", "num_expert_group", "topk_group"):
         if experts is not None and after.get(name, 0) > 1:  # groups of experts
             _set(config, name, 1)
