@@ -112,6 +112,7 @@ def _keep_derived(config: Any, before: dict[str, int]) -> None:
       (``qk_head_dim = qk_nope_head_dim + qk_rope_head_dim``), follows them;
     - other per-head sizes (``rotary_dim``, ``linear_head_dim``, ``mamba_d_head``) are capped
       at the tiny head size, 16;
+    - other ``*hidden_size`` sizes that were a multiple of the width stay that multiple;
     - expert groups collapse to one, and a missing experts-per-token becomes 2;
     - state-space heads times their size stay ``expand * hidden_size``;
     - multi-head attention stays multi-head (MLA repeats no key-value heads).
@@ -142,6 +143,11 @@ def _keep_derived(config: Any, before: dict[str, int]) -> None:
             _set(config, name, after[sums[0][0]] + after[sums[0][1]])
         elif value > 16 and ("head" in name or name == "rotary_dim"):
             _set(config, name, 16)
+    new, old = after.get("hidden_size", 0), before.get("hidden_size", 0)
+    for name, value in after.items():  # attention_hidden_size = 2 * hidden_size, say
+        scaled = name.endswith("_hidden_size") and value == before.get(name)
+        if scaled and new < old and value > old and value % old == 0:
+            _set(config, name, value // old * new)
     experts = min(
         (
             v
@@ -169,7 +175,7 @@ def _keep_derived(config: Any, before: dict[str, int]) -> None:
                 _set(config, heads, inner // after[size])
 
 
-def _shrink(config: Any, depth: int = 0) -> None:
+def _shrink(config: Any, depth: int = 0, mixed: bool = True) -> None:
     before = _integers(config)
     for name, value in _TINY.items():
         current = getattr(config, name, None)
@@ -193,7 +199,7 @@ def _shrink(config: Any, depth: int = 0) -> None:
         types = getattr(config, name, None)
         if isinstance(types, list) and len(types) > 2:
             # keep two kinds of layer where there are two (linear and full attention, say)
-            other = next((t for t in types if t != types[0]), types[1])
+            other = next((t for t in types if t != types[0] and mixed), types[1])
             with contextlib.suppress(Exception):
                 setattr(config, name, [types[0], other])
     _keep_derived(config, before)
@@ -208,15 +214,20 @@ def _shrink(config: Any, depth: int = 0) -> None:
     if depth < 3:
         for value in list(vars(config).values()):
             if hasattr(value, "to_dict") and hasattr(value, "model_type"):
-                _shrink(value, depth + 1)
+                _shrink(value, depth + 1, mixed)
 
 
-def tiny_config(model_type: str) -> Any:
-    """The default config of ``model_type``, shrunk (hidden 64, 2 layers, 4 heads, ...)."""
+def tiny_config(model_type: str, mixed: bool = True) -> Any:
+    """The default config of ``model_type``, shrunk (hidden 64, 2 layers, 4 heads, ...).
+
+    Sizes derived from the shrunk ones are kept consistent with them. With ``mixed``, a
+    ``layer_types`` list keeps its first type and the first other type (a linear-attention and
+    a full-attention layer, say); without, its first two.
+    """
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type)
-    _shrink(config)
+    _shrink(config, mixed=mixed)
     with contextlib.suppress(Exception):
         config._attn_implementation = "eager"
     return config
@@ -254,8 +265,13 @@ def build_model(model_type: str, seed: int = 0) -> tuple[torch.nn.Module, str]:
         raise LookupError(f"no supported head for {model_type}")
     task, cls = found
     config = tiny_config(model_type)
-    with torch.device("meta"):
-        meta = cls(config)
+    try:
+        with torch.device("meta"):
+            meta = cls(config)
+    except Exception:  # the default config may not define every kind of layer it lists
+        config = tiny_config(model_type, mixed=False)
+        with torch.device("meta"):
+            meta = cls(config)
     count = sum(p.numel() for p in meta.parameters())
     if count > _MAX_PARAMETERS:
         raise MemoryError(f"{count / 1e6:.0f}M parameters after shrinking")
