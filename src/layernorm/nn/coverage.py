@@ -90,7 +90,93 @@ _TASKS = (
 _MAX_PARAMETERS = 30_000_000
 
 
-def _shrink(config: Any, depth: int = 0) -> None:
+def _integers(config: Any) -> dict[str, int]:
+    return {
+        name: value
+        for name, value in vars(config).items()
+        if isinstance(value, int) and not isinstance(value, bool)
+    }
+
+
+def _set(config: Any, name: str, value: Any) -> None:
+    with contextlib.suppress(Exception):
+        setattr(config, name, value)
+
+
+def _keep_derived(config: Any, before: dict[str, int]) -> None:
+    """Re-derives the sizes that the shrunk ones determined, from ``before`` (the originals).
+
+    - sizes named ``*dim*`` that were equal stay equal (MLA's ``head_dim`` is its
+      ``qk_rope_head_dim``), at the smaller tiny value;
+    - a ``*dim*`` size left alone that equalled a shrunk one (or the width), or the sum of two
+      (``qk_head_dim = qk_nope_head_dim + qk_rope_head_dim``), follows them;
+    - other per-head sizes (``rotary_dim``, ``linear_head_dim``, ``mamba_d_head``) are capped
+      at the tiny head size, 16;
+    - other ``*hidden_size`` sizes that were a multiple of the width stay that multiple;
+    - expert groups collapse to one, and a missing experts-per-token becomes 2;
+    - state-space heads times their size stay ``expand * hidden_size``;
+    - multi-head attention stays multi-head (MLA repeats no key-value heads).
+    """
+    after = _integers(config)
+    for heads, kv_heads in (
+        ("num_attention_heads", "num_key_value_heads"),
+        ("decoder_attention_heads", "num_key_value_heads"),
+    ):
+        if heads in before and kv_heads in before and before[heads] == before[kv_heads]:
+            _set(config, kv_heads, after[heads])
+    widths = {n for n in ("hidden_size", "d_model", "n_embd") if after.get(n) != before.get(n)}
+    shrunk = {n for n in after if n in before and after[n] != before[n] and "dim" in n}
+    for name in sorted(shrunk):
+        twins = [n for n in shrunk if before[n] == before[name]]
+        _set(config, name, min(getattr(config, n) for n in twins))
+    after = _integers(config)
+    for name, value in after.items():
+        if name in shrunk or "dim" not in name or name not in before or value != before[name]:
+            continue
+        equal = [n for n in sorted(shrunk | widths) if before[n] == value]
+        sums = [
+            (a, b) for a in sorted(shrunk) for b in sorted(shrunk) if before[a] + before[b] == value
+        ]
+        if equal:
+            _set(config, name, after[equal[0]])
+        elif sums:
+            _set(config, name, after[sums[0][0]] + after[sums[0][1]])
+        elif value > 16 and ("head" in name or name == "rotary_dim"):
+            _set(config, name, 16)
+    new, old = after.get("hidden_size", 0), before.get("hidden_size", 0)
+    for name, value in after.items():  # attention_hidden_size = 2 * hidden_size, say
+        scaled = name.endswith("_hidden_size") and value == before.get(name)
+        if scaled and new < old and value > old and value % old == 0:
+            _set(config, name, value // old * new)
+    experts = min(
+        (
+            v
+            for n, v in after.items()
+            if n in ("num_experts", "num_local_experts", "n_routed_experts")
+        ),
+        default=None,
+    )
+    if experts is not None and getattr(config, "num_experts_per_tok", 0) is None:
+        _set(config, "num_experts_per_tok", 2)
+    for name in ("n_group", "num_expert_group", "topk_group"):
+        if experts is not None and after.get(name, 0) > 1:  # groups of experts
+            _set(config, name, 1)
+    after = _integers(config)
+    for heads, size, expand in (
+        ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
+        ("num_heads", "head_dim", "expand"),
+    ):
+        if (
+            all(n in before for n in (heads, size, expand, "hidden_size"))
+            and before[heads] * before[size] == before[expand] * before["hidden_size"]
+        ):
+            inner = after[expand] * after["hidden_size"]
+            if inner % after[size] == 0:
+                _set(config, heads, inner // after[size])
+
+
+def _shrink(config: Any, depth: int = 0, mixed: bool = True) -> None:
+    before = _integers(config)
     for name, value in _TINY.items():
         current = getattr(config, name, None)
         if isinstance(current, int) and not isinstance(current, bool) and current > value:
@@ -112,8 +198,15 @@ def _shrink(config: Any, depth: int = 0) -> None:
     for name in ("layer_types", "mlp_layer_types"):
         types = getattr(config, name, None)
         if isinstance(types, list) and len(types) > 2:
+            # keep two kinds of layer where there are two (linear and full attention, say)
+            other = next((t for t in types if t != types[0] and mixed), types[1])
             with contextlib.suppress(Exception):
-                setattr(config, name, types[:2])
+                setattr(config, name, [types[0], other])
+    _keep_derived(config, before)
+    if getattr(config, "use_cache", None) is True:
+        # one forward, no generation: hybrid caches with no attention layer cannot count tokens
+        with contextlib.suppress(Exception):
+            config.use_cache = False
     for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout"):
         if isinstance(getattr(config, name, None), float):
             with contextlib.suppress(Exception):
@@ -121,15 +214,20 @@ def _shrink(config: Any, depth: int = 0) -> None:
     if depth < 3:
         for value in list(vars(config).values()):
             if hasattr(value, "to_dict") and hasattr(value, "model_type"):
-                _shrink(value, depth + 1)
+                _shrink(value, depth + 1, mixed)
 
 
-def tiny_config(model_type: str) -> Any:
-    """The default config of ``model_type``, shrunk (hidden 64, 2 layers, 4 heads, ...)."""
+def tiny_config(model_type: str, mixed: bool = True) -> Any:
+    """The default config of ``model_type``, shrunk (hidden 64, 2 layers, 4 heads, ...).
+
+    Sizes derived from the shrunk ones are kept consistent with them. With ``mixed``, a
+    ``layer_types`` list keeps its first type and the first other type (a linear-attention and
+    a full-attention layer, say); without, its first two.
+    """
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type)
-    _shrink(config)
+    _shrink(config, mixed=mixed)
     with contextlib.suppress(Exception):
         config._attn_implementation = "eager"
     return config
@@ -167,8 +265,13 @@ def build_model(model_type: str, seed: int = 0) -> tuple[torch.nn.Module, str]:
         raise LookupError(f"no supported head for {model_type}")
     task, cls = found
     config = tiny_config(model_type)
-    with torch.device("meta"):
-        meta = cls(config)
+    try:
+        with torch.device("meta"):
+            meta = cls(config)
+    except Exception:  # the default config may not define every kind of layer it lists
+        config = tiny_config(model_type, mixed=False)
+        with torch.device("meta"):
+            meta = cls(config)
     count = sum(p.numel() for p in meta.parameters())
     if count > _MAX_PARAMETERS:
         raise MemoryError(f"{count / 1e6:.0f}M parameters after shrinking")
