@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .patch import patch
+from .patch import PatchResult, patch
 
 __all__ = ["Family", "build_model", "check_model", "main", "survey", "tiny_config"]
 
@@ -344,7 +344,8 @@ class Family:
     classes: dict[str, list[int]] = field(default_factory=dict)  # class -> [replaced, skipped]
     replaced: int = 0
     skipped: int = 0
-    reasons: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)  # "class: reason", first seen first
+    skips: dict[str, int] = field(default_factory=dict)  # "class: reason" -> modules
     recipes: list[str] = field(default_factory=list)
     error: str = ""
     float32: float = math.nan  # logits, relative
@@ -353,6 +354,21 @@ class Family:
     bf16_same: float = math.nan  # share of logits bitwise equal
     bf16_err: tuple[float, float] = (math.nan, math.nan)  # (patched, unpatched) vs float64
     seconds: float = 0.0
+
+    def count(self, result: PatchResult) -> None:
+        """Takes the modules replaced and skipped (with their reasons) from ``result``."""
+        self.replaced, self.skipped = len(result), len(result.skipped)
+        self.classes, self.recipes, self.reasons, self.skips = {}, [], [], {}
+        for _, cls, what in result.replaced:
+            self.classes.setdefault(cls, [0, 0])[0] += 1
+            if what not in self.recipes:
+                self.recipes.append(what)
+        for _, cls, reason in result.skipped:
+            self.classes.setdefault(cls, [0, 0])[1] += 1
+            key = f"{cls}: {reason}"
+            if key not in self.skips:
+                self.reasons.append(key)
+            self.skips[key] = self.skips.get(key, 0) + 1
 
     @property
     def exact(self) -> bool:
@@ -363,16 +379,7 @@ def check_model(model: torch.nn.Module, inputs: dict[str, torch.Tensor], family:
     """Patches a copy of ``model`` and fills ``family``'s checks against ``model`` itself."""
     patched = copy.deepcopy(model)
     result = patch(patched)
-    family.replaced = len(result)
-    family.skipped = len(result.skipped)
-    for _, cls, what in result.replaced:
-        family.classes.setdefault(cls, [0, 0])[0] += 1
-        if what not in family.recipes:
-            family.recipes.append(what)
-    for _, cls, reason in result.skipped:
-        family.classes.setdefault(cls, [0, 0])[1] += 1
-        if f"{cls}: {reason}" not in family.reasons:
-            family.reasons.append(f"{cls}: {reason}")
+    family.count(result)
     if not result:
         return
     # three SGD steps on each; the first step's logits and gradients are compared
@@ -451,14 +458,7 @@ def survey(model_type: str, timeout: int = 120) -> Family:
             with torch.no_grad():
                 _logits(model(**inputs))
         except Exception as error:  # the inputs made here do not fit this model
-            result = patch(model)
-            family.replaced, family.skipped = len(result), len(result.skipped)
-            for _, cls, _what in result.replaced:
-                family.classes.setdefault(cls, [0, 0])[0] += 1
-            for _, cls, reason in result.skipped:
-                family.classes.setdefault(cls, [0, 0])[1] += 1
-                if f"{cls}: {reason}" not in family.reasons:
-                    family.reasons.append(f"{cls}: {reason}")
+            family.count(patch(model))
             family.error = f"unpatched forward: {type(error).__name__}: {_short(error)}"
             return family
         try:
@@ -468,13 +468,7 @@ def survey(model_type: str, timeout: int = 120) -> Family:
         except Exception as error:
             family.error = f"check: {type(error).__name__}: {_short(error)}"
             if family.replaced == 0 and not family.classes:
-                result = patch(model)
-                family.replaced, family.skipped = len(result), len(result.skipped)
-                for _, cls, _what in result.replaced:
-                    family.classes.setdefault(cls, [0, 0])[0] += 1
-                for _, cls, reason in result.skipped:
-                    family.classes.setdefault(cls, [0, 0])[1] += 1
-                    family.reasons.append(f"{cls}: {reason}")
+                family.count(patch(model))
     except _Timeout:
         family.error = f"over {timeout} s"
     except Exception as error:
@@ -495,25 +489,65 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+#: skip reasons saying a module is not one input's layer norm or RMSNorm over trailing dims,
+#: whatever its name says: batch and group norms, containers, gated and weight norms
+OUT_OF_SCOPE = (
+    "normalizes over the batch or channel groups",
+    "has submodules",
+    "required inputs, not one",
+)
+
+
+@dataclass
+class Totals:
+    """The coverage table's totals, over families that built.
+
+    ``in_scope`` counts the norm modules that are layer norms or RMSNorms by what they take
+    (everything but the :data:`OUT_OF_SCOPE` skips): ``replaced`` of them were, ``exact`` of
+    those sit in families whose whole model was checked exact (:attr:`Family.exact`), and
+    ``unproven`` were skipped for another reason.
+    """
+
+    families: int
+    built: int
+    with_norms: int
+    replaced: int
+    unproven: int
+    out_of_scope: int
+    checked_families: int
+    exact_families: int
+    exact: int
+
+    @property
+    def in_scope(self) -> int:
+        return self.replaced + self.unproven
+
+
+def totals(families: list[Family]) -> Totals:
+    """Sums ``families``' rows (see :class:`Totals`)."""
+    built = [f for f in families if not f.error.startswith("build")]
+    out = sum(n for f in built for r, n in f.skips.items() if any(o in r for o in OUT_OF_SCOPE))
+    checked = [f for f in built if f.replaced and not math.isnan(f.float32)]
+    exact = [f for f in checked if f.exact]
+    return Totals(
+        families=len(families),
+        built=len(built),
+        with_norms=sum(1 for f in built if f.replaced + f.skipped),
+        replaced=sum(f.replaced for f in built),
+        unproven=sum(f.skipped for f in built) - out,
+        out_of_scope=out,
+        checked_families=len(checked),
+        exact_families=len(exact),
+        exact=sum(f.replaced for f in exact),
+    )
+
+
 def table(families: list[Family]) -> str:
     """The markdown document: totals, then one row per family."""
     import transformers
 
-    built = [f for f in families if not f.error.startswith("build") and f.error != "over"]
-    with_norms = [f for f in built if f.replaced + f.skipped]
-    other = "normalizes over the batch or channel groups"
-    trailing = [f for f in with_norms if not all(other in r for r in f.reasons) or f.replaced]
-    modules = sum(f.replaced + f.skipped for f in trailing)
-    other_skips = sum(
-        count[1]
-        for f in trailing
-        for cls, count in f.classes.items()
-        if any(r.startswith(f"{cls}: ") and other in r for r in f.reasons)
-    )
-    replaced = sum(f.replaced for f in trailing)
-    checked = [f for f in trailing if f.replaced and not math.isnan(f.float32)]
-    exact = [f for f in checked if f.exact]
-    exact_modules = sum(f.replaced for f in exact)
+    t = totals(families)
+    share = 100 * t.replaced / max(t.in_scope, 1)
     lines = [
         "# What `layernorm.patch` does to Hugging Face models",
         "",
@@ -524,14 +558,15 @@ def table(families: list[Family]) -> str:
         "patched, and compared with its unpatched self (see the module's docstring for the "
         "checks).",
         "",
-        f"- Model types tried: {len(families)}; built: {len(built)}; with norm modules: "
-        f"{len(with_norms)}.",
-        f"- Norm modules in families with trailing-dim norms: {modules}; replaced: {replaced} "
-        f"({100 * replaced / max(modules - other_skips, 1):.1f}% of the {modules - other_skips} "
-        "that are not batch or group norms).",
-        f"- Families replaced and checked: {len(checked)}; exact in float32 (logits 1e-5, "
-        f"gradients 1e-4, three SGD steps 1e-5): {len(exact)}, holding {exact_modules} of the "
-        "replaced modules.",
+        f"- Model types tried: {t.families}; built: {t.built}; with norm modules: {t.with_norms}.",
+        f"- Layer norms and RMSNorms (norm modules but batch and group norms, containers and "
+        f"two-input norms such as gated ones, {t.out_of_scope} modules): {t.in_scope}; "
+        f"replaced: {t.replaced} ({share:.1f}%), each proven equal to its own forward by "
+        f"probes; skipped as unproven: {t.unproven}.",
+        f"- Families whose whole model was checked: {t.checked_families}; exact in float32 "
+        f"(logits 1e-5, gradients 1e-4, three SGD steps 1e-5): {t.exact_families}, holding "
+        f"{t.exact} of the replaced modules. The others' forwards need inputs this module "
+        "does not make (see the notes).",
         "",
         "Columns: modules replaced / skipped; float32 logits error (relative to the largest "
         "logit); worst parameter gradient error; bfloat16: share of logits bitwise equal to "
