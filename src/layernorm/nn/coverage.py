@@ -112,7 +112,8 @@ def _keep_derived(config: Any, before: dict[str, int]) -> None:
       (``qk_head_dim = qk_nope_head_dim + qk_rope_head_dim``), follows them;
     - other per-head sizes (``rotary_dim``, ``linear_head_dim``, ``mamba_d_head``) are capped
       at the tiny head size, 16;
-    - other ``*hidden_size`` sizes that were a multiple of the width stay that multiple;
+    - other ``*hidden_size`` sizes that were the width or a multiple of it stay that multiple
+      (a decoder's ``cross_attention_hidden_size`` is its encoder's width);
     - expert groups collapse to one, and a missing experts-per-token becomes 2;
     - state-space heads times their size stay ``expand * hidden_size``;
     - multi-head attention stays multi-head (MLA repeats no key-value heads).
@@ -146,7 +147,7 @@ def _keep_derived(config: Any, before: dict[str, int]) -> None:
     new, old = after.get("hidden_size", 0), before.get("hidden_size", 0)
     for name, value in after.items():  # attention_hidden_size = 2 * hidden_size, say
         scaled = name.endswith("_hidden_size") and value == before.get(name)
-        if scaled and new < old and value > old and value % old == 0:
+        if scaled and new < old and value >= old and value % old == 0:
             _set(config, name, value // old * new)
     experts = min(
         (
@@ -175,6 +176,32 @@ def _keep_derived(config: Any, before: dict[str, int]) -> None:
                 _set(config, heads, inner // after[size])
 
 
+def _shrink_stages(config: Any) -> None:
+    """Shrinks per-stage size lists (convolutional and pyramid vision models) in proportion.
+
+    Widths (``hidden_sizes``) are divided by the smallest power of two that brings the widest
+    stage to 64 at most, so ratios and divisibility by powers of two survive; depths become 1
+    per stage; the number of stages is kept (other per-stage lists have that length).
+    """
+    widths = getattr(config, "hidden_sizes", None)
+    if _ints(widths) and max(widths) > 64:
+        factor = 1
+        while max(widths) / factor > 64:
+            factor *= 2
+        _set(config, "hidden_sizes", type(widths)(max(w // factor, 1) for w in widths))
+    depths = getattr(config, "depths", None)
+    if _ints(depths) and max(depths) > 1:
+        _set(config, "depths", type(depths)(1 for _ in depths))
+
+
+def _ints(value: Any) -> bool:
+    return (
+        isinstance(value, list | tuple)
+        and bool(value)
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    )
+
+
 def _shrink(config: Any, depth: int = 0, mixed: bool = True) -> None:
     before = _integers(config)
     for name, value in _TINY.items():
@@ -195,6 +222,7 @@ def _shrink(config: Any, depth: int = 0, mixed: bool = True) -> None:
     if isinstance(conv, list | tuple) and conv and max(conv) > 32:
         with contextlib.suppress(Exception):
             config.conv_dim = type(conv)(32 for _ in conv)
+    _shrink_stages(config)
     for name in ("layer_types", "mlp_layer_types"):
         types = getattr(config, name, None)
         if isinstance(types, list) and len(types) > 2:
