@@ -181,7 +181,8 @@ def _shrink_stages(config: Any) -> None:
 
     Widths (``hidden_sizes``) are divided by the smallest power of two that brings the widest
     stage to 64 at most, so ratios and divisibility by powers of two survive; depths become 1
-    per stage; the number of stages is kept (other per-stage lists have that length).
+    per stage; the number of stages is kept (other per-stage lists have that length). A first
+    stage whose width (``embed_dim``) its heads do not divide gets heads of size 16.
     """
     widths = getattr(config, "hidden_sizes", None)
     if _ints(widths) and max(widths) > 64:
@@ -192,6 +193,12 @@ def _shrink_stages(config: Any) -> None:
     depths = getattr(config, "depths", None)
     if _ints(depths) and max(depths) > 1:
         _set(config, "depths", type(depths)(1 for _ in depths))
+    if _ints(depths) and isinstance(getattr(config, "num_stages", None), int):
+        _set(config, "num_stages", len(depths))  # an alias of the shrunk num_hidden_layers
+    heads = getattr(config, "num_heads", None)
+    width = getattr(config, "embed_dim", None)
+    if _ints(heads) and isinstance(width, int) and width % heads[0]:
+        _set(config, "embed_dim", 16 * heads[0])  # stage i: 2**i times the heads and width
 
 
 def _ints(value: Any) -> bool:
