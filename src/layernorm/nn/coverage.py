@@ -182,7 +182,9 @@ def _shrink_stages(config: Any) -> None:
     Widths (``hidden_sizes``) are divided by the smallest power of two that brings the widest
     stage to 64 at most, so ratios and divisibility by powers of two survive; depths become 1
     per stage; the number of stages is kept (other per-stage lists have that length). A first
-    stage whose width (``embed_dim``) its heads do not divide gets heads of size 16.
+    stage whose width (``embed_dim``) its heads do not divide gets heads of size 16. Attention
+    windows become 2 patches wide, and the image as wide as one window at the last stage
+    (windows smaller than the full-size ones break in the model's clamping of them).
     """
     widths = getattr(config, "hidden_sizes", None)
     if _ints(widths) and max(widths) > 64:
@@ -199,6 +201,11 @@ def _shrink_stages(config: Any) -> None:
     width = getattr(config, "embed_dim", None)
     if _ints(heads) and isinstance(width, int) and width % heads[0]:
         _set(config, "embed_dim", 16 * heads[0])  # stage i: 2**i times the heads and width
+    window, patch = getattr(config, "window_size", None), getattr(config, "patch_size", None)
+    if _ints(depths) and isinstance(window, int) and isinstance(patch, int) and window > 2:
+        # the last stage's patch grid is one window, as in the full-size configs
+        _set(config, "window_size", 2)
+        _set(config, "image_size", patch * 2 ** len(depths))
 
 
 def _ints(value: Any) -> bool:
