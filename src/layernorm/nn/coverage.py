@@ -79,6 +79,11 @@ _TINY: dict[str, Any] = {
     "embed_dim": 64,
 }
 _VOCAB = 512
+#: per-family config values no general rule gives: shieldgemma2 reads its yes/no answer
+#: tokens' logits at ids that default (outside the config) to ids beyond the shrunk vocabulary
+_FAMILY: dict[str, dict[str, Any]] = {
+    "shieldgemma2": {"yes_token_index": 100, "no_token_index": 101},
+}
 _TASKS = (
     "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
     "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
@@ -244,6 +249,14 @@ def _shrink(config: Any, depth: int = 0, mixed: bool = True) -> None:
             other = next((t for t in types if t != types[0] and mixed), types[1])
             with contextlib.suppress(Exception):
                 setattr(config, name, [types[0], other])
+    types = getattr(config, "layers_block_type", None)
+    if isinstance(getattr(config, "hybrid_layer_ids", None), list) and isinstance(types, list):
+        _set(config, "hybrid_layer_ids", [i for i, t in enumerate(types) if t == "hybrid"])
+    languages = getattr(config, "languages", None)
+    if languages and getattr(config, "default_language", "") is None:
+        _set(config, "default_language", languages[0])  # adapters pick one when inputs don't
+    for name, value in _FAMILY.get(getattr(config, "model_type", ""), {}).items():
+        _set(config, name, value)
     _keep_derived(config, before)
     if getattr(config, "use_cache", None) is True:
         # one forward, no generation: hybrid caches with no attention layer cannot count tokens
@@ -259,6 +272,29 @@ def _shrink(config: Any, depth: int = 0, mixed: bool = True) -> None:
                 _shrink(value, depth + 1, mixed)
 
 
+#: token ids clamped into the shrunk vocabulary sit in its last few ids, which inputs avoid
+_SPECIAL = 8
+
+
+def _clamp_tokens(config: Any) -> None:
+    """Moves token ids (``image_token_index``, ``boi_token_id``) beyond the shrunk vocabulary
+    into its last :data:`_SPECIAL` ids, distinct ids staying distinct."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    if not isinstance(vocab, int):
+        return
+    configs = [config] + [
+        v for v in vars(config).values() if hasattr(v, "to_dict") and hasattr(v, "model_type")
+    ]
+    moved: dict[int, int] = {}
+    for c in configs:
+        for name, value in _integers(c).items():
+            if "token" in name and ("id" in name or "index" in name) and value >= vocab:
+                if value not in moved:
+                    moved[value] = vocab - 1 - len(moved) % _SPECIAL
+                _set(c, name, moved[value])
+
+
 def tiny_config(model_type: str, mixed: bool = True) -> Any:
     """The default config of ``model_type``, shrunk (hidden 64, 2 layers, 4 heads, ...).
 
@@ -270,6 +306,7 @@ def tiny_config(model_type: str, mixed: bool = True) -> Any:
 
     config = AutoConfig.for_model(model_type)
     _shrink(config, mixed=mixed)
+    _clamp_tokens(config)
     with contextlib.suppress(Exception):
         config._attn_implementation = "eager"
     return config
@@ -339,7 +376,7 @@ def make_inputs(model: torch.nn.Module, seed: int = 0) -> dict[str, torch.Tensor
         vocab = getattr(config, "vocab_size", None) or getattr(
             config.get_text_config(), "vocab_size", _VOCAB
         )
-        high = min(int(vocab or _VOCAB), _VOCAB) - 1
+        high = min(int(vocab or _VOCAB), _VOCAB) - _SPECIAL
         inputs = {"input_ids": torch.randint(3, high, (2, 12), generator=generator)}
         if getattr(config, "is_encoder_decoder", False):
             inputs["decoder_input_ids"] = inputs["input_ids"][:, :6].clone()
