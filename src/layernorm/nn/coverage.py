@@ -367,11 +367,30 @@ def build_model(model_type: str, seed: int = 0) -> tuple[torch.nn.Module, str]:
     return model, task
 
 
+def _features(config: Any) -> Any:
+    """The config, or sub-config (``audio_config``, ``encoder_config``), with mel bins."""
+    if hasattr(config, "num_mel_bins"):
+        return config
+    for value in vars(config).values():
+        if hasattr(value, "to_dict") and hasattr(value, "num_mel_bins"):
+            return value
+    return None
+
+
 def make_inputs(model: torch.nn.Module, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Inputs for ``model``'s forward: token ids, pixels or audio, by its main input."""
+    """Inputs for ``model``'s forward: token ids, pixels or audio, by its main input.
+
+    Spectrograms take their mel bins from the config (or its audio sub-config) and are laid
+    out (batch, bins, frames); :func:`_variants` gives the other layouts that
+    :func:`survey` tries when a model's forward rejects these.
+    """
+    import inspect
+
     config: Any = model.config
     generator = torch.Generator().manual_seed(seed)
     main = getattr(model, "main_input_name", "input_ids")
+    features = _features(config)
+    bins = getattr(features, "num_mel_bins", 80)
     if main == "input_ids":
         vocab = getattr(config, "vocab_size", None) or getattr(
             config.get_text_config(), "vocab_size", _VOCAB
@@ -380,6 +399,10 @@ def make_inputs(model: torch.nn.Module, seed: int = 0) -> dict[str, torch.Tensor
         inputs = {"input_ids": torch.randint(3, high, (2, 12), generator=generator)}
         if getattr(config, "is_encoder_decoder", False):
             inputs["decoder_input_ids"] = inputs["input_ids"][:, :6].clone()
+        if features is not None and "input_features" in inspect.signature(model.forward).parameters:
+            # audio aligned with the tokens (streaming speech-to-text): frames per token
+            frames = 12 * getattr(config, "audio_length_per_tok", 8)
+            inputs["input_features"] = torch.randn(2, bins, frames, generator=generator)
         return inputs
     if main == "pixel_values":
         vision = getattr(config, "vision_config", None) or config
@@ -388,12 +411,25 @@ def make_inputs(model: torch.nn.Module, seed: int = 0) -> dict[str, torch.Tensor
         size = size if isinstance(size, int) else size[0]
         return {"pixel_values": torch.randn(2, channels, size, size, generator=generator)}
     if main == "input_values":
+        if features is not None:  # a spectrogram (batch, frames, bins), not a waveform
+            frames = getattr(features, "max_length", 64)
+            return {"input_values": torch.randn(2, frames, bins, generator=generator)}
         return {"input_values": torch.randn(2, 1600, generator=generator)}
     if main == "input_features":
-        bins = getattr(config, "num_mel_bins", 80)
-        frames = 2 * getattr(config, "max_source_positions", 32)
+        frames = 2 * getattr(features or config, "max_source_positions", 32)
         return {"input_features": torch.randn(2, bins, frames, generator=generator)}
     raise LookupError(f"no inputs for main input {main!r}")
+
+
+def _variants(inputs: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """Other layouts of ``inputs``' audio: spectrograms (batch, frames, bins), waveforms with
+    a channel dimension."""
+    variants = []
+    if "input_features" in inputs and inputs["input_features"].dim() == 3:
+        variants.append({**inputs, "input_features": inputs["input_features"].transpose(1, 2)})
+    if "input_values" in inputs and inputs["input_values"].dim() == 2:
+        variants.append({**inputs, "input_values": inputs["input_values"].unsqueeze(1)})
+    return variants
 
 
 def _logits(output: Any) -> torch.Tensor:
@@ -533,12 +569,19 @@ def survey(model_type: str, timeout: int = 120) -> Family:
     try:
         model, family.task = build_model(model_type)
         inputs = make_inputs(model)
-        try:
-            with torch.no_grad():
-                _logits(model(**inputs))
-        except Exception as error:  # the inputs made here do not fit this model
+        first: Exception | None = None
+        for candidate in [inputs, *_variants(inputs)]:
+            try:
+                with torch.no_grad():
+                    _logits(model(**candidate))
+            except Exception as error:  # the inputs made here do not fit this model
+                first = first or error
+                continue
+            inputs, first = candidate, None
+            break
+        if first is not None:
             family.count(patch(model))
-            family.error = f"unpatched forward: {type(error).__name__}: {_short(error)}"
+            family.error = f"unpatched forward: {type(first).__name__}: {_short(first)}"
             return family
         try:
             check_model(model, inputs, family)
