@@ -367,6 +367,11 @@ def build_model(model_type: str, seed: int = 0) -> tuple[torch.nn.Module, str]:
     return model, task
 
 
+#: spectrogram features per mel bin where a family's feature extractor stacks frames:
+#: granite_speech5 appends deltas (x2) and stacks pairs of frames (x2)
+_STACKED = {"granite_speech5_ctc": 4}
+
+
 def _features(config: Any) -> Any:
     """The config, or sub-config (``audio_config``, ``encoder_config``), with mel bins."""
     if hasattr(config, "num_mel_bins"):
@@ -417,6 +422,7 @@ def make_inputs(model: torch.nn.Module, seed: int = 0) -> dict[str, torch.Tensor
         return {"input_values": torch.randn(2, 1600, generator=generator)}
     if main == "input_features":
         frames = 2 * getattr(features or config, "max_source_positions", 32)
+        bins *= _STACKED.get(getattr(config, "model_type", ""), 1)
         return {"input_features": torch.randn(2, bins, frames, generator=generator)}
     raise LookupError(f"no inputs for main input {main!r}")
 
