@@ -414,6 +414,14 @@ def make_inputs(model: torch.nn.Module, seed: int = 0) -> dict[str, torch.Tensor
         channels = getattr(vision, "num_channels", 3)
         size = getattr(vision, "image_size", 32)
         size = size if isinstance(size, int) else size[0]
+        if "spatial_shapes" in inspect.signature(model.forward).parameters:
+            # native-resolution vision (NaFlex): pixels come as a 4 x 4 grid of flat patches
+            patch = getattr(vision, "patch_size", 16)
+            return {
+                "pixel_values": torch.randn(2, 16, channels * patch * patch, generator=generator),
+                "pixel_attention_mask": torch.ones(2, 16, dtype=torch.long),
+                "spatial_shapes": torch.tensor([[4, 4], [4, 4]]),
+            }
         return {"pixel_values": torch.randn(2, channels, size, size, generator=generator)}
     if main == "input_values":
         if features is not None:  # a spectrogram (batch, frames, bins), not a waveform
