@@ -79,10 +79,12 @@ _TINY: dict[str, Any] = {
     "embed_dim": 64,
 }
 _VOCAB = 512
-#: per-family config values no general rule gives: shieldgemma2 reads its yes/no answer
-#: tokens' logits at ids that default (outside the config) to ids beyond the shrunk vocabulary
+#: per-family config values no general rule gives
 _FAMILY: dict[str, dict[str, Any]] = {
+    # the yes/no answer tokens' ids default (outside the config) beyond the shrunk vocabulary
     "shieldgemma2": {"yes_token_index": 100, "no_token_index": 101},
+    # levit's stem always downsamples 16x: its patch size is that, not a setting
+    "levit": {"patch_size": 16, "image_size": 64},
 }
 _TASKS = (
     "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
