@@ -193,18 +193,18 @@ def _shrink_stages(config: Any) -> None:
     windows become 2 patches wide, and the image as wide as one window at the last stage
     (windows smaller than the full-size ones break in the model's clamping of them).
     """
-    widths = getattr(config, "hidden_sizes", None)
+    widths: Any = getattr(config, "hidden_sizes", None)
     if _ints(widths) and max(widths) > 64:
         factor = 1
         while max(widths) / factor > 64:
             factor *= 2
         _set(config, "hidden_sizes", type(widths)(max(w // factor, 1) for w in widths))
-    depths = getattr(config, "depths", None)
+    depths: Any = getattr(config, "depths", None)
     if _ints(depths) and max(depths) > 1:
         _set(config, "depths", type(depths)(1 for _ in depths))
     if _ints(depths) and isinstance(getattr(config, "num_stages", None), int):
         _set(config, "num_stages", len(depths))  # an alias of the shrunk num_hidden_layers
-    heads = getattr(config, "num_heads", None)
+    heads: Any = getattr(config, "num_heads", None)
     width = getattr(config, "embed_dim", None)
     if _ints(heads) and isinstance(width, int) and width % heads[0]:
         _set(config, "embed_dim", 16 * heads[0])  # stage i: 2**i times the heads and width
