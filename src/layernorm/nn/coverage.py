@@ -183,20 +183,42 @@ def _keep_derived(config: Any, before: dict[str, int]) -> None:
                 _set(config, heads, inner // after[size])
 
 
+#: per-stage lists :func:`_shrink_stages` keeps consistent; a config with others is left alone
+_STAGE_LISTS = {
+    "hidden_sizes",
+    "depths",
+    "num_heads",
+    "num_attention_heads",
+    "key_dim",
+    "mlp_ratio",
+    "attention_ratio",
+    "down_ops",
+    "stage_names",
+}
+
+
 def _shrink_stages(config: Any) -> None:
     """Shrinks per-stage size lists (convolutional and pyramid vision models) in proportion.
 
     Widths (``hidden_sizes``) are divided by the smallest power of two that brings the widest
-    stage to 64 at most, so ratios and divisibility by powers of two survive; depths become 1
+    stage to 64 at most, or the narrowest to 128, so ratios and divisibility by powers of two
+    survive; depths become 1
     per stage; the number of stages is kept (other per-stage lists have that length). A first
     stage whose width (``embed_dim``) its heads do not divide gets heads of size 16. Attention
     windows become 2 patches wide, and the image as wide as one window at the last stage
     (windows smaller than the full-size ones break in the model's clamping of them).
     """
+    others = [
+        n
+        for n, v in vars(config).items()
+        if isinstance(v, list | tuple) and not n.startswith("_") and n not in _STAGE_LISTS
+    ]
+    if others:  # per-stage channels or per-layer kernels that would have to follow
+        return
     widths: Any = getattr(config, "hidden_sizes", None)
     if _ints(widths) and max(widths) > 64:
-        factor = 1
-        while max(widths) / factor > 64:
+        factor = 1  # the narrowest stage keeps 128: a bottleneck quarter of 32 groups of norms
+        while max(widths) / factor > 64 and min(widths) / factor >= 256:
             factor *= 2
         _set(config, "hidden_sizes", type(widths)(max(w // factor, 1) for w in widths))
     depths: Any = getattr(config, "depths", None)
@@ -406,10 +428,6 @@ def make_inputs(model: torch.nn.Module, seed: int = 0) -> dict[str, torch.Tensor
         inputs = {"input_ids": torch.randint(3, high, (2, 12), generator=generator)}
         if getattr(config, "is_encoder_decoder", False):
             inputs["decoder_input_ids"] = inputs["input_ids"][:, :6].clone()
-        if features is not None and "input_features" in inspect.signature(model.forward).parameters:
-            # audio aligned with the tokens (streaming speech-to-text): frames per token
-            frames = 12 * getattr(config, "audio_length_per_tok", 8)
-            inputs["input_features"] = torch.randn(2, bins, frames, generator=generator)
         return inputs
     if main == "pixel_values":
         vision = getattr(config, "vision_config", None) or config
@@ -437,10 +455,21 @@ def make_inputs(model: torch.nn.Module, seed: int = 0) -> dict[str, torch.Tensor
     raise LookupError(f"no inputs for main input {main!r}")
 
 
-def _variants(inputs: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+def _variants(
+    model: torch.nn.Module, inputs: dict[str, torch.Tensor]
+) -> list[dict[str, torch.Tensor]]:
     """Other layouts of ``inputs``' audio: spectrograms (batch, frames, bins), waveforms with
-    a channel dimension."""
+    a channel dimension; tokens with the audio a streaming speech-to-text model requires."""
+    import inspect
+
     variants = []
+    config: Any = model.config
+    features = _features(config)
+    takes = inspect.signature(model.forward).parameters
+    if "input_ids" in inputs and features is not None and "input_features" in takes:
+        frames = 12 * getattr(config, "audio_length_per_tok", 8)  # frames per token
+        audio = torch.randn(2, features.num_mel_bins, frames, generator=torch.Generator())
+        variants.append({**inputs, "input_features": audio})
     if "input_features" in inputs and inputs["input_features"].dim() == 3:
         variants.append({**inputs, "input_features": inputs["input_features"].transpose(1, 2)})
     if "input_values" in inputs and inputs["input_values"].dim() == 2:
@@ -586,7 +615,7 @@ def survey(model_type: str, timeout: int = 120) -> Family:
         model, family.task = build_model(model_type)
         inputs = make_inputs(model)
         first: Exception | None = None
-        for candidate in [inputs, *_variants(inputs)]:
+        for candidate in [inputs, *_variants(model, inputs)]:
             try:
                 with torch.no_grad():
                     _logits(model(**candidate))
