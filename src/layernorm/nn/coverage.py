@@ -79,6 +79,13 @@ _TINY: dict[str, Any] = {
     "embed_dim": 64,
 }
 _VOCAB = 512
+#: per-family config values no general rule gives
+_FAMILY: dict[str, dict[str, Any]] = {
+    # the yes/no answer tokens' ids default (outside the config) beyond the shrunk vocabulary
+    "shieldgemma2": {"yes_token_index": 100, "no_token_index": 101},
+    # levit's stem always downsamples 16x: its patch size is that, not a setting
+    "levit": {"patch_size": 16, "image_size": 64},
+}
 _TASKS = (
     "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
     "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
@@ -112,7 +119,8 @@ def _keep_derived(config: Any, before: dict[str, int]) -> None:
       (``qk_head_dim = qk_nope_head_dim + qk_rope_head_dim``), follows them;
     - other per-head sizes (``rotary_dim``, ``linear_head_dim``, ``mamba_d_head``) are capped
       at the tiny head size, 16;
-    - other ``*hidden_size`` sizes that were a multiple of the width stay that multiple;
+    - other ``*hidden_size`` sizes that were the width or a multiple of it stay that multiple
+      (a decoder's ``cross_attention_hidden_size`` is its encoder's width);
     - expert groups collapse to one, and a missing experts-per-token becomes 2;
     - state-space heads times their size stay ``expand * hidden_size``;
     - multi-head attention stays multi-head (MLA repeats no key-value heads).
@@ -146,7 +154,7 @@ def _keep_derived(config: Any, before: dict[str, int]) -> None:
     new, old = after.get("hidden_size", 0), before.get("hidden_size", 0)
     for name, value in after.items():  # attention_hidden_size = 2 * hidden_size, say
         scaled = name.endswith("_hidden_size") and value == before.get(name)
-        if scaled and new < old and value > old and value % old == 0:
+        if scaled and new < old and value >= old and value % old == 0:
             _set(config, name, value // old * new)
     experts = min(
         (
@@ -175,6 +183,68 @@ def _keep_derived(config: Any, before: dict[str, int]) -> None:
                 _set(config, heads, inner // after[size])
 
 
+#: per-stage lists :func:`_shrink_stages` keeps consistent; a config with others is left alone
+_STAGE_LISTS = {
+    "hidden_sizes",
+    "depths",
+    "num_heads",
+    "num_attention_heads",
+    "key_dim",
+    "mlp_ratio",
+    "attention_ratio",
+    "down_ops",
+    "stage_names",
+}
+
+
+def _shrink_stages(config: Any) -> None:
+    """Shrinks per-stage size lists (convolutional and pyramid vision models) in proportion.
+
+    Widths (``hidden_sizes``) are divided by the smallest power of two that brings the widest
+    stage to 64 at most, or the narrowest to 128, so ratios and divisibility by powers of two
+    survive; depths become 1
+    per stage; the number of stages is kept (other per-stage lists have that length). A first
+    stage whose width (``embed_dim``) its heads do not divide gets heads of size 16. Attention
+    windows become 2 patches wide, and the image as wide as one window at the last stage
+    (windows smaller than the full-size ones break in the model's clamping of them).
+    """
+    others = [
+        n
+        for n, v in vars(config).items()
+        if isinstance(v, list | tuple) and not n.startswith("_") and n not in _STAGE_LISTS
+    ]
+    if others:  # per-stage channels or per-layer kernels that would have to follow
+        return
+    widths: Any = getattr(config, "hidden_sizes", None)
+    if _ints(widths) and max(widths) > 64:
+        factor = 1  # the narrowest stage keeps 128: a bottleneck quarter of 32 groups of norms
+        while max(widths) / factor > 64 and min(widths) / factor >= 256:
+            factor *= 2
+        _set(config, "hidden_sizes", type(widths)(max(w // factor, 1) for w in widths))
+    depths: Any = getattr(config, "depths", None)
+    if _ints(depths) and max(depths) > 1:
+        _set(config, "depths", type(depths)(1 for _ in depths))
+    if _ints(depths) and isinstance(getattr(config, "num_stages", None), int):
+        _set(config, "num_stages", len(depths))  # an alias of the shrunk num_hidden_layers
+    heads: Any = getattr(config, "num_heads", None)
+    width = getattr(config, "embed_dim", None)
+    if _ints(heads) and isinstance(width, int) and width % heads[0]:
+        _set(config, "embed_dim", 16 * heads[0])  # stage i: 2**i times the heads and width
+    window, patch = getattr(config, "window_size", None), getattr(config, "patch_size", None)
+    if _ints(depths) and isinstance(window, int) and isinstance(patch, int) and window > 2:
+        # the last stage's patch grid is one window, as in the full-size configs
+        _set(config, "window_size", 2)
+        _set(config, "image_size", patch * 2 ** len(depths))
+
+
+def _ints(value: Any) -> bool:
+    return (
+        isinstance(value, list | tuple)
+        and bool(value)
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    )
+
+
 def _shrink(config: Any, depth: int = 0, mixed: bool = True) -> None:
     before = _integers(config)
     for name, value in _TINY.items():
@@ -195,6 +265,7 @@ def _shrink(config: Any, depth: int = 0, mixed: bool = True) -> None:
     if isinstance(conv, list | tuple) and conv and max(conv) > 32:
         with contextlib.suppress(Exception):
             config.conv_dim = type(conv)(32 for _ in conv)
+    _shrink_stages(config)
     for name in ("layer_types", "mlp_layer_types"):
         types = getattr(config, name, None)
         if isinstance(types, list) and len(types) > 2:
@@ -202,6 +273,14 @@ def _shrink(config: Any, depth: int = 0, mixed: bool = True) -> None:
             other = next((t for t in types if t != types[0] and mixed), types[1])
             with contextlib.suppress(Exception):
                 setattr(config, name, [types[0], other])
+    types = getattr(config, "layers_block_type", None)
+    if isinstance(getattr(config, "hybrid_layer_ids", None), list) and isinstance(types, list):
+        _set(config, "hybrid_layer_ids", [i for i, t in enumerate(types) if t == "hybrid"])
+    languages = getattr(config, "languages", None)
+    if languages and getattr(config, "default_language", "") is None:
+        _set(config, "default_language", languages[0])  # adapters pick one when inputs don't
+    for name, value in _FAMILY.get(getattr(config, "model_type", ""), {}).items():
+        _set(config, name, value)
     _keep_derived(config, before)
     if getattr(config, "use_cache", None) is True:
         # one forward, no generation: hybrid caches with no attention layer cannot count tokens
@@ -217,6 +296,29 @@ def _shrink(config: Any, depth: int = 0, mixed: bool = True) -> None:
                 _shrink(value, depth + 1, mixed)
 
 
+#: token ids clamped into the shrunk vocabulary sit in its last few ids, which inputs avoid
+_SPECIAL = 8
+
+
+def _clamp_tokens(config: Any) -> None:
+    """Moves token ids (``image_token_index``, ``boi_token_id``) beyond the shrunk vocabulary
+    into its last :data:`_SPECIAL` ids, distinct ids staying distinct."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    if not isinstance(vocab, int):
+        return
+    configs = [config] + [
+        v for v in vars(config).values() if hasattr(v, "to_dict") and hasattr(v, "model_type")
+    ]
+    moved: dict[int, int] = {}
+    for c in configs:
+        for name, value in _integers(c).items():
+            if "token" in name and ("id" in name or "index" in name) and value >= vocab:
+                if value not in moved:
+                    moved[value] = vocab - 1 - len(moved) % _SPECIAL
+                _set(c, name, moved[value])
+
+
 def tiny_config(model_type: str, mixed: bool = True) -> Any:
     """The default config of ``model_type``, shrunk (hidden 64, 2 layers, 4 heads, ...).
 
@@ -228,6 +330,7 @@ def tiny_config(model_type: str, mixed: bool = True) -> Any:
 
     config = AutoConfig.for_model(model_type)
     _shrink(config, mixed=mixed)
+    _clamp_tokens(config)
     with contextlib.suppress(Exception):
         config._attn_implementation = "eager"
     return config
@@ -288,16 +391,40 @@ def build_model(model_type: str, seed: int = 0) -> tuple[torch.nn.Module, str]:
     return model, task
 
 
+#: spectrogram features per mel bin where a family's feature extractor stacks frames:
+#: granite_speech5 appends deltas (x2) and stacks pairs of frames (x2)
+_STACKED = {"granite_speech5_ctc": 4}
+
+
+def _features(config: Any) -> Any:
+    """The config, or sub-config (``audio_config``, ``encoder_config``), with mel bins."""
+    if hasattr(config, "num_mel_bins"):
+        return config
+    for value in vars(config).values():
+        if hasattr(value, "to_dict") and hasattr(value, "num_mel_bins"):
+            return value
+    return None
+
+
 def make_inputs(model: torch.nn.Module, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Inputs for ``model``'s forward: token ids, pixels or audio, by its main input."""
+    """Inputs for ``model``'s forward: token ids, pixels or audio, by its main input.
+
+    Spectrograms take their mel bins from the config (or its audio sub-config) and are laid
+    out (batch, bins, frames); :func:`_variants` gives the other layouts that
+    :func:`survey` tries when a model's forward rejects these.
+    """
+    import inspect
+
     config: Any = model.config
     generator = torch.Generator().manual_seed(seed)
     main = getattr(model, "main_input_name", "input_ids")
+    features = _features(config)
+    bins = getattr(features, "num_mel_bins", 80)
     if main == "input_ids":
         vocab = getattr(config, "vocab_size", None) or getattr(
             config.get_text_config(), "vocab_size", _VOCAB
         )
-        high = min(int(vocab or _VOCAB), _VOCAB) - 1
+        high = min(int(vocab or _VOCAB), _VOCAB) - _SPECIAL
         inputs = {"input_ids": torch.randint(3, high, (2, 12), generator=generator)}
         if getattr(config, "is_encoder_decoder", False):
             inputs["decoder_input_ids"] = inputs["input_ids"][:, :6].clone()
@@ -307,14 +434,47 @@ def make_inputs(model: torch.nn.Module, seed: int = 0) -> dict[str, torch.Tensor
         channels = getattr(vision, "num_channels", 3)
         size = getattr(vision, "image_size", 32)
         size = size if isinstance(size, int) else size[0]
+        if "spatial_shapes" in inspect.signature(model.forward).parameters:
+            # native-resolution vision (NaFlex): pixels come as a 4 x 4 grid of flat patches
+            patch = getattr(vision, "patch_size", 16)
+            return {
+                "pixel_values": torch.randn(2, 16, channels * patch * patch, generator=generator),
+                "pixel_attention_mask": torch.ones(2, 16, dtype=torch.long),
+                "spatial_shapes": torch.tensor([[4, 4], [4, 4]]),
+            }
         return {"pixel_values": torch.randn(2, channels, size, size, generator=generator)}
     if main == "input_values":
+        if features is not None:  # a spectrogram (batch, frames, bins), not a waveform
+            frames = getattr(features, "max_length", 64)
+            return {"input_values": torch.randn(2, frames, bins, generator=generator)}
         return {"input_values": torch.randn(2, 1600, generator=generator)}
     if main == "input_features":
-        bins = getattr(config, "num_mel_bins", 80)
-        frames = 2 * getattr(config, "max_source_positions", 32)
+        frames = 2 * getattr(features or config, "max_source_positions", 32)
+        bins *= _STACKED.get(getattr(config, "model_type", ""), 1)
         return {"input_features": torch.randn(2, bins, frames, generator=generator)}
     raise LookupError(f"no inputs for main input {main!r}")
+
+
+def _variants(
+    model: torch.nn.Module, inputs: dict[str, torch.Tensor]
+) -> list[dict[str, torch.Tensor]]:
+    """Other layouts of ``inputs``' audio: spectrograms (batch, frames, bins), waveforms with
+    a channel dimension; tokens with the audio a streaming speech-to-text model requires."""
+    import inspect
+
+    variants = []
+    config: Any = model.config
+    features = _features(config)
+    takes = inspect.signature(model.forward).parameters
+    if "input_ids" in inputs and features is not None and "input_features" in takes:
+        frames = 12 * getattr(config, "audio_length_per_tok", 8)  # frames per token
+        audio = torch.randn(2, features.num_mel_bins, frames, generator=torch.Generator())
+        variants.append({**inputs, "input_features": audio})
+    if "input_features" in inputs and inputs["input_features"].dim() == 3:
+        variants.append({**inputs, "input_features": inputs["input_features"].transpose(1, 2)})
+    if "input_values" in inputs and inputs["input_values"].dim() == 2:
+        variants.append({**inputs, "input_values": inputs["input_values"].unsqueeze(1)})
+    return variants
 
 
 def _logits(output: Any) -> torch.Tensor:
@@ -454,12 +614,19 @@ def survey(model_type: str, timeout: int = 120) -> Family:
     try:
         model, family.task = build_model(model_type)
         inputs = make_inputs(model)
-        try:
-            with torch.no_grad():
-                _logits(model(**inputs))
-        except Exception as error:  # the inputs made here do not fit this model
+        first: Exception | None = None
+        for candidate in [inputs, *_variants(model, inputs)]:
+            try:
+                with torch.no_grad():
+                    _logits(model(**candidate))
+            except Exception as error:  # the inputs made here do not fit this model
+                first = first or error
+                continue
+            inputs, first = candidate, None
+            break
+        if first is not None:
             family.count(patch(model))
-            family.error = f"unpatched forward: {type(error).__name__}: {_short(error)}"
+            family.error = f"unpatched forward: {type(first).__name__}: {_short(first)}"
             return family
         try:
             check_model(model, inputs, family)
