@@ -170,6 +170,17 @@ def test_thread_count_invariance():
     assert torch.equal(torch.from_numpy(masks[0]), philox.keep_mask(7, 257, 300, 0.5, 5))
 
 
+def test_cpu_chunks_give_the_same_bits(monkeypatch):
+    off = philox.offsets(50, 333, row_start=2**40)  # 16650 elements: two chunks
+    chunked = philox.random_bits(9, off)
+    strided = philox.random_bits(9, off[:, 1::3])  # a non-contiguous view, chunked
+    monkeypatch.setattr(philox, "CPU_CHUNK", 10**9)
+    assert torch.equal(chunked, philox.random_bits(9, off))
+    assert torch.equal(strided, chunked[:, 1::3])
+    monkeypatch.setattr(philox, "CPU_CHUNK", 1000)
+    assert torch.equal(chunked, philox.random_bits(9, off))
+
+
 def test_regenerated_mask_is_identical():
     # The backward calls the generator again with the forward's (seed, rows, p).
     first = philox.keep_mask(99, 8, 1000, 0.25)
