@@ -14,6 +14,8 @@ import numba
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from _triton_interpreter import HAS_TRITON, import_for_the_interpreter
 from layernorm.backends import _numba_philox as nphilox
@@ -133,6 +135,24 @@ def test_numba_matches_torch_bitwise(block):
             mask = np.empty((n_rows, n_cols), np.bool_)
             nphilox.keep_rows(k0, k1, row_start, philox.threshold(p), mask)
             assert torch.equal(torch.from_numpy(mask), philox.keep_from_uniform(expected, p))
+
+
+@given(
+    seed=st.integers(-(2**63), 2**64 - 1),
+    row=st.integers(0, 2**40),
+    n_cols=st.integers(1, 2**22),
+    p=st.floats(0, 1),
+)
+def test_numba_matches_torch_anywhere(seed, row, n_cols, p):
+    k0, k1 = philox.seed_key(seed)
+    cols = torch.tensor([0, 1, n_cols // 2, n_cols - 1])
+    off = row * n_cols + cols
+    u = philox.uniform(seed, off)
+    got = torch.tensor([nphilox.uniform(k0, k1, int(o)) for o in off], dtype=torch.float32)
+    assert torch.equal(_bits(got), _bits(u))
+    p32 = philox.threshold(p)
+    kept = [bool(nphilox.keep(k0, k1, int(o), p32)) for o in off]
+    assert kept == philox.keep(seed, off, p).tolist()
 
 
 def test_batch_invariance():

@@ -6,8 +6,9 @@ The same ``(seed, p)`` gives the same keep-mask and the same uniforms on every b
 :mod:`layernorm.backends._triton_philox` inside Triton kernels), on every device, at any
 batch size, layout and thread count: each element's bits are a pure function of the seed
 and of its logical position, so a backward regenerates the mask instead of storing it.
-Every rule below is written once here; the numba and Triton modules take their
-constants from this one.
+Every rule below is written once here. The numba module takes its constants from this
+one; the Triton module calls ``tl.rand`` itself, whose constants these are (the tests
+compare the three bit for bit).
 
 **Generator.** Philox4x32 with 10 rounds (Salmon et al., "Parallel random numbers: as easy
 as 1, 2, 3", SC 2011), the Random123 reference's round function and constants, which are
@@ -37,7 +38,7 @@ over the flattened leading dims and ``c`` over the flattened dims of ``S``, so
 **Uniform** (as ``tl.rand``): the word ``x`` read as an int32, ``y = x`` when it is
 non-negative and ``~x`` otherwise (so ``0 <= y < 2^31``), then
 ``u = float32(float32(y) · UNIFORM_SCALE)``, both steps rounded to nearest. So
-``0 <= u <= 1 - 2^-24``, in steps of at least 2^-31.
+``0 <= u <= 1 - 2^-24``.
 
 **Keep rule** (flash-attn's ``tl.rand(...) > dropout_p``, with its ``dropout_p > 0``
 switch): with ``p32 = float32(p)``, an element is kept iff ``p32 == 0`` or ``u > p32``.
@@ -49,7 +50,7 @@ number ``s = 1 / (1 - p)`` (Python's float64 division and subtraction; ``s = 0``
 (NaN and Inf too, as ``tl.where(keep, ..., 0.0)``). Dropout scaling is exact in this
 sense: ``x · s`` enters the rest of a computation without rounding, and stored on its
 own it is rounded once, to nearest-even in the output's dtype. (Rounding ``x * s`` to
-float64 first would round twice, about once in 2^29 float32 values; flash-attn's float32
+float64 first would round twice: rarely, but the tests hold such a case; flash-attn's float32
 ``x / (1.0 - dropout_p)`` rounds ``p``, ``1 - p`` and the quotient. ``x · s`` differs from
 ``x / (1 - p)`` by at most 2^-52 relative, and equals it when ``1 - p`` is a power of
 two: ``p = 0.5, 0.75, ...``.)
@@ -57,8 +58,8 @@ two: ``p = 0.5, 0.75, ...``.)
 **Seed rule** (:func:`draw_seed`): a call without a seed draws one with
 ``torch.randint(2**63 - 1, (), dtype=torch.int64, generator=generator)`` on the
 generator's device, by default torch's default CPU generator even for CUDA tensors: so
-``torch.manual_seed(s)`` fixes the mask, the same one on the CPU and the GPU, and one
-draw advances the CPU generator by one 64-bit number.
+``torch.manual_seed(s)`` fixes the mask, the same one on the CPU and the GPU, and the
+CPU generator advances as that one ``torch.randint`` call advances it.
 """
 
 from __future__ import annotations
@@ -300,8 +301,8 @@ def _split(s: float) -> tuple[float, float]:
 
 
 def _round_to_odd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    # a + b (float64) rounded to odd: the float64 nearest to it when exact, else the one of
-    # its two neighbours whose last bit is 1. Rounding that value to any format of at most
+    # a + b (float64) rounded to odd: a + b itself when it is a float64, else the one of
+    # its two float64 neighbours whose last bit is 1. Rounding that value to any format of at most
     # 51 bits rounds a + b once (Boldo and Melquiond, "When double rounding is odd").
     t = a + b
     t_b = t - a

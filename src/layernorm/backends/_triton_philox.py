@@ -10,8 +10,8 @@ In a kernel, for row ``row`` (global index) and a block of columns ``cols`` of a
 with ``seed`` a Python int kernel argument in ``[-2^63, 2^64)`` (Triton types it int32,
 int64 or uint64 by value and ``tl.randint`` takes it modulo 2^64, as
 ``_philox.seed_key`` does) and ``p`` a float kernel argument (float32: the keep rule's
-``p32``). ``tl.rand`` uses only the first of Philox's four words; the others are not
-computed twice, since Triton compiles them away.
+``p32``). ``tl.rand`` keeps the first of Philox's four output words, so one Philox call
+gives one element's uniform (the price of matching ``tl.rand(seed, offset)``).
 
 Like ``_triton_kernels``, this module imports triton at import and its ``@triton.jit``
 decorations see ``TRITON_INTERPRET`` as it is then: a kernel module that calls these
