@@ -30,7 +30,8 @@ output word, as in ``tl.randint``.
 ``offset = r · N + c`` in int64 (:func:`offsets`), the element's index in the logical,
 row-major order, whatever the strides: for an input of normalized shape ``S``, ``r`` runs
 over the flattened leading dims and ``c`` over the flattened dims of ``S``, so
-``N = prod(S)``. Limit: ``offset < 2^63``, i.e. any tensor of fewer than 2^63 elements
+``N = prod(S)``; when rows or columns are split over programs, chunks or ranks, ``r``,
+``c`` and ``N`` stay those of the whole tensor. Limit: ``offset < 2^63``, i.e. any tensor of fewer than 2^63 elements
 (larger ones raise ValueError). A Triton kernel computes it in int64
 (``row.to(tl.int64) * N + cols``); an int32 offset gives the same bits while it is below
 2^31.
