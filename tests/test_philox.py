@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
+import subprocess
+import sys
 from fractions import Fraction
+from pathlib import Path
 from types import ModuleType
 
 import numba
@@ -362,6 +366,46 @@ def test_gpu_masks_are_the_cpu_masks():
                 assert torch.equal(keep, philox.keep_from_uniform(expected, p))
     g = torch.Generator("cuda").manual_seed(3)
     assert 0 <= philox.draw_seed(g) < 2**63 - 1
+
+
+#: compiles mask_kernel for sm_90 (no GPU needed) in a process where triton is compiled,
+#: and prints, per variant, the PTX instructions the bits depend on
+_COMPILE = r"""
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from layernorm.backends import _triton_philox
+
+for seed, narrow in (("i32", False), ("i64", False), ("u64", False), ("i64", True)):
+    signature = {"KEEP": "*i1", "U": "*fp32", "seed": seed, "p": "fp32", "row_start": "i64",
+                 "n_cols": "i32", "BLOCK": "constexpr", "INT32_OFFSETS": "constexpr"}
+    source = ASTSource(fn=_triton_philox.mask_kernel, signature=signature,
+                       constexprs={(6,): 1024, (7,): narrow})
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    print(seed, narrow, ptx.count("mul.hi.u32") > 0, ptx.count("cvt.rn.f32.s32") > 0,
+          len(re.findall(r"\bfma\.", ptx)), len(re.findall(r"\bmul(\.rn)?\.f32", ptx)) > 0)
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_mask_kernel_compiles_for_sm90_with_the_interpreters_arithmetic():
+    # What the GPU cannot be asked here: the compiled kernel's uniform is the interpreter's,
+    # float32(y) rounded to nearest (cvt.rn) times the scale (mul, no fma to contract).
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / "src"), env.get("PYTHONPATH")]))
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # fusion on, as users run it: still no fma
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "i32 False True True 0 True",
+        "i64 False True True 0 True",
+        "u64 False True True 0 True",
+        "i64 True True True 0 True",
+    ]
 
 
 # --- the scaling rule ---------------------------------------------------------------------
