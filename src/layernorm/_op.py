@@ -230,7 +230,10 @@ def _backward(ctx, dy, dresidual_out, _dmean=None, _drstd=None):
     if torch.is_grad_enabled():  # a graph of the backward is wanted: differentiable ops
         dz, dweight, dbias = composite_backward(dy, z, weight, ctx.eps, ctx.rms, dresidual_out)
     else:
-        run = _backward_impl if ctx.direct else backward_op
+        # a batched gradient (is_grads_batched, a vmapped vjp) is a functorch wrapper: it
+        # goes through the op, whose vmap rule takes it
+        direct = ctx.direct and direct_call(dy, dresidual_out)
+        run = _backward_impl if direct else backward_op
         dz, dweight, dbias = run(
             dy, z, weight, mean, rstd, dresidual_out, ctx.rms, need_dweight, need_dbias, ctx.backend
         )
@@ -285,15 +288,17 @@ def _jvp(ctx, x_t, residual_t, weight_t, bias_t, *_):
     h_t = x_t
     if residual_t is not None:
         h_t = residual_t if h_t is None else h_t + residual_t
-    rstd_col = rstd.unsqueeze(-1)
+    # on rows: the tangents come in the input's shape, the statistics one per row
+    zr = torch_.matrix(z)
+    rstd_col = rstd.reshape(-1, 1)
     if ctx.rms:
-        u = z.to(acc) * rstd_col
+        u = zr.to(acc) * rstd_col
     else:
-        d = z.to(acc) - mean.unsqueeze(-1)
+        d = zr.to(acc) - mean.reshape(-1, 1)
         u = (d - d.mean(-1, keepdim=True)) * rstd_col  # re-centered, as the backward
     y_t = torch.zeros_like(u)
     if h_t is not None:
-        hf = h_t.to(acc)
+        hf = torch_.matrix(h_t).to(acc)
         c1 = (u * hf).mean(-1, keepdim=True)
         if not ctx.rms:
             hf = hf - hf.mean(-1, keepdim=True)
@@ -307,7 +312,7 @@ def _jvp(ctx, x_t, residual_t, weight_t, bias_t, *_):
     residual_out_t = None
     if ctx.has_residual:
         residual_out_t = torch.zeros_like(z) if h_t is None else h_t.to(z.dtype)
-    return y_t.to(z.dtype), residual_out_t, None, None
+    return y_t.to(z.dtype).view(z.shape), residual_out_t, None, None
 
 
 def direct_call(*tensors: Tensor | None) -> bool:
@@ -316,7 +321,10 @@ def direct_call(*tensors: Tensor | None) -> bool:
     or function mode active."""
     for t in tensors:
         if t is not None and (
-            type(t) not in _PLAIN or t.is_meta or torch._C._functorch.is_functorch_wrapped_tensor(t)
+            type(t) not in _PLAIN
+            or t.is_meta
+            or torch._C._functorch.is_functorch_wrapped_tensor(t)
+            or torch._C._functorch.is_legacy_batchedtensor(t)  # autograd's batched grads
         ):
             return False
     return not (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled())
@@ -394,28 +402,55 @@ class TransformNorm(torch.autograd.Function):
 
 
 def _vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct):
+    """The vmap rule of :class:`TransformNorm`: :func:`_vmap_rows` around it."""
+
+    def run(*arguments):
+        return TransformNorm.apply(*arguments, direct)
+
+    return _vmap_rows(run, info, in_dims, x, residual, weight, bias, eps, rms, backend)
+
+
+def _forward_op_outputs(x, residual, weight, bias, eps, rms, backend) -> Outputs:
+    """:data:`forward_op` with None for the absent outputs (its schema has none)."""
+    y, residual_out, mean, rstd = forward_op(x, residual, weight, bias, eps, rms, backend)
+    return y, residual_out if residual is not None else None, None if rms else mean, rstd
+
+
+@forward_op.register_vmap
+def _(info, in_dims, x, residual, weight, bias, eps, rms, backend):
+    outputs, out_dims = _vmap_rows(
+        _forward_op_outputs, info, in_dims, x, residual, weight, bias, eps, rms, backend
+    )
+    # the schema has no optional outputs: an absent one is empty and unbatched
+    empty = outputs[3].new_empty(0)
+    return tuple(empty if t is None else t for t in outputs), out_dims
+
+
+def _front(t: Tensor | None, dim: int | None, size: int) -> Tensor | None:
+    """``t`` with its batch dim in front (expanded when it has none)."""
+    if t is None:
+        return None
+    if dim is None:
+        return t.expand(size, *t.shape)
+    return t.movedim(dim, 0)
+
+
+def _vmap_rows(run, info, in_dims, x, residual, weight, bias, eps, rms, backend):
     """The vmap rule: the batch becomes more rows. Per-sample ``weight``/``bias`` (batched)
-    are applied to the core ``u`` in the accumulation dtype, outside the kernel."""
+    are applied to the core ``u`` in the accumulation dtype, outside the kernel. ``run``
+    takes the op's arguments and returns :data:`Outputs` (None for an absent one)."""
     size = info.batch_size
-
-    def front(t: Tensor | None, dim: int | None) -> Tensor | None:
-        if t is None:
-            return None
-        if dim is None:
-            return t.expand(size, *t.shape)
-        return t.movedim(dim, 0)
-
     x_dim, residual_dim, weight_dim, bias_dim = in_dims[:4]
-    xb = front(x, x_dim)
+    xb = _front(x, x_dim, size)
     assert xb is not None
     shape = xb.shape
     n = shape[-1]
     rows = xb.reshape(-1, n)
     residual_rows = None
     if residual is not None:
-        residual_rows = front(residual, residual_dim).reshape(-1, n)  # type: ignore[union-attr]
+        residual_rows = _front(residual, residual_dim, size).reshape(-1, n)  # type: ignore[union-attr]
     per_sample = weight_dim is not None or bias_dim is not None
-    y, residual_out, mean, rstd = TransformNorm.apply(
+    y, residual_out, mean, rstd = run(
         rows,
         residual_rows,
         None if per_sample else weight,
@@ -423,7 +458,6 @@ def _vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct):
         eps,
         rms,
         backend,
-        direct,
     )
     y = y.view(shape)
     if per_sample:
@@ -431,9 +465,9 @@ def _vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct):
         broadcast = (size,) + (1,) * (len(shape) - 2) + (n,)
         affine = y.to(acc)
         if weight is not None:
-            affine = affine * front(weight, weight_dim).reshape(broadcast).to(acc)  # type: ignore[union-attr]
+            affine = affine * _front(weight, weight_dim, size).reshape(broadcast).to(acc)  # type: ignore[union-attr]
         if bias is not None:
-            affine = affine + front(bias, bias_dim).reshape(broadcast).to(acc)  # type: ignore[union-attr]
+            affine = affine + _front(bias, bias_dim, size).reshape(broadcast).to(acc)  # type: ignore[union-attr]
         y = affine.to(y.dtype)
     stats_shape = shape[:-1]
     outputs = (
@@ -443,6 +477,51 @@ def _vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct):
         rstd.view(stats_shape),
     )
     return outputs, tuple(None if t is None else 0 for t in outputs)
+
+
+@backward_op.register_vmap
+def _(info, in_dims, dy, x, weight, mean, rstd, dresidual_out, rms, need_dw, need_db, backend):
+    """``dx`` alone with a shared ``weight``: the batch becomes more rows, for the kernel
+    (a row's gradient depends on that row only). Per-sample ``dweight``/``dbias``, or a
+    batched ``weight``: the portable backend's backward (torch operations), vmapped."""
+    size = info.batch_size
+    if in_dims[2] is not None or need_dw or need_db:
+
+        def per_sample(dy, x, weight, mean, rstd, dresidual_out):
+            dx, dw, db = torch_.backward(
+                dy, x, weight, mean, rstd, dresidual_out, rms, need_dw, need_db
+            )
+            return dx, _empty(rstd) if dw is None else dw, _empty(rstd) if db is None else db
+
+        mean_dim = None if rms else in_dims[3]
+        outputs = torch.vmap(per_sample, in_dims=(*in_dims[:3], mean_dim, *in_dims[4:6]))(
+            dy, x, weight, None if rms else mean, rstd, dresidual_out
+        )
+        return outputs, (0, 0 if need_dw else None, 0 if need_db else None)
+    xb = _front(x, in_dims[1], size)
+    assert xb is not None
+    shape = xb.shape
+    n = shape[-1]
+
+    def rows(t: Tensor | None, dim: int | None) -> Tensor | None:
+        return None if t is None else _front(t, dim, size).reshape(-1, n)  # type: ignore[union-attr]
+
+    def stats(t: Tensor, dim: int | None) -> Tensor:
+        return _front(t, dim, size).reshape(-1)  # type: ignore[union-attr]
+
+    dx, dw, db = backward_op(
+        rows(dy, in_dims[0]),
+        xb.reshape(-1, n),
+        weight,
+        mean if rms else stats(mean, in_dims[3]),
+        stats(rstd, in_dims[4]),
+        rows(dresidual_out, in_dims[5]),
+        rms,
+        False,
+        False,
+        backend,
+    )
+    return (dx.view(shape), dw, db), (0, None, None)
 
 
 # ---------------------------------------------------------------------------------------
