@@ -26,6 +26,8 @@ goes through :func:`composite_backward`, the backward in differentiable torch op
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
@@ -45,6 +47,9 @@ __all__ = [
     "direct_call",
     "forward",
     "forward_op",
+    "kernel_rows",
+    "matrix",
+    "rows",
 ]
 
 Outputs = tuple[Tensor, Tensor | None, Tensor | None, Tensor]
@@ -209,12 +214,26 @@ def _as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _kernel_rows(t: Tensor, n: int) -> Tensor:
-    """``t`` as kernels take it: itself when contiguous with rows of its last dim, else
-    (M, N) with contiguous rows (an incoming gradient may be expanded: strides (0, 0))."""
-    if t.is_contiguous() and t.shape[-1] == n:
-        return t
-    return torch_.contiguous_rows(torch_.matrix(t))
+def matrix(t: Tensor, n: int) -> Tensor:
+    """``t`` as the (M, N) matrix of its rows of ``n`` elements (a view where it can).
+    Without elements, M is spelled out: ``reshape(-1, n)`` cannot infer it, nor can it
+    under vmap, where a batch of size 0 (jacrev of an empty output) has no elements."""
+    if t.numel():
+        return t.reshape(-1, n)
+    return t.reshape(math.prod(t.shape[:-1]) if n == 0 else 0, n)
+
+
+def rows(t: Tensor, n: int) -> Tensor:
+    """``t`` as (M, N) with contiguous rows (unit column stride), without a copy where it
+    can: autograd hands a backward expanded gradients (``y.sum().backward()``: strides
+    (0, 0))."""
+    return torch_.contiguous_rows(t if t.dim() == 2 and t.shape[1] == n else matrix(t, n))
+
+
+def kernel_rows(t: Tensor, n: int) -> Tensor:
+    """``t`` as the kernels take it (``docs/contract.md`` §5): itself when it is
+    contiguous with rows of its last dim, else :func:`rows`."""
+    return t if t.is_contiguous() and t.shape[-1] == n else rows(t, n)
 
 
 def _backward(ctx, dy, dresidual_out, _dmean=None, _drstd=None):
@@ -225,8 +244,8 @@ def _backward(ctx, dy, dresidual_out, _dmean=None, _drstd=None):
     if not ctx.has_residual or dresidual_out is None or dresidual_out.numel() == 0:
         dresidual_out = None
     n = z.shape[-1]
-    dy = _kernel_rows(dy, n)
-    dresidual_out = None if dresidual_out is None else _kernel_rows(dresidual_out, n)
+    dy = kernel_rows(dy, n)
+    dresidual_out = None if dresidual_out is None else kernel_rows(dresidual_out, n)
     if torch.is_grad_enabled():  # a graph of the backward is wanted: differentiable ops
         dz, dweight, dbias = composite_backward(dy, z, weight, ctx.eps, ctx.rms, dresidual_out)
     else:
@@ -261,7 +280,8 @@ def composite_backward(
     """The backward of ``docs/contract.md`` §1 in differentiable torch operations
     (statistics recomputed from ``z``): ``(dz, dweight, dbias)``."""
     acc = accumulation_dtype(z.dtype)
-    zf, g = torch_.matrix(z).to(acc), torch_.matrix(dy).to(acc)
+    n = z.shape[-1]
+    zf, g = matrix(z, n).to(acc), matrix(dy, n).to(acc)
     if rms:
         rstd = torch.rsqrt((zf * zf).mean(1, keepdim=True) + eps)
         u = zf * rstd
@@ -274,7 +294,7 @@ def composite_backward(
     c1 = (gh * u).mean(1, keepdim=True)
     dz = rstd * (gh - u * c1) if rms else rstd * (gh - gh.mean(1, keepdim=True) - u * c1)
     if dresidual_out is not None:
-        dz = dz + torch_.matrix(dresidual_out).to(acc)
+        dz = dz + matrix(dresidual_out, n).to(acc)
     return dz.to(z.dtype).view(z.shape), (g * u).sum(0), g.sum(0)
 
 
@@ -289,7 +309,8 @@ def _jvp(ctx, x_t, residual_t, weight_t, bias_t, *_):
     if residual_t is not None:
         h_t = residual_t if h_t is None else h_t + residual_t
     # on rows: the tangents come in the input's shape, the statistics one per row
-    zr = torch_.matrix(z)
+    n = z.shape[-1]
+    zr = matrix(z, n)
     rstd_col = rstd.reshape(-1, 1)
     if ctx.rms:
         u = zr.to(acc) * rstd_col
@@ -298,7 +319,7 @@ def _jvp(ctx, x_t, residual_t, weight_t, bias_t, *_):
         u = (d - d.mean(-1, keepdim=True)) * rstd_col  # re-centered, as the backward
     y_t = torch.zeros_like(u)
     if h_t is not None:
-        hf = torch_.matrix(h_t).to(acc)
+        hf = matrix(h_t, n).to(acc)
         c1 = (u * hf).mean(-1, keepdim=True)
         if not ctx.rms:
             hf = hf - hf.mean(-1, keepdim=True)
