@@ -38,12 +38,15 @@ from .backends.torch_ import accumulation_dtype
 
 __all__ = [
     "AUTOCAST_DTYPE",
+    "PLAIN",
+    "PLAIN_OR_NONE",
     "Norm",
     "TransformNorm",
     "autocast",
     "backward_op",
     "composite_backward",
     "decomposition",
+    "default_eps",
     "direct_call",
     "forward",
     "forward_op",
@@ -53,6 +56,18 @@ __all__ = [
 ]
 
 Outputs = tuple[Tensor, Tensor | None, Tensor | None, Tensor]
+
+
+#: types a kernel may be handed directly (anything else dispatches through the custom op)
+PLAIN = frozenset({Tensor, torch.nn.Parameter})
+#: :data:`PLAIN` or an absent argument
+PLAIN_OR_NONE = PLAIN | {type(None)}
+
+
+def default_eps(dtype: torch.dtype) -> float:
+    """``eps=None``: the machine epsilon of the arithmetic's dtype (float32 for half
+    inputs), as torch's rms_norm (the compiled dispatch is handed this rule's values)."""
+    return torch.finfo(accumulation_dtype(dtype)).eps
 
 
 def _kernels(x: Tensor, backend: str):
@@ -342,17 +357,13 @@ def direct_call(*tensors: Tensor | None) -> bool:
     or function mode active."""
     for t in tensors:
         if t is not None and (
-            type(t) not in _PLAIN
+            type(t) not in PLAIN
             or t.is_meta
             or torch._C._functorch.is_functorch_wrapped_tensor(t)
             or torch._C._functorch.is_legacy_batchedtensor(t)  # autograd's batched grads
         ):
             return False
     return not (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled())
-
-
-#: types a kernel may be handed directly (anything else dispatches through the custom op)
-_PLAIN = frozenset({Tensor, torch.nn.Parameter})
 
 
 def _forward_outputs(x, residual, weight, bias, eps, rms, backend, direct) -> Outputs:

@@ -26,7 +26,6 @@ from torch import Tensor
 
 from . import _op, backends
 from . import compiled as _compiled
-from .backends.torch_ import accumulation_dtype
 
 __all__ = [
     "FAST_PATHS",
@@ -127,17 +126,13 @@ def _check_backend(backend: str | None) -> str:
     return backend or ""
 
 
-#: argument types the common call accepts (anything else takes the full checks)
-_PLAIN = frozenset({Tensor, torch.nn.Parameter, type(None)})
-
-
 def _requires_grad(t: Tensor | None) -> bool:
     return t is not None and t.requires_grad
 
 
 def _plain_param(p: Tensor | None, n: int) -> bool:
     return p is None or (
-        type(p) in _PLAIN
+        type(p) in _op.PLAIN
         and p.is_cpu
         and p.shape == (n,)
         and p.is_floating_point()
@@ -243,9 +238,7 @@ def _call(
             weight = _param("weight", weight, shape, x, op)
         if bias is not None:
             bias = _param("bias", bias, shape, x, op)
-        # eps=None: the machine epsilon of the arithmetic's dtype (float32 for half
-        # inputs), as torch
-        eps = _check_eps(torch.finfo(accumulation_dtype(x.dtype)).eps if eps is None else eps)
+        eps = _check_eps(_op.default_eps(x.dtype) if eps is None else eps)
         name = "" if backend is None else _check_backend(backend)
         n = shape[0] if len(shape) == 1 else math.prod(shape)
         rows = _op.kernel_rows(x, n)
@@ -293,10 +286,10 @@ def _enter(
     if torch._C._is_tracing():
         return _op.decomposition(x, residual, weight, bias, eps, rms)
     if not (
-        type(x) in _PLAIN
-        and type(residual) in _PLAIN
-        and type(weight) in _PLAIN
-        and type(bias) in _PLAIN
+        type(x) in _op.PLAIN
+        and type(residual) in _op.PLAIN_OR_NONE
+        and type(weight) in _op.PLAIN_OR_NONE
+        and type(bias) in _op.PLAIN_OR_NONE
     ):
         return _custom_op(x, residual, weight, bias, eps, rms, backend)
     if torch._C._functorch.peek_interpreter_stack() is not None:
