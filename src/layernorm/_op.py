@@ -367,10 +367,11 @@ def direct_call(*tensors: Tensor | None) -> bool:
 
 
 def _forward_outputs(x, residual, weight, bias, eps, rms, backend, direct) -> Outputs:
-    if direct and direct_call(x, residual, weight, bias):
+    """The kernel called directly when ``direct`` (decided by the caller, with
+    :func:`direct_call`), else the custom op."""
+    if direct:
         return forward(x, residual, weight, bias, eps, rms, backend)
-    y, residual_out, mean, rstd = forward_op(x, residual, weight, bias, eps, rms, backend)
-    return y, residual_out if residual is not None else None, None if rms else mean, rstd
+    return _forward_op_outputs(x, residual, weight, bias, eps, rms, backend)
 
 
 class Norm(torch.autograd.Function):
@@ -382,10 +383,11 @@ class Norm(torch.autograd.Function):
     # inspect on every call, which a small eager call cannot afford.
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, rms, backend, direct):
+        direct = direct and direct_call(x, residual, weight, bias)
         output = _forward_outputs(x, residual, weight, bias, eps, rms, backend, direct)
         jvp = forward_ad._current_level >= 0  # a JVP is asked for during the forward only
         _save(ctx, (x, residual, weight, bias, eps, rms, backend), output, jvp)
-        ctx.direct = direct and direct_call(x, residual, weight, bias)
+        ctx.direct = direct
         return output
 
     @staticmethod
@@ -412,6 +414,7 @@ class TransformNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(x, residual, weight, bias, eps, rms, backend, direct):
+        direct = direct and direct_call(x, residual, weight, bias)
         return _forward_outputs(x, residual, weight, bias, eps, rms, backend, direct)
 
     @staticmethod
