@@ -408,6 +408,18 @@ def test_kernel_addresses_are_distinct_and_survive_forget(in_use):
         assert torch.equal(y, numba_.forward(x, None, w, None, 1e-5, False, False)[0])
 
 
+def test_eps_none_is_the_ops_default(in_use):
+    """eps=None in the extension is _op.default_eps, handed to it at set-up: the same
+    bits as the numba backend called with that eps, for every dtype."""
+    from layernorm import _op
+
+    for dtype in compiled.DTYPES:
+        x, w = torch.randn(4, 64).to(dtype), torch.rand(64).to(dtype) + 0.5
+        y, _ = in_use(x, None, 64, w, None, None, True, None)
+        expected = numba_.forward(x, None, w, None, _op.default_eps(dtype), True, False)[0]
+        assert torch.equal(y, expected)
+
+
 def test_a_kernel_signature_mismatch_raises(in_use):
     """The extension compares the numba forward kernel's signature (_kernel_abi) with the
     one it was built for, so a mismatch raises instead of calling with wrong arguments."""
@@ -417,6 +429,8 @@ def test_a_kernel_signature_mismatch_raises(in_use):
     assert extension is not None
     wrong = _kernel_abi.signature("forward").replace("x_stride", "stride")
     with pytest.raises(RuntimeError, match="rebuild it"):
-        extension.set_up(torch.Tensor, torch.nn.Parameter, compiled._resolve, 1, 1, wrong)
+        extension.set_up(
+            torch.Tensor, torch.nn.Parameter, compiled._resolve, 1, 1, wrong, [0.0] * 4
+        )
     compiled._use(extension)  # (set up again, as it was)
     assert in_use(torch.randn(2, 8), None, 8, None, None, 1e-5, False, None) is not None

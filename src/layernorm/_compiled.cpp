@@ -21,11 +21,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
-#include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -56,6 +56,7 @@ struct State {
     int64_t serial_numel = 0;     // numba_.SERIAL_NUMEL
     int64_t max_bytes = 0;        // larger inputs go through Python (streaming, host cache)
     int64_t kernels[DTYPES][2] = {};  // C addresses: 0 not asked yet, -1 none
+    double default_eps[DTYPES] = {};  // eps=None per dtype: _op.default_eps's values
 };
 State state;
 
@@ -205,14 +206,12 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     if (!(x.is_cpu() && x.dim() > 0 && x.size(-1) == n && x.is_contiguous()))
         Py_RETURN_NONE;
     const int d = dtype_index(x.scalar_type());
-    // eps=None: the machine epsilon of the arithmetic's dtype (float32 for half inputs)
-    const double eps = eps_object != Py_None ? PyFloat_AS_DOUBLE(eps_object)
-                       : d == 3                ? std::numeric_limits<double>::epsilon()
-                                               : std::numeric_limits<float>::epsilon();
-    if (!(eps >= 0)) Py_RETURN_NONE;
     const int64_t numel = x.numel();
     if (d < 0 || numel == 0 || numel * static_cast<int64_t>(x.element_size()) >= state.max_bytes)
         Py_RETURN_NONE;
+    const double eps =
+        eps_object != Py_None ? PyFloat_AS_DOUBLE(eps_object) : state.default_eps[d];
+    if (!(eps >= 0)) Py_RETURN_NONE;
     Tensor residual, weight, bias;
     if (residual_object != Py_None) {
         if (Py_TYPE(residual_object) != reinterpret_cast<PyTypeObject*>(state.tensor_type))
@@ -245,15 +244,18 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // set_up(torch.Tensor, torch.nn.Parameter, resolve, serial_numel, max_bytes,
-// forward_signature): the last is _kernel_abi's spelling of the forward kernel's
-// parameters, which must be FORWARD_SIGNATURE.
+// forward_signature, default_eps): forward_signature is _kernel_abi's spelling of the
+// forward kernel's parameters, which must be FORWARD_SIGNATURE; default_eps the eps of
+// eps=None for each dtype, in compiled.DTYPES' order.
 void set_up(pybind11::object tensor_type, pybind11::object parameter_type,
             pybind11::object resolve, int64_t serial_numel, int64_t max_bytes,
-            const std::string& forward_signature) {
+            const std::string& forward_signature, const std::vector<double>& default_eps) {
     TORCH_CHECK(forward_signature == FORWARD_SIGNATURE,
                 "layernorm's compiled dispatch was built for the forward kernel signature ",
                 FORWARD_SIGNATURE, " but the numba kernels have ", forward_signature,
                 ": rebuild it (layernorm build)");
+    TORCH_CHECK(default_eps.size() == DTYPES, "set_up: one default eps per dtype");
+    std::copy(default_eps.begin(), default_eps.end(), state.default_eps);
     for (PyObject* old : {state.tensor_type, state.parameter_type, state.resolve}) Py_XDECREF(old);
     state.tensor_type = tensor_type.release().ptr();
     state.parameter_type = parameter_type.release().ptr();

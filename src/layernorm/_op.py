@@ -26,6 +26,8 @@ goes through :func:`composite_backward`, the backward in differentiable torch op
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
@@ -36,18 +38,36 @@ from .backends.torch_ import accumulation_dtype
 
 __all__ = [
     "AUTOCAST_DTYPE",
+    "PLAIN",
+    "PLAIN_OR_NONE",
     "Norm",
     "TransformNorm",
     "autocast",
     "backward_op",
     "composite_backward",
     "decomposition",
+    "default_eps",
     "direct_call",
     "forward",
     "forward_op",
+    "kernel_rows",
+    "matrix",
+    "rows",
 ]
 
 Outputs = tuple[Tensor, Tensor | None, Tensor | None, Tensor]
+
+
+#: types a kernel may be handed directly (anything else dispatches through the custom op)
+PLAIN = frozenset({Tensor, torch.nn.Parameter})
+#: :data:`PLAIN` or an absent argument
+PLAIN_OR_NONE = PLAIN | {type(None)}
+
+
+def default_eps(dtype: torch.dtype) -> float:
+    """``eps=None``: the machine epsilon of the arithmetic's dtype (float32 for half
+    inputs), as torch's rms_norm (the compiled dispatch is handed this rule's values)."""
+    return torch.finfo(accumulation_dtype(dtype)).eps
 
 
 def _kernels(x: Tensor, backend: str):
@@ -209,12 +229,26 @@ def _as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _kernel_rows(t: Tensor, n: int) -> Tensor:
-    """``t`` as kernels take it: itself when contiguous with rows of its last dim, else
-    (M, N) with contiguous rows (an incoming gradient may be expanded: strides (0, 0))."""
-    if t.is_contiguous() and t.shape[-1] == n:
-        return t
-    return torch_.contiguous_rows(torch_.matrix(t))
+def matrix(t: Tensor, n: int) -> Tensor:
+    """``t`` as the (M, N) matrix of its rows of ``n`` elements (a view where it can).
+    Without elements, M is spelled out: ``reshape(-1, n)`` cannot infer it, nor can it
+    under vmap, where a batch of size 0 (jacrev of an empty output) has no elements."""
+    if t.numel():
+        return t.reshape(-1, n)
+    return t.reshape(math.prod(t.shape[:-1]) if n == 0 else 0, n)
+
+
+def rows(t: Tensor, n: int) -> Tensor:
+    """``t`` as (M, N) with contiguous rows (unit column stride), without a copy where it
+    can: autograd hands a backward expanded gradients (``y.sum().backward()``: strides
+    (0, 0))."""
+    return torch_.contiguous_rows(t if t.dim() == 2 and t.shape[1] == n else matrix(t, n))
+
+
+def kernel_rows(t: Tensor, n: int) -> Tensor:
+    """``t`` as the kernels take it (``docs/contract.md`` §5): itself when it is
+    contiguous with rows of its last dim, else :func:`rows`."""
+    return t if t.is_contiguous() and t.shape[-1] == n else rows(t, n)
 
 
 def _backward(ctx, dy, dresidual_out, _dmean=None, _drstd=None):
@@ -225,12 +259,15 @@ def _backward(ctx, dy, dresidual_out, _dmean=None, _drstd=None):
     if not ctx.has_residual or dresidual_out is None or dresidual_out.numel() == 0:
         dresidual_out = None
     n = z.shape[-1]
-    dy = _kernel_rows(dy, n)
-    dresidual_out = None if dresidual_out is None else _kernel_rows(dresidual_out, n)
+    dy = kernel_rows(dy, n)
+    dresidual_out = None if dresidual_out is None else kernel_rows(dresidual_out, n)
     if torch.is_grad_enabled():  # a graph of the backward is wanted: differentiable ops
         dz, dweight, dbias = composite_backward(dy, z, weight, ctx.eps, ctx.rms, dresidual_out)
     else:
-        run = _backward_impl if ctx.direct else backward_op
+        # a batched gradient (is_grads_batched, a vmapped vjp) is a functorch wrapper: it
+        # goes through the op, whose vmap rule takes it
+        direct = ctx.direct and direct_call(dy, dresidual_out)
+        run = _backward_impl if direct else backward_op
         dz, dweight, dbias = run(
             dy, z, weight, mean, rstd, dresidual_out, ctx.rms, need_dweight, need_dbias, ctx.backend
         )
@@ -258,7 +295,8 @@ def composite_backward(
     """The backward of ``docs/contract.md`` §1 in differentiable torch operations
     (statistics recomputed from ``z``): ``(dz, dweight, dbias)``."""
     acc = accumulation_dtype(z.dtype)
-    zf, g = torch_.matrix(z).to(acc), torch_.matrix(dy).to(acc)
+    n = z.shape[-1]
+    zf, g = matrix(z, n).to(acc), matrix(dy, n).to(acc)
     if rms:
         rstd = torch.rsqrt((zf * zf).mean(1, keepdim=True) + eps)
         u = zf * rstd
@@ -271,7 +309,7 @@ def composite_backward(
     c1 = (gh * u).mean(1, keepdim=True)
     dz = rstd * (gh - u * c1) if rms else rstd * (gh - gh.mean(1, keepdim=True) - u * c1)
     if dresidual_out is not None:
-        dz = dz + torch_.matrix(dresidual_out).to(acc)
+        dz = dz + matrix(dresidual_out, n).to(acc)
     return dz.to(z.dtype).view(z.shape), (g * u).sum(0), g.sum(0)
 
 
@@ -285,15 +323,18 @@ def _jvp(ctx, x_t, residual_t, weight_t, bias_t, *_):
     h_t = x_t
     if residual_t is not None:
         h_t = residual_t if h_t is None else h_t + residual_t
-    rstd_col = rstd.unsqueeze(-1)
+    # on rows: the tangents come in the input's shape, the statistics one per row
+    n = z.shape[-1]
+    zr = matrix(z, n)
+    rstd_col = rstd.reshape(-1, 1)
     if ctx.rms:
-        u = z.to(acc) * rstd_col
+        u = zr.to(acc) * rstd_col
     else:
-        d = z.to(acc) - mean.unsqueeze(-1)
+        d = zr.to(acc) - mean.reshape(-1, 1)
         u = (d - d.mean(-1, keepdim=True)) * rstd_col  # re-centered, as the backward
     y_t = torch.zeros_like(u)
     if h_t is not None:
-        hf = h_t.to(acc)
+        hf = matrix(h_t, n).to(acc)
         c1 = (u * hf).mean(-1, keepdim=True)
         if not ctx.rms:
             hf = hf - hf.mean(-1, keepdim=True)
@@ -307,7 +348,7 @@ def _jvp(ctx, x_t, residual_t, weight_t, bias_t, *_):
     residual_out_t = None
     if ctx.has_residual:
         residual_out_t = torch.zeros_like(z) if h_t is None else h_t.to(z.dtype)
-    return y_t.to(z.dtype), residual_out_t, None, None
+    return y_t.to(z.dtype).view(z.shape), residual_out_t, None, None
 
 
 def direct_call(*tensors: Tensor | None) -> bool:
@@ -316,21 +357,21 @@ def direct_call(*tensors: Tensor | None) -> bool:
     or function mode active."""
     for t in tensors:
         if t is not None and (
-            type(t) not in _PLAIN or t.is_meta or torch._C._functorch.is_functorch_wrapped_tensor(t)
+            type(t) not in PLAIN
+            or t.is_meta
+            or torch._C._functorch.is_functorch_wrapped_tensor(t)
+            or torch._C._functorch.is_legacy_batchedtensor(t)  # autograd's batched grads
         ):
             return False
     return not (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled())
 
 
-#: types a kernel may be handed directly (anything else dispatches through the custom op)
-_PLAIN = frozenset({Tensor, torch.nn.Parameter})
-
-
 def _forward_outputs(x, residual, weight, bias, eps, rms, backend, direct) -> Outputs:
-    if direct and direct_call(x, residual, weight, bias):
+    """The kernel called directly when ``direct`` (decided by the caller, with
+    :func:`direct_call`), else the custom op."""
+    if direct:
         return forward(x, residual, weight, bias, eps, rms, backend)
-    y, residual_out, mean, rstd = forward_op(x, residual, weight, bias, eps, rms, backend)
-    return y, residual_out if residual is not None else None, None if rms else mean, rstd
+    return _forward_op_outputs(x, residual, weight, bias, eps, rms, backend)
 
 
 class Norm(torch.autograd.Function):
@@ -342,10 +383,11 @@ class Norm(torch.autograd.Function):
     # inspect on every call, which a small eager call cannot afford.
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, rms, backend, direct):
+        direct = direct and direct_call(x, residual, weight, bias)
         output = _forward_outputs(x, residual, weight, bias, eps, rms, backend, direct)
         jvp = forward_ad._current_level >= 0  # a JVP is asked for during the forward only
         _save(ctx, (x, residual, weight, bias, eps, rms, backend), output, jvp)
-        ctx.direct = direct and direct_call(x, residual, weight, bias)
+        ctx.direct = direct
         return output
 
     @staticmethod
@@ -372,6 +414,7 @@ class TransformNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(x, residual, weight, bias, eps, rms, backend, direct):
+        direct = direct and direct_call(x, residual, weight, bias)
         return _forward_outputs(x, residual, weight, bias, eps, rms, backend, direct)
 
     @staticmethod
@@ -394,28 +437,55 @@ class TransformNorm(torch.autograd.Function):
 
 
 def _vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct):
+    """The vmap rule of :class:`TransformNorm`: :func:`_vmap_rows` around it."""
+
+    def run(*arguments):
+        return TransformNorm.apply(*arguments, direct)
+
+    return _vmap_rows(run, info, in_dims, x, residual, weight, bias, eps, rms, backend)
+
+
+def _forward_op_outputs(x, residual, weight, bias, eps, rms, backend) -> Outputs:
+    """:data:`forward_op` with None for the absent outputs (its schema has none)."""
+    y, residual_out, mean, rstd = forward_op(x, residual, weight, bias, eps, rms, backend)
+    return y, residual_out if residual is not None else None, None if rms else mean, rstd
+
+
+@forward_op.register_vmap
+def _(info, in_dims, x, residual, weight, bias, eps, rms, backend):
+    outputs, out_dims = _vmap_rows(
+        _forward_op_outputs, info, in_dims, x, residual, weight, bias, eps, rms, backend
+    )
+    # the schema has no optional outputs: an absent one is empty and unbatched
+    empty = outputs[3].new_empty(0)
+    return tuple(empty if t is None else t for t in outputs), out_dims
+
+
+def _front(t: Tensor | None, dim: int | None, size: int) -> Tensor | None:
+    """``t`` with its batch dim in front (expanded when it has none)."""
+    if t is None:
+        return None
+    if dim is None:
+        return t.expand(size, *t.shape)
+    return t.movedim(dim, 0)
+
+
+def _vmap_rows(run, info, in_dims, x, residual, weight, bias, eps, rms, backend):
     """The vmap rule: the batch becomes more rows. Per-sample ``weight``/``bias`` (batched)
-    are applied to the core ``u`` in the accumulation dtype, outside the kernel."""
+    are applied to the core ``u`` in the accumulation dtype, outside the kernel. ``run``
+    takes the op's arguments and returns :data:`Outputs` (None for an absent one)."""
     size = info.batch_size
-
-    def front(t: Tensor | None, dim: int | None) -> Tensor | None:
-        if t is None:
-            return None
-        if dim is None:
-            return t.expand(size, *t.shape)
-        return t.movedim(dim, 0)
-
     x_dim, residual_dim, weight_dim, bias_dim = in_dims[:4]
-    xb = front(x, x_dim)
+    xb = _front(x, x_dim, size)
     assert xb is not None
     shape = xb.shape
     n = shape[-1]
     rows = xb.reshape(-1, n)
     residual_rows = None
     if residual is not None:
-        residual_rows = front(residual, residual_dim).reshape(-1, n)  # type: ignore[union-attr]
+        residual_rows = _front(residual, residual_dim, size).reshape(-1, n)  # type: ignore[union-attr]
     per_sample = weight_dim is not None or bias_dim is not None
-    y, residual_out, mean, rstd = TransformNorm.apply(
+    y, residual_out, mean, rstd = run(
         rows,
         residual_rows,
         None if per_sample else weight,
@@ -423,7 +493,6 @@ def _vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct):
         eps,
         rms,
         backend,
-        direct,
     )
     y = y.view(shape)
     if per_sample:
@@ -431,9 +500,9 @@ def _vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct):
         broadcast = (size,) + (1,) * (len(shape) - 2) + (n,)
         affine = y.to(acc)
         if weight is not None:
-            affine = affine * front(weight, weight_dim).reshape(broadcast).to(acc)  # type: ignore[union-attr]
+            affine = affine * _front(weight, weight_dim, size).reshape(broadcast).to(acc)  # type: ignore[union-attr]
         if bias is not None:
-            affine = affine + front(bias, bias_dim).reshape(broadcast).to(acc)  # type: ignore[union-attr]
+            affine = affine + _front(bias, bias_dim, size).reshape(broadcast).to(acc)  # type: ignore[union-attr]
         y = affine.to(y.dtype)
     stats_shape = shape[:-1]
     outputs = (
@@ -443,6 +512,51 @@ def _vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct):
         rstd.view(stats_shape),
     )
     return outputs, tuple(None if t is None else 0 for t in outputs)
+
+
+@backward_op.register_vmap
+def _(info, in_dims, dy, x, weight, mean, rstd, dresidual_out, rms, need_dw, need_db, backend):
+    """``dx`` alone with a shared ``weight``: the batch becomes more rows, for the kernel
+    (a row's gradient depends on that row only). Per-sample ``dweight``/``dbias``, or a
+    batched ``weight``: the portable backend's backward (torch operations), vmapped."""
+    size = info.batch_size
+    if in_dims[2] is not None or need_dw or need_db:
+
+        def per_sample(dy, x, weight, mean, rstd, dresidual_out):
+            dx, dw, db = torch_.backward(
+                dy, x, weight, mean, rstd, dresidual_out, rms, need_dw, need_db
+            )
+            return dx, _empty(rstd) if dw is None else dw, _empty(rstd) if db is None else db
+
+        mean_dim = None if rms else in_dims[3]
+        outputs = torch.vmap(per_sample, in_dims=(*in_dims[:3], mean_dim, *in_dims[4:6]))(
+            dy, x, weight, None if rms else mean, rstd, dresidual_out
+        )
+        return outputs, (0, 0 if need_dw else None, 0 if need_db else None)
+    xb = _front(x, in_dims[1], size)
+    assert xb is not None
+    shape = xb.shape
+    n = shape[-1]
+
+    def rows(t: Tensor | None, dim: int | None) -> Tensor | None:
+        return None if t is None else _front(t, dim, size).reshape(-1, n)  # type: ignore[union-attr]
+
+    def stats(t: Tensor, dim: int | None) -> Tensor:
+        return _front(t, dim, size).reshape(-1)  # type: ignore[union-attr]
+
+    dx, dw, db = backward_op(
+        rows(dy, in_dims[0]),
+        xb.reshape(-1, n),
+        weight,
+        mean if rms else stats(mean, in_dims[3]),
+        stats(rstd, in_dims[4]),
+        rows(dresidual_out, in_dims[5]),
+        rms,
+        False,
+        False,
+        backend,
+    )
+    return (dx.view(shape), dw, db), (0, None, None)
 
 
 # ---------------------------------------------------------------------------------------

@@ -236,7 +236,7 @@ def _load() -> ModuleType | None:
 
 def _use(module: ModuleType) -> None:
     global _extension, _reason, norm
-    from . import backends
+    from . import _op, backends
     from .backends import _kernel_abi, numba_
 
     # Inputs of numba_.STREAM_BYTES or more go through Python: the numba backend streams
@@ -249,6 +249,7 @@ def _use(module: ModuleType) -> None:
         numba_.SERIAL_NUMEL,
         numba_.STREAM_BYTES,
         _kernel_abi.signature("forward"),
+        [_op.default_eps(dtype) for dtype in DTYPES],
     )
     if _extension is None:
         backends.on_forget(_forget)

@@ -26,8 +26,6 @@ from torch import Tensor
 
 from . import _op, backends
 from . import compiled as _compiled
-from .backends.torch_ import accumulation_dtype
-from .backends.torch_ import contiguous_rows as _contiguous_rows
 
 __all__ = [
     "FAST_PATHS",
@@ -128,32 +126,13 @@ def _check_backend(backend: str | None) -> str:
     return backend or ""
 
 
-def _rows(t: Tensor, n: int) -> Tensor:
-    """Flattens ``t`` to (M, N) with contiguous rows, without a copy where it can."""
-    if t.dim() == 2 and t.shape[1] == n:  # already rows: no view to make
-        return _contiguous_rows(t)
-    if n == 0:  # M cannot be inferred from zero elements
-        return t.reshape(math.prod(t.shape[:-1]), 0)
-    return _contiguous_rows(t.reshape(-1, n))
-
-
-def _kernel_rows(t: Tensor, n: int) -> Tensor:
-    """``t`` as the kernels take it (``docs/contract.md`` §5): itself when it is
-    contiguous with rows of its last dim, else (M, N) with contiguous rows."""
-    return t if t.is_contiguous() and t.shape[-1] == n else _rows(t, n)
-
-
-#: argument types the common call accepts (anything else takes the full checks)
-_PLAIN = frozenset({Tensor, torch.nn.Parameter, type(None)})
-
-
 def _requires_grad(t: Tensor | None) -> bool:
     return t is not None and t.requires_grad
 
 
 def _plain_param(p: Tensor | None, n: int) -> bool:
     return p is None or (
-        type(p) in _PLAIN
+        type(p) in _op.PLAIN
         and p.is_cpu
         and p.shape == (n,)
         and p.is_floating_point()
@@ -259,13 +238,11 @@ def _call(
             weight = _param("weight", weight, shape, x, op)
         if bias is not None:
             bias = _param("bias", bias, shape, x, op)
-        # eps=None: the machine epsilon of the arithmetic's dtype (float32 for half
-        # inputs), as torch
-        eps = _check_eps(torch.finfo(accumulation_dtype(x.dtype)).eps if eps is None else eps)
+        eps = _check_eps(_op.default_eps(x.dtype) if eps is None else eps)
         name = "" if backend is None else _check_backend(backend)
         n = shape[0] if len(shape) == 1 else math.prod(shape)
-        rows = _kernel_rows(x, n)
-        residual_rows = None if residual is None else _kernel_rows(residual, n)
+        rows = _op.kernel_rows(x, n)
+        residual_rows = None if residual is None else _op.kernel_rows(residual, n)
     y, residual_out = _enter(rows, residual_rows, weight, bias, eps, rms, name, fast)  # type: ignore[arg-type]
     return _shaped(y, residual_out, rows, x)
 
@@ -282,8 +259,8 @@ def _custom_op(
     """The custom op, on (M, N) rows: torch.compile traces it, and DTensor dispatches on
     it, both with shape rules for rows; its autograd and autocast policy are registered."""
     n = x.shape[-1]
-    rows = _rows(x, n)
-    residual_rows = None if residual is None else _rows(residual, n)
+    rows = _op.rows(x, n)
+    residual_rows = None if residual is None else _op.rows(residual, n)
     y, residual_out, _, _ = _op.forward_op(rows, residual_rows, weight, bias, eps, rms, backend)
     return y.view_as(x), None if residual is None else residual_out.view_as(x)
 
@@ -309,10 +286,10 @@ def _enter(
     if torch._C._is_tracing():
         return _op.decomposition(x, residual, weight, bias, eps, rms)
     if not (
-        type(x) in _PLAIN
-        and type(residual) in _PLAIN
-        and type(weight) in _PLAIN
-        and type(bias) in _PLAIN
+        type(x) in _op.PLAIN
+        and type(residual) in _op.PLAIN_OR_NONE
+        and type(weight) in _op.PLAIN_OR_NONE
+        and type(bias) in _op.PLAIN_OR_NONE
     ):
         return _custom_op(x, residual, weight, bias, eps, rms, backend)
     if torch._C._functorch.peek_interpreter_stack() is not None:
