@@ -643,3 +643,13 @@ def normalize_row_checked(
         return result
 
     return sig, codegen
+
+
+@intrinsic
+def element_f64(typingctx, z, index):
+    """``z[index]`` (any row dtype, 16-bit floats as their patterns) as a double, exactly."""
+
+    def codegen(context, builder, sig, args):
+        return Row(context, builder, sig.args[0], args[0]).load(args[1], 1, ir.DoubleType())
+
+    return signature(types.float64, z, index), codegen
