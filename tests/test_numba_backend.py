@@ -308,6 +308,8 @@ def test_calls_pass_the_abi_arguments_in_order(monkeypatch):
     weight, bias = torch.randn(n), torch.randn(n)
     y, residual_out, mean, rstd = numba_.forward(x, residual, weight, bias, 1e-3, False)
     args = dict(zip(_kernel_abi.names("forward"), calls.pop(), strict=True))
+    flags = args.pop("flags")  # the address of m + 1 fallback flags, made per call
+    assert isinstance(flags, int) and flags not in (0, x.data_ptr(), y.data_ptr())
     assert args == {
         "x": x.data_ptr(), "x_stride": n, "residual": residual.data_ptr(),
         "residual_stride": 8, "has_residual": True, "residual_out": residual_out.data_ptr(),

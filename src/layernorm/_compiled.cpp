@@ -39,11 +39,11 @@ using ForwardKernel = void (*)(int64_t x, int64_t x_stride, int64_t residual,
                                int64_t residual_stride, bool has_residual, int64_t residual_out,
                                int64_t weight, int64_t bias, int64_t y, int64_t mean,
                                int64_t rstd, int64_t m, int64_t n, double eps, bool rms,
-                               bool stream, bool store_stats);
+                               bool stream, bool store_stats, int64_t flags);
 const char* const FORWARD_SIGNATURE =
     "x:i64,x_stride:i64,residual:i64,residual_stride:i64,has_residual:bool,"
     "residual_out:i64,weight:i64,bias:i64,y:i64,mean:i64,rstd:i64,m:i64,n:i64,eps:f64,"
-    "rms:bool,stream:bool,store_stats:bool";
+    "rms:bool,stream:bool,store_stats:bool,flags:i64";
 
 enum Entry { FORWARD_SERIAL, FORWARD_PARALLEL };
 const char* const ENTRY_NAMES[] = {"forward_serial", "forward_parallel"};
@@ -108,6 +108,7 @@ Tensor kernel_param(const Tensor& p, int64_t n, at::ScalarType acc, double missi
 
 struct Forward {
     Tensor y, residual_out;
+    bool flagged = false;  // a row needs the exact fallback: Python's path does it
 };
 
 // The kernel's outputs; it computes no statistics (nothing will differentiate them).
@@ -122,10 +123,13 @@ Forward forward(const Tensor& x, const Tensor& residual, const Tensor& weight,
     const bool has_residual = residual.defined();
     if (has_residual) out.residual_out = at::empty_like(x);
     // the statistics' addresses are never written (store_stats false): any valid one will do
+    const Tensor flags = at::empty({m + 1}, at::TensorOptions().dtype(at::kByte));
     reinterpret_cast<ForwardKernel>(kernel_address)(
         x_address, n, has_residual ? address(residual) : x_address, has_residual ? n : 0,
         has_residual, has_residual ? address(out.residual_out) : x_address, address(w),
-        address(b), address(out.y), x_address, x_address, m, n, eps, rms, false, false);
+        address(b), address(out.y), x_address, x_address, m, n, eps, rms, false, false,
+        address(flags));
+    out.flagged = flags.data_ptr<uint8_t>()[m] != 0;
     return out;
 }
 
@@ -234,6 +238,7 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
         kernel(d, numel < state.serial_numel ? FORWARD_SERIAL : FORWARD_PARALLEL);
     if (kernel_address < 0) Py_RETURN_NONE;  // the automatic backend is not numba
     auto out = forward(x, residual, weight, bias, eps, rms, d, kernel_address);
+    if (out.flagged) Py_RETURN_NONE;  // rare: the Python path runs the exact fallback
     const Tensor y = out.y, residual_out = out.residual_out;
     PyObject* result = PyTuple_New(2);
     if (result == nullptr) return nullptr;

@@ -574,7 +574,7 @@ def decomposition(
     """``(y, residual_out)`` in differentiable torch operations: the portable backend's
     corrected two-pass (``docs/contract.md`` §3), which jit tracing and scripting,
     torch.export and the ONNX exporters record op by op."""
-    y, residual_out, _, _ = torch_.forward(x, residual, weight, bias, eps, rms)
+    y, residual_out, _, _ = torch_.portable_forward(x, residual, weight, bias, eps, rms)
     return y, residual_out
 
 
@@ -606,5 +606,5 @@ def scripted_norm(
         weight = weight.reshape(-1)
     if bias is not None:
         bias = bias.reshape(-1)
-    y, _, _, _ = torch_.forward(rows, None, weight, bias, eps, rms)
+    y, _, _, _ = torch_.portable_forward(rows, None, weight, bias, eps, rms)
     return y.view(x.shape)

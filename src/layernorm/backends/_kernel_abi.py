@@ -23,7 +23,9 @@ __all__ = ["BACKWARD", "CTYPES", "FORWARD", "KERNELS", "names", "signature"]
 #: the forward entry: rows ``i`` of x and residual start ``i * x_stride`` and
 #: ``i * residual_stride`` elements after their addresses; ``residual_out``, ``y`` are
 #: contiguous (m * n); ``mean`` (unused for RMSNorm) and ``rstd`` (m,) are written only
-#: when ``store_stats``; ``stream`` asks for non-temporal stores of a large float32 ``y``.
+#: when ``store_stats``; ``stream`` asks for non-temporal stores of a large float32 ``y``;
+#: ``flags`` is (m + 1) bytes: ``flags[i]`` is set when row ``i`` of ``y`` needs the exact
+#: fallback (``layernorm.backends._exact``), ``flags[m]`` when any row does.
 FORWARD: tuple[tuple[str, str], ...] = (
     ("x", "i64"),
     ("x_stride", "i64"),
@@ -42,6 +44,7 @@ FORWARD: tuple[tuple[str, str], ...] = (
     ("rms", "bool"),
     ("stream", "bool"),
     ("store_stats", "bool"),
+    ("flags", "i64"),
 )
 
 #: the backward entry: ``dresidual_out`` is one row of ``-0.0`` with a stride of 0 when

@@ -22,9 +22,14 @@ round-to-nearest-even on output. Weight and bias arrive in the accumulation dtyp
 missing weight is ones and a missing bias is ``-0.0`` (``v * 1 + -0.0 == v`` bitwise, so
 no inner-loop branches).
 
-Numerics (docs/contract.md §3). Accumulation in float32 (float64 for float64 input); row
-sums add blocks of ``_numba_vectors.SUM_BLOCK`` elements in that dtype and the block
-totals in float64, so their error does not grow with N. Statistics are the corrected
+Numerics (docs/contract.md §3). The forward computes in float64 for every dtype and
+rounds each output once, with Ziv's test against a bound per element; a row whose
+rounding the bound leaves open is computed again with compensated statistics
+(:func:`_precise_statistics`), and if still open, flagged (``flags``) for the host's exact
+fallback (:mod:`layernorm.backends._exact`). The backward accumulates in float32
+(float64 for float64 input). Row sums add blocks of ``_numba_vectors.SUM_BLOCK``
+elements in the accumulation dtype and the block totals in float64, so their error does
+not grow with N. Statistics are the corrected
 two-pass: ``m1 = mean(z)``, ``d = z - m1``, ``delta = mean(d)``, ``mean = m1 + delta``,
 ``var = mean((d - delta)²)``, computed as ``mean(d²) - delta²`` so that ``sum(d)`` and
 ``sum(d²)`` share one pass (``delta`` is a rounding error of ``m1``: the subtraction
@@ -63,11 +68,14 @@ from numba.extending import intrinsic, overload
 
 from . import _kernel_abi
 from ._numba_vectors import (
+    SUM_BLOCK,
     Row,
     add_rows,
     dx_row,
     dx_row_touching,
+    element_f64,
     normalize_row,
+    normalize_row_checked,
     normalized,
     row_sum,
     row_sum_sq,
@@ -76,12 +84,13 @@ from ._numba_vectors import (
     splat,
 )
 
+_FLAG_TAG = np.empty(0, np.uint8)  # the dtype of the forward's fallback flags
 ROW_BLOCK = 32  # rows per dweight/dbias partial sum (fixed: never depends on threads)
 #: The start of the SHA-256 of ``_numba_vectors.py``, whose intrinsics are compiled into
 #: these kernels. numba keys its on-disk cache on this file alone, so a change to that one
 #: must change this line, or a stale cached kernel would keep running the old code;
 #: ``tests/test_numba_vectors.py`` fails until it does.
-VECTORS_SHA256 = "b1470af8a203ad91"
+VECTORS_SHA256 = "1f3075aa3813c00f"
 
 
 def _jit(*signature, **options):
@@ -225,31 +234,53 @@ def _copy_row_streaming(src, dst):
 # Kernels
 
 
+_U = 2.0**-53  # float64's unit roundoff
+_SLACK = 1.0 + 2.0**-30  # covers the rounding errors of computing the bound itself
+
+
+@_jit(inline="always")
+def _depth(n):
+    """An upper bound on the roundings on any path of a float64 row sum of ``n`` terms
+    in ``_numba_vectors``' order (docs/contract.md §3): a lane adds at most
+    ``B / 16 + 1`` terms of a block of ``B <= SUM_BLOCK`` elements (8 lanes, 2
+    accumulators, one more vector), combining the accumulators and the lanes takes 4,
+    the tail 7 and 1 more; then one per block total."""
+    return min(n, min(n, SUM_BLOCK) // 16 + 14 + n // SUM_BLOCK)
+
+
 @_jit(inline="always")
 def _row_statistics(
     i, x, x_stride, residual, residual_stride, has_residual, residual_out,
-    mean, rstd, n, n_float, eps, rms, store_stats,
+    mean, rstd, n, eps, rms, store_stats,
 ):  # fmt: skip
     """Row ``i``'s input ``z`` (``residual_out = x + residual``, written first, when
-    ``has_residual``) and its statistics ``(z, m1, delta, rstd_i)``: the forward's first
-    three passes.
+    ``has_residual``), its statistics in float64 and the constants of its error bound
+    (docs/contract.md §3): ``(z, m1, delta, rstd_i, e_mean, k_c, k_p, k_w, k_y, flag)``,
+    the forward's first three passes. ``flag`` is 1 when the bound on ``rstd`` is too
+    loose to use (the row goes to the exact fallback).
 
     ``x``, ``residual``: flat storage with row strides ``x_stride``, ``residual_stride``;
     ``residual_out``: contiguous (M*N,) output in x's dtype; ``mean`` (unused for RMSNorm)
-    and ``rstd``: (M,) in the accumulation dtype, like ``n_float`` (N as a float) and
-    ``eps``, written only when ``store_stats``.
+    and ``rstd``: (M,) in the accumulation dtype, written only when ``store_stats``.
+    ``eps`` is a float64.
     """
-    zero = n_float - n_float
-    one = n_float / n_float
+    zero = 0.0
+    n_float = np.float64(n)
     z = x[i * x_stride : i * x_stride + n]
     if has_residual:
         z = residual_out[i * n : (i + 1) * n]
         residual_i = residual[i * residual_stride : i * residual_stride + n]
         add_rows(x[i * x_stride : i * x_stride + n], residual_i, z)
+    h = np.float64(_depth(n) + 1) * _U
+    gamma = h / (1.0 - h)  # bounds the relative error of a sum of squares, or of |terms|
     if rms:
         m1 = zero
         delta = zero
-        var = row_sum_sq(z, zero) / n_float
+        s2 = row_sum_sq(z, zero)
+        var = s2 / n_float
+        e_mean = zero
+        k_c = zero  # c = d = z, exactly
+        e_var = 1.01 * ((gamma + 2.0 * _U) * var + _U * var)
     else:
         m1 = row_sum(z, zero) / n_float
         # One pass for Σd and Σd², d = z − m1: Σ(d − delta)² = Σd² − N·delta², and
@@ -258,47 +289,160 @@ def _row_statistics(
         delta = s1 / n_float
         if store_stats:
             mean[i] = m1 + delta
+        absolute = 1.001 * np.sqrt(n_float * s2)  # Σ|d| <= sqrt(N Σd²)
+        e_mean = 1.01 * ((gamma + 2.0 * _U) * absolute / n_float + _U * abs(delta))
         var = max(s2 / n_float - delta * delta, zero)
-    rstd_i = one / np.sqrt(var + eps)
+        k_c = 1.01 * _U
+        e_var = 1.01 * (
+            (gamma + 3.0 * _U) * (s2 / n_float)
+            + e_mean * (2.0 * abs(delta) + e_mean)
+            + _U * (delta * delta + var)
+        )
+    s = var + eps
+    e_s = e_var + 1.01 * _U * s
+    flag = 1 if e_s >= 0.01 * s else 0  # (False for a NaN row: it stays NaN)
+    e_r = 0.51 * (e_s / (s - e_s)) + 2.01 * _U  # relative error of rstd
+    rstd_i = 1.0 / np.sqrt(s)
     if store_stats:
         rstd[i] = rstd_i
-    return z, m1, delta, rstd_i
+    k_p = (2.01 * _U + 1.02 * e_r) * _SLACK
+    k_w = rstd_i * (1.0 + 1.02 * e_r) * _SLACK
+    k_y = 2.1 * _U * _SLACK
+    return z, m1, delta, rstd_i, e_mean, k_c, k_p, k_w, k_y, flag
+
+
+@_jit(inline="always")
+def _two_sum(a, b):
+    """``(s, e)`` with ``s = fl(a + b)`` and ``s + e == a + b`` exactly (Knuth)."""
+    s = a + b
+    t = s - a
+    return s, (a - (s - t)) + (b - t)
+
+
+@_jit()
+def _precise_statistics(z, m1, n, eps, rms):
+    """Row statistics again, for a row the fast pass flagged, by compensated sums
+    (Ogita, Rump and Oishi's Sum2: error at most ``u·|sum| + γ_{n}²·Σ|terms|``), and the
+    constants of :func:`_row_statistics`' bound with the smaller errors they leave
+    (docs/contract.md §3): ``(delta, rstd, e_mean, k_c, k_p, k_w, k_y, flag)`` for the
+    same ``m1``. Scalar code: it runs for few rows."""
+    n_float = np.float64(n)
+    g = n_float * _U / (1.0 - n_float * _U)
+    g2 = g * g
+    if rms:
+        total = 0.0
+        compensation = 0.0
+        for k in range(n):
+            v = element_f64(z, k)
+            total, e = _two_sum(total, v * v)  # v * v is exact: v has at most 24 bits
+            compensation += e
+        s2 = total + compensation
+        var = s2 / n_float
+        delta = 0.0
+        e_mean = 0.0
+        k_c = 0.0
+        e_var = 1.01 * ((2.0 * _U + g2) * var)
+    else:
+        total = 0.0
+        compensation = 0.0
+        rounding = 0.0  # Σ of the exact rounding errors of d = z - m1
+        absolute = 0.0
+        for k in range(n):
+            d, r = _two_sum(element_f64(z, k), -m1)
+            total, e = _two_sum(total, d)
+            compensation += e
+            rounding += r
+            absolute += abs(d)
+        s1 = (total + compensation) + rounding
+        delta = s1 / n_float
+        # Sum2's bound, the plain sum of the roundings, two additions and the division
+        e_mean = 1.01 * (4.0 * _U * abs(delta) + (g2 + g * _U) * absolute / n_float)
+        total = 0.0
+        compensation = 0.0
+        spread = 0.0  # Σ 2|c| e_c + e_c² + u c², e_c = u(|c| + |d|) + e_mean
+        for k in range(n):
+            d = element_f64(z, k) - m1
+            c = d - delta
+            e_c = 1.01 * _U * (abs(c) + abs(d)) + e_mean
+            spread += 2.0 * abs(c) * e_c + e_c * e_c + _U * c * c
+            total, e = _two_sum(total, c * c)
+            compensation += e
+        s2 = total + compensation
+        var = s2 / n_float
+        k_c = 1.01 * _U
+        e_var = 1.01 * ((_U + g2) * var + spread / n_float + _U * var)
+    s = var + eps
+    e_s = e_var + 1.01 * _U * s
+    flag = 1 if e_s >= 0.01 * s else 0
+    e_r = 0.51 * (e_s / (s - e_s)) + 2.01 * _U
+    rstd_i = 1.0 / np.sqrt(s)
+    k_p = (2.01 * _U + 1.02 * e_r) * _SLACK
+    k_w = rstd_i * (1.0 + 1.02 * e_r) * _SLACK
+    k_y = 2.1 * _U * _SLACK
+    return delta, rstd_i, e_mean, k_c, k_p, k_w, k_y, flag
+
+
+@_jit(inline="always")
+def _forward_row(
+    i, x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y,
+    mean, rstd, n, eps, rms, store_stats,
+):  # fmt: skip
+    """Row ``i`` of the forward: its statistics and its output, each element rounded once
+    (``_numba_vectors.normalize_row_checked``). Returns the row's fallback flag."""
+    z, m1, delta, rstd_i, e_mean, k_c, k_p, k_w, k_y, flag = _row_statistics(
+        i, x, x_stride, residual, residual_stride, has_residual, residual_out,
+        mean, rstd, n, eps, rms, store_stats,
+    )  # fmt: skip
+    y_i = y[i * n : (i + 1) * n]
+    checked = normalize_row_checked(
+        z, y_i, m1, delta, rstd_i, weight, bias, e_mean, k_c, k_p, k_w, k_y
+    )
+    if (flag | checked) != 0:
+        # rare: once more with compensated statistics, whose bound is some 50 times
+        # tighter; what is still open goes to the exact fallback
+        delta, rstd_i, e_mean, k_c, k_p, k_w, k_y, flag = _precise_statistics(z, m1, n, eps, rms)
+        checked = normalize_row_checked(
+            z, y_i, m1, delta, rstd_i, weight, bias, e_mean, k_c, k_p, k_w, k_y
+        )
+    return np.uint8(flag | checked)
 
 
 @_jit(parallel=True)
 def forward_kernel(
     x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y,
-    mean, rstd, m, n, n_float, eps, rms, stream, store_stats,
+    mean, rstd, m, n, eps, rms, stream, store_stats, flags,
 ):  # fmt: skip
-    """Every row's statistics (:func:`_row_statistics`) and output ``y`` (contiguous
-    (M*N,)), rows spread over numba's threads. ``stream``: write float32 ``y`` with
-    non-temporal stores (same bits, no cache pollution)."""
+    """Every row's output ``y`` (contiguous (M*N,)) and fallback flag ``flags[i]``
+    (:func:`_forward_row`), rows spread over numba's threads. ``stream`` is ignored: the
+    rounded output pass has no streaming variant (same bits either way)."""
     for i in prange(m):
-        z, m1, delta, rstd_i = _row_statistics(
-            i, x, x_stride, residual, residual_stride, has_residual, residual_out,
-            mean, rstd, n, n_float, eps, rms, store_stats,
+        flags[i] = _forward_row(
+            i, x, x_stride, residual, residual_stride, has_residual, residual_out, weight,
+            bias, y, mean, rstd, n, eps, rms, store_stats,
         )  # fmt: skip
-        y_i = y[i * n : (i + 1) * n]
-        if stream:
-            normalize_row_streaming(z, y_i, m1, delta, rstd_i, weight, bias)
-        else:
-            normalize_row(z, y_i, m1, delta, rstd_i, weight, bias)
 
 
 @_jit()
 def forward_kernel_serial(
     x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y,
-    mean, rstd, m, n, n_float, eps, rms, store_stats,
+    mean, rstd, m, n, eps, rms, store_stats, flags,
 ):  # fmt: skip
-    """:func:`forward_kernel` in the calling thread (no parallel region to launch), without
-    streaming stores (inputs this small stay in cache; nor does it compile them): the same
-    row functions, so the same bits."""
+    """:func:`forward_kernel` in the calling thread (no parallel region to launch): the
+    same row function, so the same bits."""
     for i in range(m):
-        z, m1, delta, rstd_i = _row_statistics(
-            i, x, x_stride, residual, residual_stride, has_residual, residual_out,
-            mean, rstd, n, n_float, eps, rms, store_stats,
+        flags[i] = _forward_row(
+            i, x, x_stride, residual, residual_stride, has_residual, residual_out, weight,
+            bias, y, mean, rstd, n, eps, rms, store_stats,
         )  # fmt: skip
-        normalize_row(z, y[i * n : (i + 1) * n], m1, delta, rstd_i, weight, bias)
+
+
+@_jit()
+def _any_flag(flags, m):
+    """``flags[m] = 1`` when any of ``flags[:m]`` is set: one byte for the caller to read."""
+    flagged = np.uint8(0)
+    for i in range(m):
+        flagged |= flags[i]
+    flags[m] = flagged
 
 
 @_jit()
@@ -437,7 +581,7 @@ def _cast_impl(tag, value):
 @_jit()
 def _forward_views(
     storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out,
-    weight, bias, y, mean, rstd, m, n, rms, store_stats,
+    weight, bias, y, mean, rstd, m, n, rms, store_stats, flags,
 ):  # fmt: skip
     return (
         _view(x, (m - 1) * x_stride + n, storage_tag),
@@ -448,48 +592,50 @@ def _forward_views(
         _view(y, m * n, storage_tag),
         _view(mean, 0 if rms or not store_stats else m, acc_tag),
         _view(rstd, m if store_stats else 0, acc_tag),
+        _view(flags, m + 1, _FLAG_TAG),
     )
 
 
 @_jit()
 def forward_serial(
     storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out,
-    weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats,
+    weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags,
 ):  # fmt: skip
     """The forward on addresses (the arguments of ``_kernel_abi.FORWARD``), in the
     calling thread (for small inputs). Without a residual, ``residual`` and
     ``residual_out`` may be any valid address (``has_residual`` False); ``mean`` and
-    ``rstd`` too when not ``store_stats``. ``stream`` is ignored: inputs small enough to
-    run here are never streamed (see :func:`forward_kernel_serial`).
+    ``rstd`` too when not ``store_stats``. ``stream`` is ignored. ``flags``: m + 1
+    bytes; ``flags[i]`` is 1 when row ``i`` needs the exact fallback, ``flags[m]`` when
+    any row does.
     """
     views = _forward_views(
         storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual,
-        residual_out, weight, bias, y, mean, rstd, m, n, rms, store_stats,
+        residual_out, weight, bias, y, mean, rstd, m, n, rms, store_stats, flags,
     )  # fmt: skip
-    x_, residual_, residual_out_, weight_, bias_, y_, mean_, rstd_ = views
+    x_, residual_, residual_out_, weight_, bias_, y_, mean_, rstd_, flags_ = views
     forward_kernel_serial(
         x_, x_stride, residual_, residual_stride, has_residual, residual_out_, weight_,
-        bias_, y_, mean_, rstd_, m, n, _cast(acc_tag, n), _cast(acc_tag, eps), rms,
-        store_stats,
+        bias_, y_, mean_, rstd_, m, n, np.float64(eps), rms, store_stats, flags_,
     )  # fmt: skip
+    _any_flag(flags_, m)
 
 
 @_jit()
 def forward_parallel(
     storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out,
-    weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats,
+    weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags,
 ):  # fmt: skip
     """:func:`forward_serial`, rows spread over numba's threads."""
     views = _forward_views(
         storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual,
-        residual_out, weight, bias, y, mean, rstd, m, n, rms, store_stats,
+        residual_out, weight, bias, y, mean, rstd, m, n, rms, store_stats, flags,
     )  # fmt: skip
-    x_, residual_, residual_out_, weight_, bias_, y_, mean_, rstd_ = views
+    x_, residual_, residual_out_, weight_, bias_, y_, mean_, rstd_, flags_ = views
     forward_kernel(
         x_, x_stride, residual_, residual_stride, has_residual, residual_out_, weight_,
-        bias_, y_, mean_, rstd_, m, n, _cast(acc_tag, n), _cast(acc_tag, eps), rms, stream,
-        store_stats,
+        bias_, y_, mean_, rstd_, m, n, np.float64(eps), rms, stream, store_stats, flags_,
     )  # fmt: skip
+    _any_flag(flags_, m)
 
 
 @_jit()
@@ -597,15 +743,15 @@ def entry(name: str, storage_tag: np.ndarray, acc_tag: np.ndarray):
     run: Callable[..., None]
     if name == "forward_serial":
 
-        def forward(x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats):  # fmt: skip
-            forward_serial(storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats)  # fmt: skip
+        def forward(x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags):  # fmt: skip
+            forward_serial(storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags)  # fmt: skip
 
         run = forward
 
     elif name == "forward_parallel":
 
-        def forward(x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats):  # fmt: skip
-            forward_parallel(storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats)  # fmt: skip
+        def forward(x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags):  # fmt: skip
+            forward_parallel(storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags)  # fmt: skip
 
         run = forward
 

@@ -160,9 +160,20 @@ class Row:
             address, ir.VectorType(self.data.type.pointee, lanes).as_pointer()
         )
 
-    def load(self, index: ir.Value, lanes: int) -> ir.Value:
+    def load(self, index: ir.Value, lanes: int, acc: ir.Type | None = None) -> ir.Value:
+        """Elements ``index`` to ``index + lanes - 1``, widened to the row's accumulation
+        dtype, or to ``acc`` (double) when given (exact: every dtype is a subset)."""
         raw = self.builder.load(self._address(index, lanes), align=self.itemsize)
-        return widen(self.builder, raw, self.dtype)
+        value = widen(self.builder, raw, self.dtype)
+        if acc is not None and isinstance(acc, ir.DoubleType):
+            scalar = value.type.element if isinstance(value.type, ir.VectorType) else value.type
+            if not isinstance(scalar, ir.DoubleType):
+                value = self.builder.fpext(value, _shaped(acc, value))
+        return value
+
+    def store_raw(self, stored: ir.Value, index: ir.Value, lanes: int) -> None:
+        """Stores values already in the row's storage dtype (see :func:`narrow_once`)."""
+        self.builder.store(stored, self._address(index, lanes), align=self.itemsize)
 
     def store(self, value: ir.Value, index: ir.Value, lanes: int, streaming: bool = False) -> None:
         """``streaming``: a non-temporal store, which bypasses the cache (the address must
@@ -208,7 +219,7 @@ def _reduce(
     totals = [cgutils.alloca_once_value(builder, ir.Constant(wide, 0.0)) for _ in range(count)]
 
     def load(index: ir.Value, lanes: int) -> list[ir.Value]:
-        return [row.load(index, lanes) for row in rows]
+        return [row.load(index, lanes, acc) for row in rows]
 
     def block(start: ir.Value, length: ir.Value) -> list[ir.Value]:
         for k in range(count):
@@ -523,3 +534,122 @@ def dx_row_touching(
         return _dx_pass(context, builder, sig, args, touching=True)
 
     return sig, codegen
+
+
+# ---------------------------------------------------------------------------------------
+# Correct rounding (docs/contract.md §3): float64 arithmetic, an error bound per element,
+# one rounding to the output dtype, and a flag where the bound cannot decide it
+
+
+_I64 = ir.IntType(64)
+
+
+def _fabs(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
+    """``|value|`` of doubles (a scalar or a vector), by clearing the sign bit."""
+    bits = builder.bitcast(value, _shaped(_I64, value))
+    cleared = builder.and_(bits, _constant(_I64, (1 << 63) - 1, value))
+    return builder.bitcast(cleared, value.type)
+
+
+def narrow_once(builder: ir.IRBuilder, value: ir.Value, dtype: types.Type) -> ir.Value:
+    """Doubles (a scalar or a vector) stored as numba dtype ``dtype``, rounded ONCE to
+    nearest-even: float32 by ``fptrunc``; float16 and bfloat16 through float32 rounded to
+    odd (truncate, then set the last bit when inexact), whose 13 (float16) and 16
+    (bfloat16) extra bits make the second rounding, to nearest-even by :func:`narrow`,
+    give the double's correct rounding (Boldo and Melquiond's round-to-odd theorem;
+    bfloat16 shares float32's exponent range, so it holds for its subnormals too).
+    float64 stays as it is."""
+    if dtype == types.float64:
+        return value
+    single = builder.fptrunc(value, _shaped(ir.FloatType(), value))
+    if dtype == types.float32:
+        return single
+    back = builder.fpext(single, value.type)
+    bits = builder.bitcast(single, _shaped(_I32, value))
+    away = builder.fcmp_ordered(">", _fabs(builder, back), _fabs(builder, value))
+    bits = builder.select(away, builder.sub(bits, _constant(_I32, 1, value)), bits)
+    inexact = builder.zext(builder.fcmp_ordered("!=", back, value), _shaped(_I32, value))
+    odd = builder.bitcast(builder.or_(bits, inexact), _shaped(ir.FloatType(), value))
+    return narrow(builder, odd, dtype)
+
+
+def _as_bits(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
+    """Stored values as integers of their width (float32 bits; 16-bit ones already are)."""
+    scalar = value.type.element if isinstance(value.type, ir.VectorType) else value.type
+    if isinstance(scalar, ir.FloatType):
+        return builder.bitcast(value, _shaped(_I32, value))
+    if isinstance(scalar, ir.DoubleType):
+        return builder.bitcast(value, _shaped(_I64, value))
+    return value
+
+
+@intrinsic
+def normalize_row_checked(
+    typingctx, z, y, m1, delta, rstd, weight, bias, e_mean, k_c, k_p, k_w, k_y
+):  # fmt: skip
+    """:func:`normalize_row` in float64 (``m1`` to ``k_y`` are doubles; ``z``, ``weight``,
+    ``bias`` are widened to double exactly), each element rounded once to ``y``'s dtype
+    (:func:`narrow_once`), and Ziv's rounding test on each (docs/contract.md §3)::
+
+        d = z - m1;  c = d - delta;  p = (c * rstd) * weight;  yh = p + bias
+        E = (k_c * (|c| + |d|) + e_mean) * |weight| * k_w + |p| * k_p + |yh| * k_y
+
+    ``E`` bounds ``|yh - y_exact|`` and the rounding errors of ``yh ± E`` (the caller's
+    row constants make it so). Returns 1 when ``yh - E`` and ``yh + E`` round to
+    different values of ``y``'s dtype for some element (the row needs the exact
+    fallback), else 0. For a float64 ``y`` no test is made (returns 0)."""
+    sig = signature(types.int32, z, y, m1, delta, rstd, weight, bias, e_mean, k_c, k_p, k_w, k_y)
+
+    def codegen(context, builder, sig, args):
+        z, y, w, b = (Row(context, builder, sig.args[k], args[k]) for k in (0, 1, 5, 6))
+        double = ir.DoubleType()
+        width = lanes(double)
+        check = y.dtype != types.float64
+        flags = cgutils.alloca_once_value(
+            builder, ir.Constant(ir.VectorType(_I32, width), [0] * width)
+        )
+
+        def element(index: ir.Value, lanes: int) -> None:
+            m1, delta, rstd, e_mean, k_c, k_p, k_w, k_y = _splat_all(
+                builder, args[2:5] + args[7:], lanes
+            )
+            zv, wv, bv = (row.load(index, lanes, double) for row in (z, w, b))
+            d = builder.fsub(zv, m1)
+            c = builder.fsub(d, delta)
+            p = builder.fmul(builder.fmul(c, rstd), wv)
+            yh = builder.fadd(p, bv)
+            y.store_raw(narrow_once(builder, yh, y.dtype), index, lanes)
+            if not check:
+                return
+            spread = builder.fadd(_fabs(builder, c), _fabs(builder, d))
+            e_c = builder.fadd(builder.fmul(spread, k_c), e_mean)
+            bound = builder.fmul(builder.fmul(e_c, _fabs(builder, wv)), k_w)
+            bound = builder.fadd(bound, builder.fmul(_fabs(builder, p), k_p))
+            bound = builder.fadd(bound, builder.fmul(_fabs(builder, yh), k_y))
+            low = _as_bits(builder, narrow_once(builder, builder.fsub(yh, bound), y.dtype))
+            high = _as_bits(builder, narrow_once(builder, builder.fadd(yh, bound), y.dtype))
+            differ = builder.zext(builder.icmp_unsigned("!=", low, high), _shaped(_I32, low))
+            if lanes == 1:
+                differ = builder.insert_element(
+                    ir.Constant(ir.VectorType(_I32, width), [0] * width), differ, _I32(0)
+                )
+            builder.store(builder.or_(builder.load(flags), differ), flags)
+
+        _elementwise(builder, y.length, width, element)
+        vector = builder.load(flags)
+        result = builder.extract_element(vector, _I32(0))
+        for k in range(1, width):
+            result = builder.or_(result, builder.extract_element(vector, _I32(k)))
+        return result
+
+    return sig, codegen
+
+
+@intrinsic
+def element_f64(typingctx, z, index):
+    """``z[index]`` (any row dtype, 16-bit floats as their patterns) as a double, exactly."""
+
+    def codegen(context, builder, sig, args):
+        return Row(context, builder, sig.args[0], args[0]).load(args[1], 1, ir.DoubleType())
+
+    return signature(types.float64, z, index), codegen

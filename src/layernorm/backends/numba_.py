@@ -217,6 +217,7 @@ def forward(
         residual_address = residual.data_ptr()
         residual_stride = _stride(residual, n)
         residual_out_address = residual_out.data_ptr()
+    flags = np.zeros(m + 1, np.uint8)  # the kernel sets them all (zeros: never stale)
     run = entry(x.dtype, "forward_serial" if numel < SERIAL_NUMEL else "forward_parallel")
     # the arguments of _kernel_abi.FORWARD, in its order
     run(
@@ -237,8 +238,34 @@ def forward(
         rms,  # rms
         nbytes >= STREAM_BYTES,  # stream
         stats,  # store_stats
+        flags.ctypes.data,  # flags
     )
+    if flags[m]:  # rare: rows whose rounding the float64 bound left open
+        _fix_rows(y, x if residual_out is None else residual_out, w, b, eps, rms, flags[:m])
     return y, residual_out, mean, rstd
+
+
+def _fix_rows(
+    y: torch.Tensor,
+    z: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor,
+    eps: float,
+    rms: bool,
+    flags: np.ndarray,
+) -> None:
+    """Rewrites the flagged rows of ``y`` exactly (:mod:`layernorm.backends._exact`)."""
+    from . import _exact, torch_
+
+    if y.dtype == torch.float64:
+        return
+    rows = np.flatnonzero(flags)
+    zm = torch_.matrix(z)
+    values = zm[torch.from_numpy(rows)].to(torch.float64).numpy()
+    gamma, beta = w.to(torch.float64).numpy(), b.to(torch.float64).numpy()
+    finite, fixed = _exact.fix_forward_rows(values, gamma, beta, eps, rms, y.dtype)
+    storage = torch_.matrix(y).view(_exact.STORAGE[y.dtype])
+    storage[torch.from_numpy(rows[finite])] = torch.from_numpy(fixed)
 
 
 def backward(

@@ -94,7 +94,7 @@ def column_sum(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([partial, rest[None]]).sum(0)
 
 
-def forward(
+def portable_forward(
     x: torch.Tensor,
     residual: torch.Tensor | None,
     weight: torch.Tensor | None,
@@ -103,7 +103,11 @@ def forward(
     rms: bool,
     stats: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    # (written for TorchScript too: the scripted modules run it, docs/contract.md §6)
+    """The decomposition (``_op.decomposition``, ``_op.scripted_norm``: what tracing,
+    scripting, export and ONNX record): the corrected two-pass in the accumulation dtype
+    (float32 for every dtype but float64), then one conversion to x's dtype. It is
+    within the bounds of docs/contract.md §3 but not correctly rounded; the backend's
+    :func:`forward` is. Written for TorchScript too."""
     acc = accumulation_dtype(x.dtype)
     shape = x.shape
     rows = matrix(x)
@@ -132,6 +136,151 @@ def forward(
     if bias is not None:
         y = y + bias.to(acc)
     return y.to(x.dtype).contiguous().view(shape), residual_out, mean, rstd
+
+
+# ---------------------------------------------------------------------------------------
+# The correctly rounded forward (docs/contract.md §3): float64, a bound per element, one
+# rounding, and the exact fallback (layernorm.backends._exact) for flagged rows
+
+_U = 2.0**-53
+_SLACK = 1.0 + 2.0**-30
+SUM_CHUNK = 256  # float64 sums: chunks of 256, so no path through a sum has more adds
+
+
+def _sum64(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Each row's sum of the float64 (M, N) ``t``, and a bound on the additions along any
+    path of it (whatever order torch adds a chunk of 256 in): chunks of
+    :data:`SUM_CHUNK`, zero-padded, summed level by level."""
+    depth = 0
+    while t.shape[1] > 1:
+        n = t.shape[1]
+        k = -(-n // SUM_CHUNK)
+        if k * SUM_CHUNK != n:
+            t = torch.nn.functional.pad(t, (0, k * SUM_CHUNK - n))
+        t = t.reshape(t.shape[0], k, SUM_CHUNK).sum(2)
+        depth += min(n, SUM_CHUNK)
+    return t[:, 0], depth
+
+
+def round_once(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 ``values`` rounded once to nearest-even in ``dtype``: float32 directly,
+    float16 and bfloat16 through float32 rounded to odd (torch's float64 to float16
+    conversion rounds twice, through float32)."""
+    single = values.to(torch.float32)
+    if dtype == torch.float32 or dtype == torch.float64:
+        return values.to(dtype)
+    back = single.to(torch.float64)
+    bits = single.view(torch.int32)
+    bits = torch.where(back.abs() > values.abs(), bits - 1, bits)
+    bits = bits | ((back != values) & ~values.isnan()).to(torch.int32)
+    return bits.view(torch.float32).to(dtype)
+
+
+def _storage_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+def forward(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+    stats: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """The backend's forward: every output element of a float32, float16 or bfloat16
+    input is the exact result rounded once (docs/contract.md §3); float64 input is
+    :func:`portable_forward`. Rows whose rounding the float64 bound leaves open are
+    recomputed exactly on the host (``_exact``); on a GPU, reading the flags synchronizes
+    (docs/contract.md §3 says so)."""
+    if x.dtype == torch.float64 or x.numel() == 0:
+        return portable_forward(x, residual, weight, bias, eps, rms, stats)
+    acc = accumulation_dtype(x.dtype)
+    shape = x.shape
+    rows = matrix(x)
+    residual_out: torch.Tensor | None = None
+    if residual is not None:  # one rounding: float32 holds the sum of two halves exactly
+        h = (rows.to(acc) + matrix(residual).to(acc)).to(x.dtype)
+        residual_out = h.view(shape)
+        rows = h
+    z = rows.to(torch.float64)
+    n = z.shape[1]
+    gamma = torch.ones(n, dtype=torch.float64, device=z.device)
+    beta = torch.full((n,), -0.0, dtype=torch.float64, device=z.device)
+    if weight is not None:
+        gamma = weight.to(acc).to(torch.float64)
+    if bias is not None:
+        beta = bias.to(acc).to(torch.float64)
+    if rms:
+        s2, depth = _sum64(z * z)
+        var = s2 / n
+        m1 = delta = torch.zeros_like(var)
+        e_mean = torch.zeros_like(var)
+        k_c = 0.0  # c = d = z, exactly
+        paths = (depth + 1) * _U
+        e_var = 1.01 * ((paths / (1 - paths) + 2 * _U) * var + _U * var)
+        mean = None
+    else:
+        total, depth = _sum64(z)
+        m1 = total / n
+        d = z - m1[:, None]
+        s1, _ = _sum64(d)
+        s2, _ = _sum64(d * d)
+        delta = s1 / n
+        mean = (m1 + delta).to(acc)
+        paths = (depth + 1) * _U
+        gamma_h = paths / (1 - paths)
+        e_mean = 1.01 * ((gamma_h + 2 * _U) * (1.001 * (n * s2).sqrt()) / n + _U * delta.abs())
+        var = (s2 / n - delta * delta).clamp_min(0.0)
+        k_c = 1.01 * _U
+        e_var = 1.01 * (
+            (gamma_h + 3 * _U) * (s2 / n) + e_mean * (2 * delta.abs() + e_mean)
+            + _U * (delta * delta + var)
+        )  # fmt: skip
+    s = var + eps
+    e_s = e_var + 1.01 * _U * s
+    loose = e_s >= 0.01 * s
+    e_r = 0.51 * (e_s / (s - e_s)) + 2.01 * _U
+    rstd = 1.0 / s.sqrt()
+    k_p = (2.01 * _U + 1.02 * e_r) * _SLACK
+    k_w = rstd * (1.0 + 1.02 * e_r) * _SLACK
+    k_y = 2.1 * _U * _SLACK
+    d = z - m1[:, None]
+    c = d - delta[:, None]
+    p = c * rstd[:, None] * gamma
+    yh = p + beta
+    e_c = (c.abs() + d.abs()) * k_c + e_mean[:, None]
+    bound = e_c * gamma.abs() * k_w[:, None] + p.abs() * k_p[:, None] + yh.abs() * k_y
+    y = round_once(yh, x.dtype)
+    low = _storage_bits(round_once(yh - bound, x.dtype))
+    high = _storage_bits(round_once(yh + bound, x.dtype))
+    flagged = (low != high).any(1) | loose
+    if bool(flagged.any()):
+        _fix_rows(y, rows, gamma, beta, eps, rms, flagged)
+    return y.contiguous().view(shape), residual_out, mean, rstd.to(acc)
+
+
+def _fix_rows(
+    y: torch.Tensor,
+    rows: torch.Tensor,
+    gamma: torch.Tensor,
+    beta: torch.Tensor,
+    eps: float,
+    rms: bool,
+    flagged: torch.Tensor,
+) -> None:
+    """Rewrites the flagged rows of ``y`` (M, N) with the exact fallback, on the host."""
+    from . import _exact
+
+    index = flagged.nonzero()[:, 0]
+    values = rows[index].to(torch.float64).cpu().numpy()
+    finite, fixed = _exact.fix_forward_rows(
+        values, gamma.cpu().numpy(), beta.cpu().numpy(), eps, rms, y.dtype
+    )
+    storage = y.view(_exact.STORAGE[y.dtype])
+    keep = index[torch.from_numpy(finite).to(index.device)]
+    storage[keep] = torch.from_numpy(fixed).to(y.device)
 
 
 def backward(

@@ -1,0 +1,184 @@
+"""Correct rounding (docs/contract.md §3): every forward output of a float32, float16 or
+bfloat16 input is the exact result rounded once, the same bits on every backend.
+
+The oracle (tests/_oracle.py) shares no code with the library: integers, mpmath and
+squares of rationals. Inputs: random rows at offsets up to 1e6 and widths up to 2**20,
+rows whose exact result is a rounding midpoint or within 2**-40 (relative) of one, rows
+over float32's whole range (1e-38 to 3e38), and 10**7 random elements per dtype compared
+bitwise between the numba and torch backends.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import mpmath
+import numpy as np
+import pytest
+import torch
+
+import _oracle
+import layernorm
+from layernorm.backends import _exact, torch_
+
+pytest.importorskip("numba")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+MASK = {torch.float32: 0xFFFFFFFF, torch.bfloat16: 0xFFFF, torch.float16: 0xFFFF}
+BACKENDS = ["numba", "torch"]
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(BITS[t.dtype]).numpy().astype(np.int64) & MASK[t.dtype]
+
+
+def _norm(x, w, b, eps, rms, backend):
+    n = x.shape[-1]
+    if rms:
+        return layernorm.rms_norm(x, (n,), w, eps=eps, backend=backend)
+    return layernorm.layer_norm(x, (n,), w, b, eps=eps, backend=backend)
+
+
+def _assert_correctly_rounded(x, w, b, eps, rms, backend):
+    """Every element of the backend's output is the oracle's, bit for bit (the sign of
+    an exactly zero result is a convention, checked between backends elsewhere)."""
+    y = _norm(x, w, b, eps, rms, backend)
+    got = _bits(y).reshape(-1, x.shape[-1])
+    n = x.shape[-1]
+    gamma = np.ones(n) if w is None else w.double().numpy()
+    beta = np.zeros(n) if (b is None or rms) else b.double().numpy()
+    rows = x.reshape(-1, n).double().numpy()
+    wrong = 0
+    for i, z in enumerate(rows):
+        want, zero = _oracle.forward(z, gamma, beta, eps, rms, NAMES[x.dtype])
+        wrong += int(((want != got[i]) & ~zero).sum())
+    assert wrong == 0, f"{wrong} of {x.numel()} elements not correctly rounded ({backend})"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_random_rows_are_correctly_rounded(backend, dtype, rms):
+    g = torch.Generator().manual_seed(1)
+    for offset, shape in [(0.0, (3, 768)), (100.0, (2, 1000)), (1e4, (2, 513)), (1e6, (1, 4096))]:
+        if dtype != torch.float32 and offset > 1e4:
+            offset = 300.0  # the halves cannot hold a unit spread at 1e6
+        x = (torch.randn(shape, generator=g) * 3 + offset).to(dtype)
+        w = torch.randn(shape[1], generator=g)
+        b = torch.randn(shape[1], generator=g)
+        _assert_correctly_rounded(x, w, b, 1e-5, rms, backend)
+        _assert_correctly_rounded(x, None, None, 1e-5, rms, backend)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_wide_row_is_correctly_rounded(dtype):
+    n = (1 << 20) if dtype == torch.float32 else (1 << 17)
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(1, n, generator=g) + 1e3).to(dtype)
+    w = torch.rand(n, generator=g) + 0.5
+    _assert_correctly_rounded(x, w, None, 1e-5, False, "numba")
+
+
+def _ulp_one(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).eps)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_midpoints_round_to_even(backend, dtype):
+    # z = (0, 1, 0, 1, ...) with eps = 0.75: mean 1/2, q = 1/4, rstd = 1 exactly, u = ±1/2.
+    # gamma = ulp(1), beta = 1: y = 1 + ulp/2 (a tie: 1, even) and 1 - ulp/2 (exact);
+    # beta = 1 + ulp: 1 + 3ulp/2 (a tie: 1 + 2ulp, even), 1 + ulp/2 (a tie: 1).
+    ulp = _ulp_one(dtype)
+    x = torch.tensor([[0.0, 1.0] * 4] * 2).to(dtype)
+    w = torch.full((8,), ulp)
+    b = torch.tensor([[1.0] * 8, [1.0 + ulp] * 8])
+    for row, beta in enumerate(b):
+        y = layernorm.layer_norm(x[row : row + 1], 8, w, beta, eps=0.75, backend=backend)
+        want = [1.0 - ulp / 2, 1.0] if row == 0 else [1.0, 1.0 + 2 * ulp]
+        assert y[0].double().tolist() == want * 4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_values_within_2_to_the_minus_40_of_a_midpoint(backend, dtype):
+    # eps = 0.75 + t moves rstd = 1/sqrt(1 + t) off 1 by about t/2: the result sits
+    # ulp * t / 4 from the midpoint 1 + ulp/2, on either side, for t = ±2**-20 ... ±2**-50.
+    ulp = _ulp_one(dtype)
+    x = torch.tensor([[0.0, 1.0] * 4]).to(dtype)
+    w = torch.full((8,), ulp)
+    b = torch.ones(8)
+    for k in range(20, 51, 3):
+        for t in (2.0**-k, -(2.0**-k)):
+            _assert_correctly_rounded(x, w, b, 0.75 + t, False, backend)
+            y = layernorm.layer_norm(x, 8, w, b, eps=0.75 + t, backend=backend)
+            assert y[0, 1].item() == (1.0 if t > 0 else 1.0 + ulp)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_float32_rows_over_the_whole_range(backend, rms):
+    g = torch.Generator().manual_seed(3)
+    for scale in (1e-38, 1e-30, 1e-10, 1e10, 1e20, 1e30, 1e37, 3e38 / 4):
+        x = (torch.randn(2, 256, generator=g, dtype=torch.float64) * scale).clamp(-3e38, 3e38)
+        x = x.to(torch.float32)
+        for eps in (1e-5, 0.0):
+            _assert_correctly_rounded(x, None, None, eps, rms, backend)
+
+
+def _random_batch(dtype, g, m, n):
+    x = torch.randn(m, n, generator=g) * torch.rand(m, 1, generator=g) * 10
+    x = x + torch.randn(m, 1, generator=g) * 100
+    return x.to(dtype), torch.randn(n, generator=g).to(dtype), torch.randn(n, generator=g)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_numba_and_torch_agree_bitwise_on_ten_million_elements(dtype):
+    g = torch.Generator().manual_seed(4)
+    total = 0
+    for rms in (False, True):
+        for m, n in [(4000, 768), (600, 4096), (40, 32768)]:
+            x, w, b = _random_batch(dtype, g, m, n)
+            a = _bits(_norm(x, w, b, 1e-5, rms, "numba"))
+            c = _bits(_norm(x, w, b, 1e-5, rms, "torch"))
+            assert (a == c).all(), f"{int((a != c).sum())} elements differ"
+            total += x.numel()
+    assert total >= 10**7
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_once_is_one_rounding(dtype):
+    # float64 values next to midpoints of dtype: rounding through float32 to nearest
+    # gets some wrong; one rounding gets all right (the oracle decides).
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(3000, generator=g, dtype=torch.float64).to(dtype).double()
+    half = base.abs() * _ulp_one(dtype) / 2
+    nudge = torch.randn(3000, generator=g, dtype=torch.float64).sign() * half * 2.0**-30
+    values = base + half + nudge
+    want = np.array([_oracle_round(v, dtype) for v in values.tolist()])
+    ours = _bits(torch_.round_once(values, dtype))
+    stored = _exact.round_once(values.numpy(), dtype)
+    shared = stored.view(np.int32 if dtype == torch.float32 else np.int16).astype(np.int64)
+    shared &= MASK[dtype]
+    assert (ours == want).all() and (shared == want).all()
+
+
+def _oracle_round(v: float, dtype) -> int:
+    one = mpmath.mpf(1)
+    return _oracle.round_value(Fraction(v), Fraction(0), Fraction(1), one, NAMES[dtype])[0]
+
+
+def test_the_decomposition_is_the_float32_portable_forward():
+    # What tracing, scripting, export and ONNX record (docs/contract.md §3, §6): the
+    # float32 corrected two-pass of torch_.portable_forward, bit for bit, within the
+    # contract's 4e-6 of the exact result, and not correctly rounded.
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(64, 768, generator=g) + 100
+    traced = torch.jit.trace(lambda t: layernorm.layer_norm(t, 768), (x,), check_trace=False)
+    y = traced(x)
+    assert torch.equal(y, torch_.portable_forward(x, None, None, None, 1e-5, False)[0])
+    exact = layernorm.layer_norm(x, 768, backend="numba")
+    assert (y - exact).abs().max() < 4e-6
+    assert not torch.equal(y, exact)
