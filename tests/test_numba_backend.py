@@ -238,8 +238,10 @@ def _copy_package(tmp_path: Path) -> Path:
 
 
 def _run_isolated(root: Path, env: dict[str, str]) -> str:
-    """Runs ``_CACHE_SCRIPT`` against the package copy under ``root``, with no NUMBA_CACHE_DIR."""
-    base = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    """Runs ``_CACHE_SCRIPT`` against the package copy under ``root``, with no
+    NUMBA_CACHE_DIR or LAYERNORM_CACHE_DIR but those in ``env``."""
+    unset = ("NUMBA_CACHE_DIR", "LAYERNORM_CACHE_DIR")
+    base = {k: v for k, v in os.environ.items() if k not in unset}
     done = subprocess.run(
         [sys.executable, "-c", _CACHE_SCRIPT],
         env={**base, "PYTHONPATH": str(root), **env},
@@ -261,7 +263,8 @@ def test_unwritable_package_dir_uses_the_user_cache(tmp_path):
 def test_no_writable_cache_anywhere_still_runs(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    out = _run_isolated(_copy_package(tmp_path), {"XDG_CACHE_HOME": str(blocker / "cache")})
+    # (an unwritable default would fall back to the temporary directory: compiled.cache_dir)
+    out = _run_isolated(_copy_package(tmp_path), {"LAYERNORM_CACHE_DIR": str(blocker / "cache")})
     assert out.split() == ["ok"]
 
 

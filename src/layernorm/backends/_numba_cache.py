@@ -63,14 +63,14 @@ def directory() -> Path | None:
 
 
 def location() -> str:
-    """One line: where the kernels are cached, or why they are compiled in memory."""
+    """Where the kernels are cached (``cached in <folder>``), or why they are not."""
     path = directory()
     if path is not None:
-        return str(path)
+        return f"cached in {path}"
     from ..compiled import cache_dir
 
     wanted = config.CACHE_DIR or cache_dir() / "numba"  # type: ignore[attr-defined]
-    return f"nowhere: {wanted} is not writable, so each process compiles the kernels in memory"
+    return f"not cached: {wanted} is not writable (each process compiles them in memory)"
 
 
 class _Locator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
@@ -136,11 +136,21 @@ def enable(dispatcher) -> bool:
     return True
 
 
+def _start_numba() -> None:
+    """Sets up numba's CPU target (about a second, once per process), which its first
+    cache load or compile would otherwise do while holding the lock: processes starting
+    together do this at once, not in turn."""
+    from numba.core.registry import cpu_target
+
+    cpu_target.target_context.refresh()
+
+
 @contextlib.contextmanager
 def locked() -> Iterator[None]:
     """Holds the cache for this thread and process: a thread lock, then an exclusive
     ``flock`` on the cache folder's ``.lock`` (released when the block ends, or when the
     process dies). Without a cache folder, only the thread lock."""
+    _start_numba()
     with _thread_lock:
         path = directory()
         if path is None:
@@ -164,7 +174,7 @@ def announce_compile(what: str) -> None:
     _announced = True
     _log.warning(
         "layernorm: compiling the numba kernels for %s (a few seconds each, once per "
-        "machine; cached in %s). `layernorm build` compiles them all ahead of time.",
+        "machine; %s). `layernorm build` compiles them all ahead of time.",
         what,
         location(),
     )

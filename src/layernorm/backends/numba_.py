@@ -242,12 +242,12 @@ def build() -> list[str]:
         start = time.perf_counter()
         for name in (*ENTRIES, "column_sums"):
             _compiled(dtype, name)
-        lines.append(f"{dtype}: {time.perf_counter() - start:.1f} s")
+        lines.append(f"{str(dtype).removeprefix('torch.')} {time.perf_counter() - start:.1f} s")
     return lines
 
 
 def cache_location() -> str:
-    """Where the kernels are cached on disk (or why nowhere)."""
+    """Where the kernels are cached on disk (``cached in <folder>``), or why not."""
     from . import _numba_cache
 
     return _numba_cache.location()
