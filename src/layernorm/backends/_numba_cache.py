@@ -101,7 +101,15 @@ class _FunctionCache(caching.FunctionCache):
     _impl_class = _Impl
 
     def load_overload(self, sig, target_context):
-        result = super().load_overload(sig, target_context)
+        # numba's own load_overload first refreshes the target context: it imports and
+        # registers every implementation numba has (and SciPy's BLAS, if installed),
+        # about a second, which loading compiled code does not need. A compile after a
+        # miss refreshes the context itself. The loaded code does need numba's runtime
+        # (NRT: reference counts, allocation), which the refresh would have started.
+        from numba.core.runtime import rtsys
+
+        rtsys.initialize(target_context)
+        result = self._load_overload(sig, target_context)
         if result is None and _compiling is not None:
             announce_compile(_compiling)
         return result
@@ -136,21 +144,11 @@ def enable(dispatcher) -> bool:
     return True
 
 
-def _start_numba() -> None:
-    """Sets up numba's CPU target (about a second, once per process), which its first
-    cache load or compile would otherwise do while holding the lock: processes starting
-    together do this at once, not in turn."""
-    from numba.core.registry import cpu_target
-
-    cpu_target.target_context.refresh()
-
-
 @contextlib.contextmanager
 def locked() -> Iterator[None]:
     """Holds the cache for this thread and process: a thread lock, then an exclusive
     ``flock`` on the cache folder's ``.lock`` (released when the block ends, or when the
     process dies). Without a cache folder, only the thread lock."""
-    _start_numba()
     with _thread_lock:
         path = directory()
         if path is None:
