@@ -165,7 +165,7 @@ _DIGEST_CODE = textwrap.dedent(
     digest = h.hexdigest()
     """
 )
-_THREADS_SCRIPT = _DIGEST_CODE + "import numba; print(numba.get_num_threads(), digest)\n"
+_THREADS_SCRIPT = _DIGEST_CODE + "print(torch.get_num_threads(), digest)\n"
 
 
 def _run(code: str, env: dict[str, str], timeout: float = 240) -> str:
@@ -178,8 +178,9 @@ def _run(code: str, env: dict[str, str], timeout: float = 240) -> str:
 
 
 def test_results_do_not_depend_on_the_thread_count():
-    one = _run(_THREADS_SCRIPT, {"NUMBA_NUM_THREADS": "1"}).split()
-    two = _run(_THREADS_SCRIPT, {"NUMBA_NUM_THREADS": "2"}).split()
+    # the kernels run torch.get_num_threads() threads (layernorm.backends._threads)
+    one = _run(_THREADS_SCRIPT, {"OMP_NUM_THREADS": "1"}).split()
+    two = _run(_THREADS_SCRIPT, {"OMP_NUM_THREADS": "2"}).split()
     assert one[0] == "1" and two[0] == "2"
     assert one[1] == two[1]
     # and the same numbers in this process, whatever its thread count
@@ -237,8 +238,10 @@ def _copy_package(tmp_path: Path) -> Path:
 
 
 def _run_isolated(root: Path, env: dict[str, str]) -> str:
-    """Runs ``_CACHE_SCRIPT`` against the package copy under ``root``, with no NUMBA_CACHE_DIR."""
-    base = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    """Runs ``_CACHE_SCRIPT`` against the package copy under ``root``, with no
+    NUMBA_CACHE_DIR or LAYERNORM_CACHE_DIR but those in ``env``."""
+    unset = ("NUMBA_CACHE_DIR", "LAYERNORM_CACHE_DIR")
+    base = {k: v for k, v in os.environ.items() if k not in unset}
     done = subprocess.run(
         [sys.executable, "-c", _CACHE_SCRIPT],
         env={**base, "PYTHONPATH": str(root), **env},
@@ -260,7 +263,8 @@ def test_unwritable_package_dir_uses_the_user_cache(tmp_path):
 def test_no_writable_cache_anywhere_still_runs(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    out = _run_isolated(_copy_package(tmp_path), {"XDG_CACHE_HOME": str(blocker / "cache")})
+    # (an unwritable default would fall back to the temporary directory: compiled.cache_dir)
+    out = _run_isolated(_copy_package(tmp_path), {"LAYERNORM_CACHE_DIR": str(blocker / "cache")})
     assert out.split() == ["ok"]
 
 

@@ -75,15 +75,20 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace) -> int:
+    from .backends import numba_
     from .compiled import build
 
+    kernels = numba_.build()  # first: they are what a cold process waits for
+    kernel_line = f"numba kernels ({', '.join(kernels)}) {numba_.cache_location()}"
     start = time.perf_counter()
     try:
         path = build(verbose=args.verbose, progress=sys.stderr.isatty())
     except RuntimeError as error:
+        print(kernel_line)
         print(f"layernorm build: error: {error}", file=sys.stderr)
         return 1
     print(f"built {path} in {time.perf_counter() - start:.0f} s")
+    print(kernel_line)
     return 0
 
 
@@ -117,11 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "build",
-        help="build the compiled dispatch (once per machine; faster small calls)",
-        description="Builds layernorm's compiled dispatch, a small C++ extension that runs "
-        "the common small call without Python in between (needs a C++ compiler and "
-        "ninja: pip install 'layernorm[build]'), into LAYERNORM_CACHE_DIR (default ~/.cache/layernorm); every later process "
-        "uses it.",
+        help="compile the kernels and the compiled dispatch (once per machine)",
+        description="Compiles every numba kernel of every dtype into the on-disk cache (so "
+        "that no later process waits seconds for a first call's JIT), then builds "
+        "layernorm's compiled dispatch, a small C++ extension that runs the common small "
+        "call without Python in between (needs a C++ compiler and ninja: pip install "
+        "'layernorm[build]'). Both go to LAYERNORM_CACHE_DIR (default ~/.cache/layernorm; "
+        "the kernels to NUMBA_CACHE_DIR if set); every later process uses them. Safe to run "
+        "while other processes start: they share the cache under a file lock.",
     )
     p.add_argument("--verbose", action="store_true", help="show the compiler's output")
     p.set_defaults(func=_build)

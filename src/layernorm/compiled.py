@@ -64,13 +64,23 @@ _reason: str | None = "not loaded yet: it is loaded on the first call"
 
 
 def cache_dir() -> Path:
-    """Where :func:`build` puts the extension: ``LAYERNORM_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/layernorm``, else ``~/.cache/layernorm``."""
+    """layernorm's cache directory (the extension, and the numba kernels' cache in its
+    ``numba/`` folder): ``LAYERNORM_CACHE_DIR``, else ``$XDG_CACHE_HOME/layernorm``, else
+    ``~/.cache/layernorm``; where that default cannot be created or written (a container
+    running as a user without a writable home), ``layernorm-<uid>`` in the temporary
+    directory. Never beside the package, which may be read-only."""
     configured = os.environ.get("LAYERNORM_CACHE_DIR")
     if configured:
         return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "layernorm"
+    try:
+        default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "layernorm"
+        default.mkdir(parents=True, exist_ok=True)
+        if os.access(default, os.W_OK | os.X_OK):
+            return default
+    except (OSError, RuntimeError):  # RuntimeError: no home directory at all
+        pass
+    user = os.getuid() if hasattr(os, "getuid") else "user"
+    return Path(tempfile.gettempdir()) / f"layernorm-{user}"
 
 
 def _module_name() -> str:

@@ -2,15 +2,15 @@
 
 Imported only on the numba backend's first call (``import layernorm`` compiles nothing).
 There are four kernels (``forward_serial``/``forward_parallel``,
-``backward_serial``/``backward_parallel``) on tensor addresses; the parallel ones run
-their rows over numba's threads (``prange``), the serial ones in the calling thread, and
-both run the same compiled row functions. :func:`entry` compiles one of them for one
+``backward_serial``/``backward_parallel``) on tensor addresses; the serial ones run a
+whole call, the parallel ones one span of its rows (``numba_`` runs the spans over
+threads: :mod:`layernorm.backends._threads`; no numba threading layer), and both run the
+same compiled row functions. :func:`entry` compiles one of them for one
 dtype as a function of C-typed arguments only (:mod:`layernorm.backends._kernel_abi`),
 which Python calls (``numba_``) and compiled code calls by its address (:func:`address`):
-one compiled body, the same bits either way. Everything is ``@njit(cache=True)``: the
-first call of each dtype's entry compiles, later processes load it from numba's on-disk
-cache (``NUMBA_CACHE_DIR``, else ``__pycache__`` beside this file, else numba's user-wide
-cache when the package directory is read-only).
+one compiled body, the same bits either way. Everything is compiled with the on-disk cache of
+:mod:`layernorm.backends._numba_cache`: the first call of each dtype's entry compiles,
+later processes load it (``NUMBA_CACHE_DIR`` if set, else layernorm's cache directory).
 
 Data layout. Each (M, N) tensor arrives as a flat 1-D array over its storage plus a row
 stride, so row ``i`` is ``a[i * stride : i * stride + N]``: strided rows are read in place
@@ -62,11 +62,11 @@ from collections.abc import Callable
 
 import numpy as np
 from llvmlite import ir
-from numba import carray, njit, prange, types
+from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from . import _kernel_abi
+from . import _kernel_abi, _numba_cache
 from ._numba_vectors import (
     SUM_BLOCK,
     Row,
@@ -94,17 +94,20 @@ VECTORS_SHA256 = "1f3075aa3813c00f"
 
 
 def _jit(*signature, **options):
-    """``numba.njit`` with the on-disk cache, falling back to no cache when numba finds
-    no writable cache directory at all (then every process compiles again). Division by
-    zero follows IEEE (``1 / 0 = inf``), not Python's ZeroDivisionError. With a
-    ``signature``, compiles (or loads from the cache) now."""
+    """``numba.njit`` with the on-disk cache of :mod:`layernorm.backends._numba_cache`
+    (its folder, its lock), compiled in memory where no folder is writable (then every
+    process compiles again). Division by zero follows IEEE (``1 / 0 = inf``), not Python's
+    ZeroDivisionError. With a ``signature``, compiles (or loads from the cache) now."""
     options.setdefault("error_model", "numpy")
 
     def decorate(func):
-        try:
-            return njit(*signature, cache=True, **options)(func)
-        except RuntimeError:  # "cannot cache function ...: no locator available"
-            return njit(*signature, cache=False, **options)(func)
+        dispatcher = njit(cache=False, **options)(func)
+        _numba_cache.enable(dispatcher)
+        if signature:
+            (sig,) = signature
+            dispatcher.compile(sig)
+            dispatcher.disable_compile()
+        return dispatcher
 
     return decorate
 
@@ -407,15 +410,16 @@ def _forward_row(
     return np.uint8(flag | checked)
 
 
-@_jit(parallel=True)
+@_jit()
 def forward_kernel(
     x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y,
     mean, rstd, m, n, eps, rms, stream, store_stats, flags,
 ):  # fmt: skip
     """Every row's output ``y`` (contiguous (M*N,)) and fallback flag ``flags[i]``
-    (:func:`_forward_row`), rows spread over numba's threads. ``stream`` is ignored: the
-    rounded output pass has no streaming variant (same bits either way)."""
-    for i in prange(m):
+    (:func:`_forward_row`), for one span of rows of a call that ``numba_`` spreads over
+    its threads. ``stream`` is ignored: the rounded output pass has no streaming variant
+    (same bits either way)."""
+    for i in range(m):
         flags[i] = _forward_row(
             i, x, x_stride, residual, residual_stride, has_residual, residual_out, weight,
             bias, y, mean, rstd, n, eps, rms, store_stats,
@@ -499,14 +503,14 @@ def _backward_block(
     return touched
 
 
-@_jit(parallel=True)
+@_jit()
 def backward_kernel(
     dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd,
     dx, dweight_partial, dbias_partial, touched, m, n, n_float, rms, stream,
 ):  # fmt: skip
-    """:func:`_backward_block` for every block of rows, blocks spread over the threads
-    (``touched``: one throwaway value per block)."""
-    for block in prange((m + ROW_BLOCK - 1) // ROW_BLOCK):
+    """:func:`_backward_block` for every block of rows of one span of blocks of a call
+    that ``numba_`` spreads over its threads (``touched``: one throwaway value per block)."""
+    for block in range((m + ROW_BLOCK - 1) // ROW_BLOCK):
         touched[block] = _backward_block(
             block, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight,
             mean, rstd, dx, dweight_partial, dbias_partial, m, n, n_float, rms, stream,
@@ -694,17 +698,31 @@ def backward_parallel(
     storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride,
     weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream,
 ):  # fmt: skip
-    """:func:`backward_serial`, blocks of rows spread over numba's threads."""
+    """One span of rows (a whole number of ``ROW_BLOCK`` blocks, but for the last) of a
+    backward that ``numba_`` spreads over its threads: :func:`backward_serial`, except that
+    ``dweight`` and ``dbias`` receive the span's per-block partial sums
+    (``ceil(m / ROW_BLOCK) * n`` elements each, in the accumulation dtype; both required),
+    which the caller adds over all spans in block order with :func:`column_sums`: the same
+    additions in the same order as :func:`backward_serial`'s, so the same bits."""
     arrays = _backward_arrays(
         storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out,
         dresidual_out_stride, weight, mean, rstd, dx, m, n, rms,
     )  # fmt: skip
-    dy_, x_, dresidual_out_, weight_, mean_, rstd_, dx_, dw_part, db_part, touched = arrays
+    dy_, x_, dresidual_out_, weight_, mean_, rstd_, dx_, _, _, touched = arrays
+    blocks = touched.shape[0]
     backward_kernel(
         dy_, dy_stride, x_, x_stride, dresidual_out_, dresidual_out_stride, weight_, mean_,
-        rstd_, dx_, dw_part, db_part, touched, m, n, _cast(acc_tag, n), rms, stream,
+        rstd_, dx_, _view(dweight, blocks * n, acc_tag), _view(dbias, blocks * n, acc_tag),
+        touched, m, n, _cast(acc_tag, n), rms, stream,
     )  # fmt: skip
-    _column_sums(acc_tag, dw_part, db_part, dweight, dbias, n)
+
+
+@_jit()
+def column_sums(acc_tag, partial, blocks, n, out):
+    """``out`` (N,) = the column sums of the ``blocks`` x N partial sums at ``partial``
+    (addresses, accumulation dtype), in block order in float64: how the spans of
+    :func:`backward_parallel` become dweight and dbias."""
+    column_sum_kernel(_view(partial, blocks * n, acc_tag), blocks, n, _view(out, n, acc_tag))
 
 
 # ---------------------------------------------------------------------------------------
@@ -769,17 +787,29 @@ def entry(name: str, storage_tag: np.ndarray, acc_tag: np.ndarray):
 
         run = backward
 
+    elif name == "column_sums":
+
+        def sums(partial, blocks, n, out):
+            column_sums(acc_tag, partial, blocks, n, out)
+
+        run = sums
+
     else:
         raise ValueError(f"unknown kernel entry {name!r}")
-    direction = name.split("_")[0]
-    _check_parameters(run, direction)
-    _check_parameters(globals()[name].py_func, direction, tags=2)
+    if name == "column_sums":
+        signature = types.void(types.int64, types.int64, types.int64, types.int64)
+    else:
+        direction = name.split("_")[0]
+        _check_parameters(run, direction)
+        _check_parameters(globals()[name].py_func, direction, tags=2)
+        signature = entry_type(direction)
     # One name per entry and dtype: :func:`address` finds the compiled function by its
     # symbol, which numba derives from this name and a per-process counter. Closures of
     # one name loaded from the on-disk cache can share a symbol, and the lookup would then
     # return another dtype's kernel.
     run.__name__ = run.__qualname__ = f"{name}_{storage_tag.dtype.name}_{acc_tag.dtype.name}"
-    return _jit(entry_type(direction))(run)
+    # nogil: numba_ runs the spans of one call from several Python threads at once
+    return _jit(signature, nogil=True)(run)
 
 
 def address(compiled) -> int:

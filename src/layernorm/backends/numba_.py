@@ -3,7 +3,7 @@
 It follows the kernel contract of :mod:`layernorm.backends.torch_` (same arguments, same
 dtypes, the numerics of docs/contract.md §3) with one kernel per direction:
 
-- forward: per row (``prange`` over rows), ``residual_out = x + residual`` written in the
+- forward: per row, ``residual_out = x + residual`` written in the
   same pass, the corrected two-pass statistics and ``y``; the row is read once from memory,
   and a large float32 ``y`` is written with non-temporal stores (:data:`STREAM_BYTES`).
 - backward: per block of ``_numba_kernels.ROW_BLOCK`` (32) rows, ``dx``
@@ -15,8 +15,9 @@ Tensors reach the kernels as addresses (``data_ptr()``) and sizes, through per-d
 entries of C-typed arguments only (:func:`entry`; the arguments are described once, in
 :mod:`layernorm.backends._kernel_abi`), which :mod:`layernorm.compiled` also calls from C++
 by their addresses (:func:`entry_address`). Inputs under :data:`SERIAL_NUMEL` elements run
-in the calling thread (no parallel region to wake), larger ones over numba's threads. Both
-variants run the same compiled row function, so a row's bits do not depend on which ran.
+in the calling thread; larger ones in spans of rows over the calling thread and helper
+threads (:mod:`layernorm.backends._threads`). Both run the same compiled row function, so
+a row's bits do not depend on which ran.
 
 Outputs of ``_host_memory.MIN_BYTES`` or more come from
 :mod:`layernorm.backends._host_memory`, a cache of freed output blocks: a fresh large
@@ -28,30 +29,33 @@ strided rows (``stride(0) != N``) are read in place. Results are bitwise identic
 run, for a row alone or in any batch, and at any thread count (see
 :mod:`layernorm.backends._numba_kernels` for why).
 
-Threads: numba's pool, so ``numba.set_num_threads(k)`` or ``NUMBA_NUM_THREADS`` apply.
+Threads: ``torch.get_num_threads()`` at call time (``torch.set_num_threads``,
+``OMP_NUM_THREADS``), at most one kernel thread per CPU for all concurrent calls together;
+no OpenMP or numba threading layer is started, so forked children compute normally and
+torch's settings are never changed (:mod:`layernorm.backends._threads`).
 
 JIT cost: nothing is compiled until the first call; each dtype then compiles its forward
-or backward kernel once and stores it in numba's on-disk cache, which later processes
-load. The cache lives in ``NUMBA_CACHE_DIR`` when that environment variable is set (set it
-before numba is imported), else in ``__pycache__`` beside the kernels, else (read-only
-install) in numba's user-wide cache directory (``~/.cache/numba`` or the platform's
-equivalent); with no writable place at all the kernels still run, compiled in memory.
+or backward entries once (a few seconds each) and stores them in the on-disk cache, which
+later processes load (:func:`build`, ``layernorm build``, compiles them all ahead). Where
+the cache lives, and the lock that lets processes starting together share it:
+:mod:`layernorm.backends._numba_cache` (:func:`cache_location` says where).
 
 Automatic choice: :func:`prefers` is True for every CPU input, whatever its size.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from collections.abc import Callable
 from types import ModuleType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from . import _host_memory
+from . import _host_memory, _threads
 
 __all__ = ["SERIAL_NUMEL", "backward", "cannot_run", "entry", "entry_address", "forward", "prefers"]
 
@@ -94,26 +98,159 @@ def _kernels() -> ModuleType:
 
 #: the entries compiled so far, by (dtype, kernel name): see :func:`entry`
 _entries: dict[tuple[torch.dtype, str], Callable[..., None]] = {}
+#: the C callbacks of the threaded entries, by (dtype, kernel name): see :func:`entry_address`
+_callbacks: dict[tuple[torch.dtype, str], object] = {}
+
+#: every entry :func:`entry` knows, as :func:`build` compiles them
+ENTRIES = ("forward_serial", "forward_parallel", "backward_serial", "backward_parallel")
+
+
+def _compiled(dtype: torch.dtype, name: str) -> Callable[..., None]:
+    """numba's compiled ``_numba_kernels.entry(name)`` for ``dtype``: loaded from the
+    on-disk cache or compiled, under the cache's lock (see
+    :mod:`layernorm.backends._numba_cache`)."""
+    kernel = _entries.get((dtype, name))
+    if kernel is None:
+        kernels = _kernels()
+        from . import _numba_cache
+
+        types = _TYPES[dtype]
+        with _numba_cache.locked(), _numba_cache.compiling(f"{dtype} {name}"):
+            kernel = _entries.get((dtype, name))  # another thread may have been first
+            if kernel is None:
+                kernel = _entries[dtype, name] = kernels.entry(name, types.storage, types.acc)
+    return kernel
 
 
 def entry(dtype: torch.dtype, name: str) -> Callable[..., None]:
     """Kernel ``name`` (``forward_serial``, ``forward_parallel``, ``backward_serial``
     or ``backward_parallel``) for input dtype ``dtype``, on addresses, sizes and flags
-    (:func:`layernorm.backends._numba_kernels.entry`); compiled on first use."""
-    kernel = _entries.get((dtype, name))
-    if kernel is None:
-        types = _TYPES[dtype]
-        kernel = _entries[dtype, name] = _kernels().entry(name, types.storage, types.acc)
-    return kernel
+    (the arguments of :mod:`layernorm.backends._kernel_abi`); compiled on first use.
+
+    The serial entries run in the calling thread; the parallel ones split the rows into
+    spans that the calling thread and helper threads run (:mod:`._threads`), each with the
+    compiled ``_numba_kernels`` entry of the same name, so the bits are the same."""
+    if name == "forward_parallel":
+        return functools.partial(_forward_over_threads, dtype)
+    if name == "backward_parallel":
+        return functools.partial(_backward_over_threads, dtype)
+    return _compiled(dtype, name)
 
 
 def entry_address(dtype: torch.dtype, name: str) -> int:
-    """The C address of :func:`entry` ``(dtype, name)``, for compiled callers (which
-    bypass numba's dispatcher: so numba's threads are started here)."""
-    import numba
+    """The C address of :func:`entry` ``(dtype, name)``, for compiled callers: the
+    compiled entry itself for the serial ones, a C callback into :func:`entry` for the
+    parallel ones (which run Python's threads). The caller holds the GIL."""
+    if not name.endswith("_parallel"):
+        return _kernels().address(_compiled(dtype, name))  # type: ignore[no-any-return]
+    callback = _callbacks.get((dtype, name))
+    if callback is None:
+        import ctypes
 
-    numba.get_num_threads()  # starts the threading layer once
-    return _kernels().address(entry(dtype, name))
+        from . import _kernel_abi
+
+        c_types: dict[str, Any] = {
+            "i64": ctypes.c_int64,
+            "f64": ctypes.c_double,
+            "bool": ctypes.c_bool,
+        }
+        arguments = [c_types[kind] for _, kind in _kernel_abi.KERNELS[name.split("_")[0]]]
+        _compiled(dtype, name)  # compiled now, not inside the first call
+        callback = _callbacks[dtype, name] = ctypes.CFUNCTYPE(None, *arguments)(entry(dtype, name))
+    return _address_of(callback)
+
+
+def _address_of(callback: object) -> int:
+    import ctypes
+
+    return ctypes.cast(callback, ctypes.c_void_p).value or 0  # type: ignore[arg-type]
+
+
+def _forward_over_threads(
+    dtype: torch.dtype, x: int, x_stride: int, residual: int, residual_stride: int,
+    has_residual: bool, residual_out: int, weight: int, bias: int, y: int, mean: int,
+    rstd: int, m: int, n: int, eps: float, rms: bool, stream: bool, store_stats: bool,
+) -> None:  # fmt: skip
+    """The ``forward_parallel`` entry: spans of ``ROW_BLOCK`` rows over the threads."""
+    run = _compiled(dtype, "forward_parallel")
+    size, acc_size = _TYPES[dtype].itemsize, _TYPES[dtype].acc.itemsize
+    # bytes from one row to the next of each argument (0: not read, any valid address)
+    x_step, y_step = x_stride * size, n * size
+    residual_step = residual_stride * size if has_residual else 0
+    residual_out_step = n * size if has_residual else 0
+    mean_step = acc_size if store_stats and not rms else 0
+    rstd_step = acc_size if store_stats else 0
+    rows = _kernels().ROW_BLOCK
+
+    def span(start: int, stop: int) -> None:
+        i = start * rows
+        run(
+            x + i * x_step, x_stride, residual + i * residual_step, residual_stride,
+            has_residual, residual_out + i * residual_out_step, weight, bias, y + i * y_step,
+            mean + i * mean_step, rstd + i * rstd_step, min(m, stop * rows) - i, n, eps, rms,
+            stream, store_stats,
+        )  # fmt: skip
+
+    _threads.run(span, -(-m // rows), rows * n)
+
+
+def _backward_over_threads(
+    dtype: torch.dtype, dy: int, dy_stride: int, x: int, x_stride: int, dresidual_out: int,
+    dresidual_out_stride: int, weight: int, mean: int, rstd: int, dx: int, dweight: int,
+    dbias: int, m: int, n: int, rms: bool, stream: bool,
+) -> None:  # fmt: skip
+    """The ``backward_parallel`` entry: spans of ``ROW_BLOCK`` rows over the threads,
+    each writing its blocks' dweight/dbias partial sums, then their column sums in block
+    order (float64), as ``backward_serial`` adds them."""
+    run = _compiled(dtype, "backward_parallel")
+    types = _TYPES[dtype]
+    size, acc_size = types.itemsize, types.acc.itemsize
+    rows = _kernels().ROW_BLOCK
+    blocks = -(-m // rows)
+    partial = torch.empty(2, blocks, n, dtype=types.acc_dtype)
+    dweight_partial, dbias_partial = partial[0].data_ptr(), partial[1].data_ptr()
+    dy_step, x_step, dx_step = dy_stride * size, x_stride * size, n * size
+    dresidual_out_step = dresidual_out_stride * size
+    mean_step = 0 if rms else acc_size
+
+    def span(start: int, stop: int) -> None:
+        i = start * rows
+        run(
+            dy + i * dy_step, dy_stride, x + i * x_step, x_stride,
+            dresidual_out + i * dresidual_out_step, dresidual_out_stride, weight,
+            mean + i * mean_step, rstd + i * acc_size, dx + i * dx_step,
+            dweight_partial + start * n * acc_size, dbias_partial + start * n * acc_size,
+            min(m, stop * rows) - i, n, rms, stream,
+        )  # fmt: skip
+
+    _threads.run(span, blocks, rows * n)
+    sums = _compiled(dtype, "column_sums")
+    if dweight:
+        sums(dweight_partial, blocks, n, dweight)
+    if dbias:
+        sums(dbias_partial, blocks, n, dbias)
+
+
+def build() -> list[str]:
+    """Compiles every entry of every dtype into the on-disk cache now (or checks that it
+    is there): a later process's first call of each then costs a cache load, not a
+    compile. Returns what was built, one line per dtype."""
+    import time
+
+    lines = []
+    for dtype in _DTYPES:
+        start = time.perf_counter()
+        for name in (*ENTRIES, "column_sums"):
+            _compiled(dtype, name)
+        lines.append(f"{str(dtype).removeprefix('torch.')} {time.perf_counter() - start:.1f} s")
+    return lines
+
+
+def cache_location() -> str:
+    """Where the kernels are cached on disk (``cached in <folder>``), or why not."""
+    from . import _numba_cache
+
+    return _numba_cache.location()
 
 
 #: inputs of fewer elements run in the calling thread: below this, waking numba's threads

@@ -209,17 +209,10 @@ def _sample(fn: Callable, number: int) -> float:
 
 
 def set_threads(threads: int | None) -> None:
-    """Sets torch's and (if installed) numba's thread counts."""
+    """Sets torch's thread count, which the numba kernels follow too."""
     if threads is None:
         return
     torch.set_num_threads(threads)
-    try:
-        import numba
-    except ImportError:
-        return
-    # (numba.config sets NUMBA_NUM_THREADS at import, from the environment: its types miss it)
-    max_threads = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
-    numba.set_num_threads(min(threads, max_threads))
 
 
 def run(
@@ -359,7 +352,6 @@ def machine_info() -> dict[str, object]:
         import numba
 
         info["numba"] = numba.__version__
-        info["numba_threads"] = numba.get_num_threads()
     except ImportError:
         pass
     return info

@@ -217,10 +217,13 @@ def _math_section(out: Path) -> str:
 
 
 def _compiled_section() -> str:
-    """Builds the compiled dispatch first if it is not built here (the report's timings
-    are the library's as users run it), and says whether it is in use."""
+    """Compiles the kernels and builds the compiled dispatch first if they are not here
+    (as ``layernorm build`` does: the report's timings are the library's as users run it,
+    and later processes start warm), and says whether the dispatch is in use."""
     from .. import compiled
+    from ..backends import numba_
 
+    numba_.build()
     line = compiled.ensure()
     return f"<p>Compiled dispatch (small calls without Python in between): {html.escape(line)}.</p>"
 
