@@ -45,6 +45,7 @@ Automatic choice: :func:`prefers` is True for every CPU input, whatever its size
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib.util
 import math
@@ -145,8 +146,6 @@ def entry_address(dtype: torch.dtype, name: str) -> int:
         return _kernels().address(_compiled(dtype, name))  # type: ignore[no-any-return]
     callback = _callbacks.get((dtype, name))
     if callback is None:
-        import ctypes
-
         from . import _kernel_abi
 
         c_types: dict[str, Any] = {
@@ -161,8 +160,6 @@ def entry_address(dtype: torch.dtype, name: str) -> int:
 
 
 def _address_of(callback: object) -> int:
-    import ctypes
-
     return ctypes.cast(callback, ctypes.c_void_p).value or 0  # type: ignore[arg-type]
 
 
@@ -170,8 +167,14 @@ def _forward_over_threads(
     dtype: torch.dtype, x: int, x_stride: int, residual: int, residual_stride: int,
     has_residual: bool, residual_out: int, weight: int, bias: int, y: int, mean: int,
     rstd: int, m: int, n: int, eps: float, rms: bool, stream: bool, store_stats: bool,
+    flags: int,
 ) -> None:  # fmt: skip
-    """The ``forward_parallel`` entry: spans of ``ROW_BLOCK`` rows over the threads."""
+    """The ``forward_parallel`` entry: spans of ``ROW_BLOCK`` rows over the threads.
+
+    Each span writes its rows' fallback flags and its own any-flag after them, so the
+    spans get disjoint stretches of one scratch array (span from block ``start`` at
+    ``start * (ROW_BLOCK + 1)``); the caller's ``flags`` (m + 1 bytes) are gathered from
+    it afterwards."""
     run = _compiled(dtype, "forward_parallel")
     size, acc_size = _TYPES[dtype].itemsize, _TYPES[dtype].acc.itemsize
     # bytes from one row to the next of each argument (0: not read, any valid address)
@@ -181,17 +184,28 @@ def _forward_over_threads(
     mean_step = acc_size if store_stats and not rms else 0
     rstd_step = acc_size if store_stats else 0
     rows = _kernels().ROW_BLOCK
+    blocks = -(-m // rows)
+    scratch = np.zeros(blocks * (rows + 1), np.uint8)
+    spans: list[tuple[int, int]] = []  # (first row, rows) of each span; append is atomic
 
     def span(start: int, stop: int) -> None:
         i = start * rows
+        count = min(m, stop * rows) - i
         run(
             x + i * x_step, x_stride, residual + i * residual_step, residual_stride,
             has_residual, residual_out + i * residual_out_step, weight, bias, y + i * y_step,
-            mean + i * mean_step, rstd + i * rstd_step, min(m, stop * rows) - i, n, eps, rms,
-            stream, store_stats,
+            mean + i * mean_step, rstd + i * rstd_step, count, n, eps, rms,
+            stream, store_stats, scratch.ctypes.data + i + start,
         )  # fmt: skip
+        spans.append((i, count))
 
-    _threads.run(span, -(-m // rows), rows * n)
+    _threads.run(span, blocks, rows * n)
+    out = np.ctypeslib.as_array((ctypes.c_uint8 * (m + 1)).from_address(flags))
+    out[m] = 0
+    for i, count in spans:
+        start = i + i // rows  # where span(i // rows, ...) wrote
+        out[i : i + count] = scratch[start : start + count]
+        out[m] |= scratch[start + count]
 
 
 def _backward_over_threads(
