@@ -1,6 +1,6 @@
 """Per-call cost of small calls against torch's, in one process.
 
-    PYTHONPATH=src python benchmarks/small_calls.py [--breakdown]
+    PYTHONPATH=src python benchmarks/small_calls.py [--breakdown] [--dtype bfloat16] [--rounds R]
 
 For layer_norm and rms_norm on a few small shapes: inference (no grad), the forward
 with grad (inputs require grad), and forward plus backward (``torch.autograd.grad``).
@@ -10,6 +10,8 @@ interleaved round by round: torch, ours (through the compiled dispatch when it i
 the batch). Prints microseconds a call and torch's time over ours. (The harness times
 such calls in ~1 ms batches, whose medians move more.)
 
+``--dtype`` picks the inputs' and parameters' dtype (float32 by default; bfloat16 and
+float16 work the same); ``--rounds`` the rounds per median (31 by default).
 ``--breakdown`` also times, interleaved with those, the parts of an inference call
 through Python: the argument checks (``ops._common_call``), the numba backend's
 ``forward`` alone, and the allocation plus the kernel call alone; and single tensor
@@ -60,9 +62,11 @@ def _python_only(python: bool):
         compiled.norm = saved
 
 
-def measure(shape: tuple[int, ...], op: str, rounds: int = 31) -> str:
+def measure(
+    shape: tuple[int, ...], op: str, rounds: int = 31, dtype: torch.dtype = torch.float32
+) -> str:
     n = shape[-1]
-    x, w, b = torch.randn(*shape), torch.randn(n), torch.randn(n)
+    x, w, b = (torch.randn(*s).to(dtype) for s in (shape, (n,), (n,)))
     xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
     dy = torch.randn_like(x)
     if op == "layer_norm":
@@ -150,15 +154,22 @@ def attributes() -> str:
     return "attribute reads: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()) + " us"
 
 
+def _option(name: str, default: str) -> str:
+    args = sys.argv[1:]
+    return args[args.index(name) + 1] if name in args else default
+
+
 if __name__ == "__main__":
+    dtype = getattr(torch, _option("--dtype", "float32"))
+    rounds = int(_option("--rounds", "31"))
     torch.set_num_threads(2)
     numba.set_num_threads(2)
     print(f"compiled dispatch: {compiled.unavailable_reason() or 'in use'}")
     layernorm.layer_norm(torch.ones(1, 2), 2)  # (loads the compiled dispatch if built)
-    print(f"compiled dispatch: {compiled.unavailable_reason() or 'in use'}")
+    print(f"compiled dispatch: {compiled.unavailable_reason() or 'in use'}; dtype {dtype}")
     for op in ("layer_norm", "rms_norm"):
         for shape in [(4, 64), (1, 1, 768), (8, 128, 64), (64, 1024)]:
-            print(measure(shape, op), flush=True)
+            print(measure(shape, op, rounds, dtype), flush=True)
     if "--breakdown" in sys.argv[1:]:
         for shape in [(4, 64), (1, 1, 768)]:
             print(breakdown(shape))

@@ -2,7 +2,7 @@
 
 The sample set (:data:`SAMPLES`): torch's OpInfo samples for ``nn.functional.layer_norm``
 and ``nn.functional.rms_norm`` (``op_db``'s ``sample_inputs_func``), extended with every
-shape kind of ``docs/contract.md`` §6 (1-D to 4-D inputs, a ``normalized_shape`` of one
+shape kind (1-D to 4-D inputs, a ``normalized_shape`` of one
 and of several dims, a (3, 1, 7) input, transposed, expanded, channels-last and zero-size
 inputs, weight and bias each present or absent) and with ``add_layer_norm`` /
 ``add_rms_norm``. Each sample is driven, with ``layernorm.ops.FAST_PATHS`` on and off,
@@ -11,7 +11,9 @@ through the checks that torch's ``test/test_ops.py`` (``TestGradients``) and
 batched forward grad; gradgradcheck forward-over-reverse; vmap over every argument (batch
 dim first and last, one argument at a time and all at once); jvp; vjp; jacfwd; jacrev;
 hessian; ``torch.autograd.functional.jacobian(vectorize=True)``. Every result is compared
-with torch's own op under the same transform (float64, assert_close's defaults).
+with torch's own op under the same transform (float64, assert_close's defaults), except
+hessian, compared with autograd's hessian of torch's op (torch.func's is wrong for
+torch's own layer_norm: :func:`test_hessian`).
 
 Also: ``torch.library.opcheck`` on ``layernorm::forward`` and ``layernorm::backward`` over
 the sample set's kernel arguments; ModuleInfo samples (``module_db``) for
