@@ -583,6 +583,35 @@ def _as_bits(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
     return value
 
 
+def _bfloat16_boundary_within(builder: ir.IRBuilder, low: ir.Value, high: ir.Value) -> ir.Value:
+    """1 (an i32 per lane) where a bfloat16 rounding boundary lies in the double interval
+    ``[low, high]``, else 0: the same answer as rounding both ends to bfloat16 and
+    comparing, for half the work. Every boundary ``M`` (a midpoint, the overflow
+    threshold) is a float32 whose low 16 bits are 0x8000, so ``L = RN32(low) <= M <=
+    H = RN32(high)`` (rounding is monotone): either ``M`` is ``L`` or ``H``, which is then
+    compared with the ends in double, or ``L < M < H``, and then ``L + 0x8000`` and
+    ``H + 0x8000`` differ above bit 16 (patterns grow with magnitude, subnormals
+    included). Conversely ``L < M < H`` means ``low < M < high``."""
+    i32 = _shaped(_I32, low)
+    single = _shaped(ir.FloatType(), low)
+    rounded = [builder.fptrunc(v, single) for v in (low, high)]
+    ends = [builder.bitcast(r, i32) for r in rounded]
+    half = _constant(_I32, 0x8000, low)
+    sixteen = _constant(_I32, 16, low)
+    keys = [builder.lshr(builder.add(e, half), sixteen) for e in ends]
+    hit = builder.icmp_unsigned("!=", keys[0], keys[1])
+    for end, r in zip(ends, rounded, strict=True):
+        on = builder.icmp_unsigned("==", builder.and_(end, _constant(_I32, 0xFFFF, low)), half)
+        wide = builder.fpext(r, low.type)
+        inside = builder.and_(
+            builder.fcmp_ordered("<=", low, wide), builder.fcmp_ordered("<=", wide, high)
+        )
+        hit = builder.or_(hit, builder.and_(on, inside))
+    # low == high (an exact value, E = 0): one value, one rounding, nothing to decide
+    hit = builder.and_(hit, builder.fcmp_unordered("!=", low, high))
+    return builder.zext(hit, i32)
+
+
 @intrinsic
 def normalize_row_checked(
     typingctx, z, y, m1, delta, rstd, weight, bias, e_mean, k_c, k_p, k_w, k_y
@@ -595,7 +624,8 @@ def normalize_row_checked(
         E = (k_c * (|c| + |d|) + e_mean) * |weight| * k_w + |p| * k_p + |yh| * k_y
 
     ``E`` bounds ``|yh - y_exact|`` and the rounding errors of ``yh ± E`` (the caller's
-    row constants make it so). Returns 1 when ``yh - E`` and ``yh + E`` round to
+    row constants make it so); it is 0 where ``p == 0`` and ``c`` has no error (the
+    value is ``bias``, and ``yh`` is it, exactly: a constant row). Returns 1 when ``yh - E`` and ``yh + E`` round to
     different values of ``y``'s dtype for some element (the row needs the exact
     fallback), else 0. For a float64 ``y`` no test is made (returns 0)."""
     sig = signature(types.int32, z, y, m1, delta, rstd, weight, bias, e_mean, k_c, k_p, k_w, k_y)
@@ -626,9 +656,20 @@ def normalize_row_checked(
             bound = builder.fmul(builder.fmul(e_c, _fabs(builder, wv)), k_w)
             bound = builder.fadd(bound, builder.fmul(_fabs(builder, p), k_p))
             bound = builder.fadd(bound, builder.fmul(_fabs(builder, yh), k_y))
-            low = _as_bits(builder, narrow_once(builder, builder.fsub(yh, bound), y.dtype))
-            high = _as_bits(builder, narrow_once(builder, builder.fadd(yh, bound), y.dtype))
-            differ = builder.zext(builder.icmp_unsigned("!=", low, high), _shaped(_I32, low))
+            # p == 0 with no error in c: the value is beta, and yh = beta exactly
+            zero = ir.Constant(p.type, None)
+            exact = builder.and_(
+                builder.fcmp_ordered("==", p, zero),
+                builder.fcmp_ordered("==", builder.fmul(e_c, wv), zero),
+            )
+            bound = builder.select(exact, zero, bound)
+            low, high = builder.fsub(yh, bound), builder.fadd(yh, bound)
+            if y.dtype == types.uint16:
+                differ = _bfloat16_boundary_within(builder, low, high)
+            else:
+                low = _as_bits(builder, narrow_once(builder, low, y.dtype))
+                high = _as_bits(builder, narrow_once(builder, high, y.dtype))
+                differ = builder.zext(builder.icmp_unsigned("!=", low, high), _shaped(_I32, low))
             if lanes == 1:
                 differ = builder.insert_element(
                     ir.Constant(ir.VectorType(_I32, width), [0] * width), differ, _I32(0)
