@@ -33,7 +33,15 @@ from pathlib import Path
 
 from numba.core import caching, config
 
-__all__ = ["announce_compile", "compiling", "directory", "enable", "location", "locked"]
+__all__ = [
+    "announce_compile",
+    "compiling",
+    "directory",
+    "enable",
+    "expect_compiles",
+    "location",
+    "locked",
+]
 
 _log = logging.getLogger("layernorm")
 _announced = False
@@ -176,6 +184,12 @@ def announce_compile(what: str) -> None:
         what,
         location(),
     )
+
+
+def expect_compiles() -> None:
+    """No announcement in this process: its compiles are asked for (``layernorm build``)."""
+    global _announced
+    _announced = True
 
 
 def _after_fork_in_child() -> None:

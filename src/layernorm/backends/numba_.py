@@ -237,6 +237,10 @@ def build() -> list[str]:
     compile. Returns what was built, one line per dtype."""
     import time
 
+    from . import _numba_cache
+
+    _kernels()
+    _numba_cache.expect_compiles()
     lines = []
     for dtype in _DTYPES:
         start = time.perf_counter()
