@@ -257,7 +257,7 @@ def cache_location() -> str:
     return _numba_cache.location()
 
 
-#: inputs of fewer elements run in the calling thread: below this, waking numba's threads
+#: inputs of fewer elements run in the calling thread: below this, waking helper threads
 #: costs more than it saves. Same bits either way.
 SERIAL_NUMEL = 1 << 15
 
