@@ -152,7 +152,9 @@ def compare(
                 args = (*args, flags.data_ptr())
             outputs[label] = [y]
         else:
-            run = module.backward_parallel if parallel else module.backward_serial
+            # (backward_parallel is one span of a threaded call now: its dweight/dbias
+            # take the span's block partials, not the column sums)
+            run = module.backward_serial
             args = (
                 types.storage,
                 types.acc,

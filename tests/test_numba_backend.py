@@ -107,7 +107,7 @@ def test_streaming_stores_give_the_same_bits(dtype, monkeypatch):
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("shape", [(1, 1), (3, 7), (40, 1001), (65, 64)], ids=str)
 def test_serial_and_parallel_kernels_give_the_same_bits(dtype, rms, shape, monkeypatch):
-    # Small inputs run in the calling thread, large ones over numba's threads: a row must
+    # Small inputs run in the calling thread, large ones in spans over threads: a row must
     # come out the same either way (batch invariance across the switch).
     x, r, dy, dro = (torch.randn(shape).to(dtype) + 2 for _ in range(4))
     w, b = torch.randn(shape[1]), torch.randn(shape[1])

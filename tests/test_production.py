@@ -35,8 +35,13 @@ import torch
 
 import layernorm
 from layernorm import cli, compiled, reference
-from layernorm.backends import _numba_cache, _threads, numba_
+from layernorm.backends import _host_memory, _numba_cache, _threads, numba_
 
+#: Python 3.12+ warns on every fork of a process with threads (layernorm's helpers are
+#: threads): forking such a process safely is what these tests check
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:This process .* is multi-threaded, use of fork:DeprecationWarning"
+)
 SRC = Path(__file__).resolve().parents[1] / "src"
 #: (rows, N): one call in the calling thread, one over the threads (past SERIAL_NUMEL)
 SHAPES = ((4, 64), (256, 1024))
@@ -112,6 +117,36 @@ def test_a_forked_child_computes_the_parents_bits():
             os._exit(code)
     assert _wait(pid) == 0
     assert _same(_expected(), expected)  # and the parent still computes after the fork
+
+
+def test_a_child_forked_while_a_thread_holds_the_host_cache_lock():
+    """Outputs of 32 MiB and more come from the host cache (``_host_memory``), whose lock
+    another thread may hold at the fork: the child starts with a fresh one."""
+    x = torch.randn(2048, 4096)
+    assert x.nbytes >= _host_memory.MIN_BYTES
+    expected = layernorm.layer_norm(x, 4096).numpy()
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _host_memory._lock:
+            held.set()
+            release.wait(120)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(60)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = 0 if np.array_equal(layernorm.layer_norm(x, 4096).numpy(), expected) else 3
+            finally:
+                os._exit(code)
+        assert _wait(pid, timeout=60) == 0
+    finally:
+        release.set()
+        holder.join()
 
 
 def _in_worker(shape: tuple[int, int]) -> list[np.ndarray]:

@@ -61,6 +61,19 @@ _idle_bytes = 0
 _limit: int | None = None
 
 
+def _after_fork_in_child() -> None:
+    """A forked child starts with an empty cache and a fresh lock: another thread of the
+    parent may have held the lock, mid-update, at the fork."""
+    global _lock, _idle_bytes
+    _lock = threading.RLock()
+    _idle.clear()
+    _tokens.clear()
+    _idle_bytes = 0
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def limit() -> int:
     """How many idle bytes the cache may hold (``LAYERNORM_HOST_CACHE_MB``, read once)."""
     global _limit

@@ -33,7 +33,15 @@ from pathlib import Path
 
 from numba.core import caching, config
 
-__all__ = ["announce_compile", "compiling", "directory", "enable", "location", "locked"]
+__all__ = [
+    "announce_compile",
+    "compiling",
+    "directory",
+    "enable",
+    "expect_compiles",
+    "location",
+    "locked",
+]
 
 _log = logging.getLogger("layernorm")
 _announced = False
@@ -54,7 +62,8 @@ def directory() -> Path | None:
     """The folder the kernels are cached in (created), or None when none is writable."""
     global _resolved
     if _resolved is None:
-        from ..compiled import cache_dir
+        # absolute: benchmarks/kernel_ab.py imports a copy of this file outside the package
+        from layernorm.compiled import cache_dir
 
         configured = config.CACHE_DIR  # type: ignore[attr-defined]  # NUMBA_CACHE_DIR, read at import
         path = Path(configured) if configured else cache_dir() / "numba"
@@ -67,7 +76,7 @@ def location() -> str:
     path = directory()
     if path is not None:
         return f"cached in {path}"
-    from ..compiled import cache_dir
+    from layernorm.compiled import cache_dir
 
     wanted = config.CACHE_DIR or cache_dir() / "numba"  # type: ignore[attr-defined]
     return f"not cached: {wanted} is not writable (each process compiles them in memory)"
@@ -176,6 +185,12 @@ def announce_compile(what: str) -> None:
         what,
         location(),
     )
+
+
+def expect_compiles() -> None:
+    """No announcement in this process: its compiles are asked for (``layernorm build``)."""
+    global _announced
+    _announced = True
 
 
 def _after_fork_in_child() -> None:

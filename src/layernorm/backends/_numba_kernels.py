@@ -629,7 +629,8 @@ def forward_parallel(
     storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out,
     weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags,
 ):  # fmt: skip
-    """:func:`forward_serial`, rows spread over numba's threads."""
+    """One span of rows of a forward that ``numba_`` spreads over its threads:
+    :func:`forward_serial`, with streaming stores for large float32 outputs."""
     views = _forward_views(
         storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual,
         residual_out, weight, bias, y, mean, rstd, m, n, rms, store_stats, flags,

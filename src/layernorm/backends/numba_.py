@@ -251,6 +251,10 @@ def build() -> list[str]:
     compile. Returns what was built, one line per dtype."""
     import time
 
+    from . import _numba_cache
+
+    _kernels()
+    _numba_cache.expect_compiles()
     lines = []
     for dtype in _DTYPES:
         start = time.perf_counter()
@@ -267,7 +271,7 @@ def cache_location() -> str:
     return _numba_cache.location()
 
 
-#: inputs of fewer elements run in the calling thread: below this, waking numba's threads
+#: inputs of fewer elements run in the calling thread: below this, waking helper threads
 #: costs more than it saves. Same bits either way.
 SERIAL_NUMEL = 1 << 15
 
