@@ -466,3 +466,21 @@ def test_modules(cls, module_input, fast):
     assert torch.autograd.gradgradcheck(call(ours), leaves, check_fwd_over_rev=True, **checks)
     batch = torch.stack([x.detach(), 2 * x.detach()])
     _same(vmap(ours)(batch), vmap(theirs)(batch))
+
+
+def test_vmap_over_autograd_grad(sample, fast):
+    """Batched cotangents through a graph built outside vmap (``vmap`` over
+    ``autograd.grad``): the backward op's vmap rule, for the input alone (the batch as
+    more rows) and for every argument (per-sample parameter gradients)."""
+    ours, theirs = sample.function(ours=True), sample.function(ours=False)
+    leaves = sample.args
+    out_ours, out_theirs = ours(*leaves), theirs(*leaves)
+    if isinstance(out_ours, tuple):
+        out_ours, out_theirs = out_ours[0], out_theirs[0]
+    cotangents = torch.randn(3, *out_theirs.shape, dtype=out_theirs.dtype)
+    for wrt in (leaves[:1], leaves):
+
+        def grads(out, wrt=wrt):
+            return vmap(lambda v: torch.autograd.grad(out, wrt, v, retain_graph=True))(cotangents)
+
+        _same(grads(out_ours), grads(out_theirs))

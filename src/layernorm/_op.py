@@ -518,39 +518,40 @@ def _vmap_rows(run, info, in_dims, x, residual, weight, bias, eps, rms, backend)
 def _(info, in_dims, dy, x, weight, mean, rstd, dresidual_out, rms, need_dw, need_db, backend):
     """``dx`` alone with a shared ``weight``: the batch becomes more rows, for the kernel
     (a row's gradient depends on that row only). Per-sample ``dweight``/``dbias``, or a
-    batched ``weight``: the portable backend's backward (torch operations), vmapped."""
+    batched ``weight``: the op once per sample (the kernel's bits, per sample)."""
     size = info.batch_size
     if in_dims[2] is not None or need_dw or need_db:
+        tensors = (dy, x, weight, mean, rstd, dresidual_out)
+        dims = in_dims[:6]
+        fronted = [t if d is None else t.movedim(d, 0) for t, d in zip(tensors, dims, strict=True)]
 
-        def per_sample(dy, x, weight, mean, rstd, dresidual_out):
-            dx, dw, db = torch_.backward(
-                dy, x, weight, mean, rstd, dresidual_out, rms, need_dw, need_db
-            )
-            return dx, _empty(rstd) if dw is None else dw, _empty(rstd) if db is None else db
+        def sample(i: int) -> tuple[Tensor, Tensor, Tensor]:
+            args = [t if d is None else t[i] for t, d in zip(fronted, dims, strict=True)]  # type: ignore[index]
+            return backward_op(*args, rms, need_dw, need_db, backend)
 
-        mean_dim = None if rms else in_dims[3]
-        outputs = torch.vmap(per_sample, in_dims=(*in_dims[:3], mean_dim, *in_dims[4:6]))(
-            dy, x, weight, None if rms else mean, rstd, dresidual_out
-        )
-        return outputs, (0, 0 if need_dw else None, 0 if need_db else None)
+        per_sample = [sample(i) for i in range(size)]
+        dx = torch.stack([p[0] for p in per_sample])
+        dw = torch.stack([p[1] for p in per_sample]) if need_dw else per_sample[0][1]
+        db = torch.stack([p[2] for p in per_sample]) if need_db else per_sample[0][2]
+        return (dx, dw, db), (0, 0 if need_dw else None, 0 if need_db else None)
     xb = _front(x, in_dims[1], size)
     assert xb is not None
     shape = xb.shape
     n = shape[-1]
 
-    def rows(t: Tensor | None, dim: int | None) -> Tensor | None:
-        return None if t is None else _front(t, dim, size).reshape(-1, n)  # type: ignore[union-attr]
+    def batch_rows(t: Tensor | None, dim: int | None) -> Tensor | None:
+        return None if t is None else rows(_front(t, dim, size), n)  # type: ignore[arg-type]
 
-    def stats(t: Tensor, dim: int | None) -> Tensor:
-        return _front(t, dim, size).reshape(-1)  # type: ignore[union-attr]
+    def stats(t: Tensor, dim: int | None) -> Tensor:  # (the kernels read them densely)
+        return _front(t, dim, size).reshape(-1).contiguous()  # type: ignore[union-attr]
 
     dx, dw, db = backward_op(
-        rows(dy, in_dims[0]),
-        xb.reshape(-1, n),
+        batch_rows(dy, in_dims[0]),
+        batch_rows(x, in_dims[1]),
         weight,
         mean if rms else stats(mean, in_dims[3]),
         stats(rstd, in_dims[4]),
-        rows(dresidual_out, in_dims[5]),
+        batch_rows(dresidual_out, in_dims[5]),
         rms,
         False,
         False,
