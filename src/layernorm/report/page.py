@@ -19,8 +19,8 @@ import torch
 
 from .. import __version__, reference
 from .._extras import progress, require
-from ._html import img_tag, table
 from ..checks import backends_to_check, run_checks
+from ._html import img_tag, table
 
 __all__ = [
     "plot_eigenvalues",
