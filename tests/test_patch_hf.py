@@ -69,10 +69,13 @@ def test_family_replaced_and_exact(model_type):
     assert family.float32 <= 1e-5
     assert family.grads <= 1e-4
     assert family.steps <= 1e-5
-    # bfloat16: the family's own rounding order, so (nearly) every logit is the same bits
-    assert family.bf16_same >= 0.99
+    # bfloat16: each of our norms rounds its exact value once (docs/contract.md §3), where
+    # the family rounds its float32 value, so single norms differ on about 1e-5 of their
+    # elements (patch's probes prove each module: >= 99% bitwise, 1 ulp elsewhere); a
+    # model spreads each such difference over every logit downstream (gemma: 12% of the
+    # logits differ), so the model-level check is the error against the float64 model.
     ours, theirs = family.bf16_err
-    assert ours <= 1.25 * theirs
+    assert ours <= 1.25 * theirs, (ours, theirs, family.bf16_same)
 
 
 def _llama(layers=2, **overrides):
