@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import layernorm
-from layernorm import benchmark
+from layernorm.report import benchmark
 
 SRC = Path(layernorm.__file__).resolve().parents[1]
 ROOT = SRC.parent

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from layernorm import experiments
-from layernorm.experiments import EXPERIMENTS, MODULES, parse_sizes, prenorm, report_section
+from layernorm.report import experiments
+from layernorm.report.experiments import EXPERIMENTS, MODULES, parse_sizes, prenorm, report_section
 
 NAMES = ["prenorm", "warmup", "batchsize", "rnn"]
 

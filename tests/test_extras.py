@@ -40,3 +40,38 @@ def test_an_experiment_without_matplotlib_fails_before_running(monkeypatch, tmp_
     err = capsys.readouterr().err
     assert "layernorm experiment needs matplotlib: pip install 'layernorm[report]'" in err
     assert not any(tmp_path.iterdir())
+
+
+def test_the_library_loads_none_of_the_tooling():
+    """``import layernorm`` and calls of every function, module, backend and ``patch``
+    load neither the report subpackage nor the tools' packages (docs/contract.md §2)."""
+    import subprocess
+
+    code = """
+import sys, torch
+before = set(sys.modules)  # torch.hub imports tqdm itself when it is installed
+import layernorm
+x, r = torch.randn(3, 4, 8), torch.randn(3, 4, 8)
+w = torch.ones(8)
+x.requires_grad_()
+layernorm.layer_norm(x, 8, w, w).sum().backward()
+layernorm.rms_norm(x, (4, 8))
+layernorm.add_layer_norm(x, r, 8)
+layernorm.add_rms_norm(x, r, 8, w)
+layernorm.RMSNorm(8)(x)
+layernorm.patch(torch.nn.Sequential(torch.nn.LayerNorm(8)))
+tooling = ("layernorm.report", "matplotlib", "tqdm", "sklearn", "transformers", "hf_coverage")
+new = set(sys.modules) - before
+print(sorted(m for m in new if m.split(".")[0] in tooling or m.startswith(tooling)))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_package_holds_no_coverage_sweep():
+    import importlib.util
+
+    assert importlib.util.find_spec("layernorm.nn.coverage") is None
+    assert importlib.util.find_spec("layernorm.report") is not None

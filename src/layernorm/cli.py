@@ -17,7 +17,11 @@ from ._extras import MissingExtra
 __all__ = ["main"]
 
 # Subcommands that live beside the library's own modules: module -> its add_parser.
-_PLUGINS = ("layernorm.benchmark", "layernorm.experiments", "layernorm.model_bench")
+_PLUGINS = (
+    "layernorm.report.benchmark",
+    "layernorm.report.experiments",
+    "layernorm.report.model_bench",
+)
 
 
 def _numbers(text: str) -> float:

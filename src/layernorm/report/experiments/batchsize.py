@@ -27,8 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .._extras import require
-from ..nn.modules import LayerNorm
+from ..._extras import require
+from ...nn.modules import LayerNorm
 from ._common import finish, new_figure, one_thread, progress_bar, seeded, settings
 
 NAME = "batchsize"
@@ -154,7 +154,7 @@ def run(out: Path, seed: int = 0, progress: bool = True, **sizes: Any) -> dict:
         **sizes: any of :data:`DEFAULTS` (``batch_sizes``, ``epochs``, ``hidden``, ``lr``, ...).
 
     Returns:
-        the saved dict (see :mod:`layernorm.experiments._common`) with ``runs[norm][batch
+        the saved dict (see :mod:`layernorm.report.experiments._common`) with ``runs[norm][batch
         size]``: accuracy and train-vs-eval differences, or ``ok: False`` and the error.
     """
     started = time.perf_counter()

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..nn.blocks import NormPosition, TransformerBlock, TransformerStack
+from ...nn.blocks import NormPosition, TransformerBlock, TransformerStack
 from ._common import finish, new_figure, one_thread, progress_bar, seeded, settings
 
 NAME = "prenorm"
@@ -108,7 +108,7 @@ def run(out: Path, seed: int = 0, progress: bool = True, **sizes: Any) -> dict:
         **sizes: any of :data:`DEFAULTS` (``layers``, ``seeds``, ``d_model``, ...).
 
     Returns:
-        the saved dict (see :mod:`layernorm.experiments._common`) with, per position and
+        the saved dict (see :mod:`layernorm.report.experiments._common`) with, per position and
         ``L``, the seed-mean per-layer norms ``grad_w1``, ``grad_w2``, the stream RMS, and
         the fitted ``slopes``.
     """

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import _extras
+from .. import _extras
 
 __all__ = ["add_parser", "llama_config", "report_section", "run"]
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._extras import progress, require
+from ..._extras import progress, require
 
 __all__ = [
     "finish",

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..nn.lstm import LayerNormLSTM, LSTMNorm
+from ...nn.lstm import LayerNormLSTM, LSTMNorm
 from ._common import finish, moving_average, new_figure, one_thread, progress_bar, seeded, settings
 
 NAME = "rnn"
@@ -114,7 +114,7 @@ def run(out: Path, seed: int = 0, progress: bool = True, **sizes: Any) -> dict:
         **sizes: any of :data:`DEFAULTS` (``seq_len``, ``hidden``, ``steps``, ``lr``, ...).
 
     Returns:
-        the saved dict (see :mod:`layernorm.experiments._common`) with ``runs["LSTM"]`` and
+        the saved dict (see :mod:`layernorm.report.experiments._common`) with ``runs["LSTM"]`` and
         ``runs["LN-LSTM"]``: losses, final loss, held-out MSE, steps to half the baseline.
     """
     started = time.perf_counter()

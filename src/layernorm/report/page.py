@@ -17,10 +17,10 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from . import __version__, reference
-from ._extras import progress, require
+from .. import __version__, reference
+from .._extras import progress, require
 from ._html import img_tag, table
-from .checks import backends_to_check, run_checks
+from ..checks import backends_to_check, run_checks
 
 __all__ = [
     "plot_eigenvalues",
@@ -47,7 +47,7 @@ def _figure():
 def plot_h_eps(path: Path, eps_values: tuple[float, ...] = (0.01, 0.1, 1.0, 4.0)) -> Path:
     """``h_eps(t)`` on ``(-t, 0, t)`` and its derivative, measured through the library's
     ``layer_norm`` (dots) beside the closed form (lines), with the asymptotes ``±sqrt(3/2)``."""
-    from .ops import layer_norm
+    from ..ops import layer_norm
 
     plt = _figure()
     t = np.linspace(-6, 6, 601)
@@ -113,7 +113,7 @@ def plot_eigenvalues(path: Path, d: int = 8, eps: float = 0.1) -> Path:
 def _core_errors(inputs: list[torch.Tensor], names: list[str]) -> dict[str, list[float]]:
     """Max core error against the float64 reference of each float32 input (rows of its
     last dim), for torch.nn.functional.layer_norm and each of our backends in ``names``."""
-    from .ops import layer_norm
+    from ..ops import layer_norm
 
     series: dict[str, list[float]] = {"torch.nn.functional": []}
     series.update({f"layernorm ({n})": [] for n in names})
@@ -219,7 +219,7 @@ def _math_section(out: Path) -> str:
 def _compiled_section() -> str:
     """Builds the compiled dispatch first if it is not built here (the report's timings
     are the library's as users run it), and says whether it is in use."""
-    from . import compiled
+    from .. import compiled
 
     line = compiled.ensure()
     return f"<p>Compiled dispatch (small calls without Python in between): {html.escape(line)}.</p>"
@@ -258,14 +258,16 @@ def write_report(
             (
                 "benchmarks",
                 lambda: _plugin_section(
-                    "layernorm.benchmark", lambda m: m.report_section(out / "bench", quick)
+                    "layernorm.report.benchmark", lambda m: m.report_section(out / "bench", quick)
                 ),
             )
         )
         sections.append(
             (
                 "whole model",
-                lambda: _plugin_section("layernorm.model_bench", lambda m: m.report_section(quick)),
+                lambda: _plugin_section(
+                    "layernorm.report.model_bench", lambda m: m.report_section(quick)
+                ),
             )
         )
     if experiments:
@@ -273,7 +275,7 @@ def write_report(
             (
                 "experiments",
                 lambda: _plugin_section(
-                    "layernorm.experiments",
+                    "layernorm.report.experiments",
                     lambda m: m.report_section(out / "experiments", True, quick),
                 ),
             )

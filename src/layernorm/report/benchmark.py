@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import _extras
+from .. import _extras
 
 __all__ = [
     "ISSUE_SHAPES",
@@ -352,7 +352,7 @@ def machine_info() -> dict[str, object]:
                 break
     except OSError:
         info["cpu"] = platform.processor()
-    from . import compiled
+    from .. import compiled
 
     info["compiled_dispatch"] = compiled.status()
     try:

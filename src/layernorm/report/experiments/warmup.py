@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..nn.blocks import NormPosition, SequenceTransformer
+from ...nn.blocks import NormPosition, SequenceTransformer
 from ._common import finish, moving_average, new_figure, one_thread, progress_bar, seeded, settings
 
 NAME = "warmup"
@@ -124,7 +124,7 @@ def run(out: Path, seed: int = 0, progress: bool = True, **sizes: Any) -> dict:
         **sizes: any of :data:`DEFAULTS` (``task``, ``layers``, ``steps``, ``lr``, ``warmup``, ...).
 
     Returns:
-        the saved dict (see :mod:`layernorm.experiments._common`) with ``runs``: for each of
+        the saved dict (see :mod:`layernorm.report.experiments._common`) with ``runs``: for each of
         ``post``, ``post+warmup``, ``pre``, ``pre+warmup`` the losses, final loss and accuracy.
     """
     started = time.perf_counter()
