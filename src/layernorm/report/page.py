@@ -19,8 +19,8 @@ import torch
 
 from .. import __version__, reference
 from .._extras import progress, require
-from ._html import img_tag, table
 from ..checks import backends_to_check, run_checks
+from ._html import img_tag, table
 
 __all__ = [
     "plot_eigenvalues",
@@ -128,15 +128,24 @@ def _core_errors(inputs: list[torch.Tensor], names: list[str]) -> dict[str, list
 
 
 def _plot_errors(
-    path: Path, xs: list[float], series: dict[str, list[float]], xlabel: str, title: str
+    path: Path,
+    xs: list[float],
+    series: dict[str, list[float]],
+    xlabel: str,
+    title: str,
+    ylabel: str = "max |core error|",
+    yscale: str = "log",
+    bound: tuple[float, str] | None = (4e-6, "contract: 4e-6"),
 ) -> None:
-    """The errors of :func:`_core_errors` against ``xs``, log-log, with the contract's bound."""
+    """Each series against ``xs`` (log x): by default the errors of :func:`_core_errors`,
+    log-log, with the contract's bound dashed."""
     plt = _figure()
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for key, errs in series.items():
-        ax.plot(xs, errs, "o-", label=key)
-    ax.axhline(4e-6, ls="--", color="gray", lw=1, label="contract: 4e-6")
-    ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel="max |core error|", title=title)
+    for i, (key, errs) in enumerate(series.items()):  # shrinking marks: overlaps show
+        ax.plot(xs, errs, "-", marker="osD^v*"[i % 6], ms=max(3.0, 9 - 1.5 * i), label=key)
+    if bound is not None:
+        ax.axhline(bound[0], ls="--", color="gray", lw=1, label=bound[1])
+    ax.set(xscale="log", yscale=yscale, xlabel=xlabel, ylabel=ylabel, title=title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -216,6 +225,12 @@ def _math_section(out: Path) -> str:
     )
 
 
+def _same_bits_section(out: Path, quick: bool) -> str:
+    from . import same_bits
+
+    return same_bits.report_section(out, quick)
+
+
 def _compiled_section() -> str:
     """Builds the compiled dispatch first if it is not built here (the report's timings
     are the library's as users run it), and says whether it is in use."""
@@ -252,6 +267,7 @@ def write_report(
         ("compiled dispatch", _compiled_section),
         ("claims", _claims_section),
         ("math", lambda: _math_section(out)),
+        ("same bits", lambda: _same_bits_section(out, quick)),
     ]
     if bench:
         sections.append(
