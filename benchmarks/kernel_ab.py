@@ -11,13 +11,15 @@ interleaved round by round with torch's own function. Prints the median microsec
 call of each, ``new / base``, and whether the two versions give the same bits. On this
 shared machine separate runs move by ±30 %; interleaved in one process, differences of a
 few percent show; ``--clock cpu --threads 1`` steadies them further. Both versions must
-take the entry points' current arguments (``_kernel_abi``), in the same order.
+take the entry points' current arguments (``_kernel_abi``), in the same order, except
+that a forward taking ``flags`` (the fallback flags) gets them.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import statistics
 import subprocess
 import sys
@@ -144,6 +146,10 @@ def compare(
                 nbytes >= STREAM_BYTES,
                 False,
             )
+            if "flags" in inspect.signature(run.py_func).parameters:  # fallback flags (m + 1)
+                flags = torch.zeros(m + 1, dtype=torch.uint8)
+                alive.append(flags)
+                args = (*args, flags.data_ptr())
             outputs[label] = [y]
         else:
             run = module.backward_parallel if parallel else module.backward_serial

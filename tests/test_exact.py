@@ -168,3 +168,17 @@ def test_round_once_is_one_rounding(dtype):
 def _oracle_round(v: float, dtype) -> int:
     one = mpmath.mpf(1)
     return _oracle.round_value(Fraction(v), Fraction(0), Fraction(1), one, NAMES[dtype])[0]
+
+
+def test_the_decomposition_is_the_float32_portable_forward():
+    # What tracing, scripting, export and ONNX record (docs/contract.md §3, §6): the
+    # float32 corrected two-pass of torch_.portable_forward, bit for bit, within the
+    # contract's 4e-6 of the exact result, and not correctly rounded.
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(64, 768, generator=g) + 100
+    traced = torch.jit.trace(lambda t: layernorm.layer_norm(t, 768), (x,), check_trace=False)
+    y = traced(x)
+    assert torch.equal(y, torch_.portable_forward(x, None, None, None, 1e-5, False)[0])
+    exact = layernorm.layer_norm(x, 768, backend="numba")
+    assert (y - exact).abs().max() < 4e-6
+    assert not torch.equal(y, exact)

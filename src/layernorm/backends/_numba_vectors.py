@@ -595,7 +595,8 @@ def normalize_row_checked(
         E = (k_c * (|c| + |d|) + e_mean) * |weight| * k_w + |p| * k_p + |yh| * k_y
 
     ``E`` bounds ``|yh - y_exact|`` and the rounding errors of ``yh ± E`` (the caller's
-    row constants make it so). Returns 1 when ``yh - E`` and ``yh + E`` round to
+    row constants make it so); it is 0 where ``p == 0`` and ``c`` has no error (the
+    value is ``bias``, and ``yh`` is it, exactly: a constant row). Returns 1 when ``yh - E`` and ``yh + E`` round to
     different values of ``y``'s dtype for some element (the row needs the exact
     fallback), else 0. For a float64 ``y`` no test is made (returns 0)."""
     sig = signature(types.int32, z, y, m1, delta, rstd, weight, bias, e_mean, k_c, k_p, k_w, k_y)
@@ -626,6 +627,13 @@ def normalize_row_checked(
             bound = builder.fmul(builder.fmul(e_c, _fabs(builder, wv)), k_w)
             bound = builder.fadd(bound, builder.fmul(_fabs(builder, p), k_p))
             bound = builder.fadd(bound, builder.fmul(_fabs(builder, yh), k_y))
+            # p == 0 with no error in c: the value is beta, and yh = beta exactly
+            zero = ir.Constant(p.type, None)
+            exact = builder.and_(
+                builder.fcmp_ordered("==", p, zero),
+                builder.fcmp_ordered("==", builder.fmul(e_c, wv), zero),
+            )
+            bound = builder.select(exact, zero, bound)
             low = _as_bits(builder, narrow_once(builder, builder.fsub(yh, bound), y.dtype))
             high = _as_bits(builder, narrow_once(builder, builder.fadd(yh, bound), y.dtype))
             differ = builder.zext(builder.icmp_unsigned("!=", low, high), _shaped(_I32, low))
@@ -643,3 +651,13 @@ def normalize_row_checked(
         return result
 
     return sig, codegen
+
+
+@intrinsic
+def element_f64(typingctx, z, index):
+    """``z[index]`` (any row dtype, 16-bit floats as their patterns) as a double, exactly."""
+
+    def codegen(context, builder, sig, args):
+        return Row(context, builder, sig.args[0], args[0]).load(args[1], 1, ir.DoubleType())
+
+    return signature(types.float64, z, index), codegen
