@@ -6,12 +6,15 @@ backends must come out 100% correctly rounded, torch's own below."""
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
 import torch
 
 import _oracle
+from _triton_interpreter import HAS_TRITON, import_for_the_interpreter
+from layernorm.checks import backends_to_check
 from layernorm.report import same_bits
 
 pytest.importorskip("matplotlib")
@@ -123,3 +126,23 @@ def test_report_section_inline_plot_and_tables(tmp_path, monkeypatch):
     assert page.count("data:image/png;base64,") == 1 and (tmp_path / "scale_correct.png").exists()
     assert page.count("<table>") == 1 + 3 + 1  # shares, one matrix per dtype, scale range
     assert "layernorm (triton):" in page  # absent, with its reason
+
+
+def test_the_section_runs_triton_in_its_interpreter_and_leaves_no_trace():
+    if not HAS_TRITON or torch.cuda.is_available():
+        pytest.skip("needs triton installed and no GPU (the interpreter is for CPU tensors)")
+    import_for_the_interpreter()  # as the triton tests do; the section would do the same
+    from layernorm.backends import triton_
+
+    if not triton_._triton_interprets():
+        pytest.skip("triton was imported compiled in this process")
+    before = os.environ.get("TRITON_INTERPRET")
+    with same_bits.triton_interpreter():
+        assert os.environ["TRITON_INTERPRET"] == "1" and "triton" in backends_to_check()
+        found = same_bits.implementations()
+        tally = same_bits.measure(found, TINY[2:3])  # bfloat16 layer_norm
+    assert os.environ.get("TRITON_INTERPRET") == before
+    assert ("triton" in backends_to_check()) == (before == "1")
+    assert "layernorm (triton)" in found
+    assert tally.share("layernorm (triton)", "layer_norm", torch.bfloat16) > 0.99
+    assert tally.total[torch.bfloat16] == 3 * 96
