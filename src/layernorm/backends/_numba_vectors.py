@@ -583,6 +583,33 @@ def _as_bits(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
     return value
 
 
+def _bfloat16_boundary_within(builder: ir.IRBuilder, low: ir.Value, high: ir.Value) -> ir.Value:
+    """1 (an i32 per lane) where a bfloat16 rounding boundary lies in the double interval
+    ``[low, high]``, else 0: the same answer as rounding both ends to bfloat16 and
+    comparing, for half the work. Every boundary ``M`` (a midpoint, the overflow
+    threshold) is a float32 whose low 16 bits are 0x8000, so ``L = RN32(low) <= M <=
+    H = RN32(high)`` (rounding is monotone): either ``M`` is ``L`` or ``H``, which is then
+    compared with the ends in double, or ``L < M < H``, and then ``L + 0x8000`` and
+    ``H + 0x8000`` differ above bit 16 (patterns grow with magnitude, subnormals
+    included). Conversely ``L < M < H`` means ``low < M < high``."""
+    i32 = _shaped(_I32, low)
+    single = _shaped(ir.FloatType(), low)
+    rounded = [builder.fptrunc(v, single) for v in (low, high)]
+    ends = [builder.bitcast(r, i32) for r in rounded]
+    half = _constant(_I32, 0x8000, low)
+    sixteen = _constant(_I32, 16, low)
+    keys = [builder.lshr(builder.add(e, half), sixteen) for e in ends]
+    hit = builder.icmp_unsigned("!=", keys[0], keys[1])
+    for end, r in zip(ends, rounded, strict=True):
+        on = builder.icmp_unsigned("==", builder.and_(end, _constant(_I32, 0xFFFF, low)), half)
+        wide = builder.fpext(r, low.type)
+        inside = builder.and_(
+            builder.fcmp_ordered("<=", low, wide), builder.fcmp_ordered("<=", wide, high)
+        )
+        hit = builder.or_(hit, builder.and_(on, inside))
+    return builder.zext(hit, i32)
+
+
 @intrinsic
 def normalize_row_checked(
     typingctx, z, y, m1, delta, rstd, weight, bias, e_mean, k_c, k_p, k_w, k_y
@@ -634,9 +661,13 @@ def normalize_row_checked(
                 builder.fcmp_ordered("==", builder.fmul(e_c, wv), zero),
             )
             bound = builder.select(exact, zero, bound)
-            low = _as_bits(builder, narrow_once(builder, builder.fsub(yh, bound), y.dtype))
-            high = _as_bits(builder, narrow_once(builder, builder.fadd(yh, bound), y.dtype))
-            differ = builder.zext(builder.icmp_unsigned("!=", low, high), _shaped(_I32, low))
+            low, high = builder.fsub(yh, bound), builder.fadd(yh, bound)
+            if y.dtype == types.uint16:
+                differ = _bfloat16_boundary_within(builder, low, high)
+            else:
+                low = _as_bits(builder, narrow_once(builder, low, y.dtype))
+                high = _as_bits(builder, narrow_once(builder, high, y.dtype))
+                differ = builder.zext(builder.icmp_unsigned("!=", low, high), _shaped(_I32, low))
             if lanes == 1:
                 differ = builder.insert_element(
                     ir.Constant(ir.VectorType(_I32, width), [0] * width), differ, _I32(0)
