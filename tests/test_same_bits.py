@@ -146,3 +146,17 @@ def test_the_section_runs_triton_in_its_interpreter_and_leaves_no_trace():
     assert "layernorm (triton)" in found
     assert tally.share("layernorm (triton)", "layer_norm", torch.bfloat16) > 0.99
     assert tally.total[torch.bfloat16] == 3 * 96
+
+
+def test_the_report_page_carries_the_section(tmp_path, monkeypatch):
+    from layernorm.report import page
+
+    for name in ("_compiled_section", "_claims_section"):
+        monkeypatch.setattr(page, name, lambda: "")
+    monkeypatch.setattr(page, "_math_section", lambda out: "")
+    monkeypatch.setattr(same_bits, "cases", lambda quick: TINY[:1])
+    scale = [same_bits.Case("layer_norm", torch.float32, 1, 32, magnitude=1e-30, eps=0.0)]
+    monkeypatch.setattr(same_bits, "scale_cases", lambda quick: scale)
+    html = page.write_report(tmp_path, quick=True, bench=False, experiments=False).read_text()
+    assert "<h2>The same bits everywhere</h2>" in html and "failed:" not in html
+    assert (tmp_path / "scale_correct.png").exists()

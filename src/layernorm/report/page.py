@@ -225,12 +225,6 @@ def _math_section(out: Path) -> str:
     )
 
 
-def _same_bits_section(out: Path, quick: bool) -> str:
-    from . import same_bits
-
-    return same_bits.report_section(out, quick)
-
-
 def _compiled_section() -> str:
     """Builds the compiled dispatch first if it is not built here (the report's timings
     are the library's as users run it), and says whether it is in use."""
@@ -267,7 +261,12 @@ def write_report(
         ("compiled dispatch", _compiled_section),
         ("claims", _claims_section),
         ("math", lambda: _math_section(out)),
-        ("same bits", lambda: _same_bits_section(out, quick)),
+        (
+            "same bits",
+            lambda: _plugin_section(
+                "layernorm.report.same_bits", lambda m: m.report_section(out, quick)
+            ),
+        ),
     ]
     if bench:
         sections.append(
