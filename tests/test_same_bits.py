@@ -124,7 +124,7 @@ def test_report_section_inline_plot_and_tables(tmp_path, monkeypatch):
     page = same_bits.report_section(tmp_path, quick=True, names=["torch", "numba"])
     assert page.startswith("<h2>The same bits everywhere</h2>")
     assert page.count("data:image/png;base64,") == 1 and (tmp_path / "scale_correct.png").exists()
-    assert page.count("<table>") == 1 + 3 + 1  # shares, one matrix per dtype, scale range
+    assert page.count("<table>") == 1 + 3 + 1 + 1  # shares, a matrix per dtype, layouts, scale
     assert "layernorm (triton):" in page  # absent, with its reason
 
 
@@ -160,3 +160,12 @@ def test_the_report_page_carries_the_section(tmp_path, monkeypatch):
     html = page.write_report(tmp_path, quick=True, bench=False, experiments=False).read_text()
     assert "<h2>The same bits everywhere</h2>" in html and "failed:" not in html
     assert (tmp_path / "scale_correct.png").exists()
+
+
+def test_our_backends_give_the_same_bits_whatever_the_batch_and_layout(found):
+    some = [same_bits.Case(op, torch.float32, 4, 96, 100.0) for op in same_bits.OPS]
+    layouts = same_bits.invariance(found, some)
+    assert set(layouts) == set(found)
+    for label in OURS:
+        assert layouts[label] == dict.fromkeys(same_bits.VARIANTS, 1.0)
+    assert all(0 <= v <= 1 for row in layouts.values() for v in row.values())

@@ -1,6 +1,7 @@
 """The report's "the same bits everywhere" section: how many outputs are correctly rounded
 (the exact result of ``docs/contract.md`` §1 rounded once, as :mod:`.oracle` computes it),
-and how often any two implementations give the same bits.
+how often any two implementations give the same bits, and whether each gives the same
+bits for the same rows called one at a time, strided or as a 3-D batch.
 
 Implementations: torch's own ``F.layer_norm`` / ``F.rms_norm``, each of our backends that
 runs here (on its device: the triton backend on a GPU, or, without one, in Triton's
@@ -39,11 +40,13 @@ from ._html import img_tag, table
 
 __all__ = [
     "DTYPES",
+    "VARIANTS",
     "Case",
     "Tally",
     "absent_backends",
     "cases",
     "implementations",
+    "invariance",
     "measure",
     "plot_scale_share",
     "report_section",
@@ -261,6 +264,53 @@ def measure(
     return tally
 
 
+def _row_by_row(norm: Norm) -> Norm:
+    def each(x, w, b, eps, rms):
+        return torch.cat([norm(x[i : i + 1], w, b, eps, rms) for i in range(x.shape[0])])
+
+    return each
+
+
+def _strided(norm: Norm) -> Norm:
+    def strided(x, w, b, eps, rms):
+        rows = torch.zeros(x.shape[0], x.shape[1] + 8, dtype=x.dtype)[:, : x.shape[1]]
+        return norm(rows.copy_(x), w, b, eps, rms)
+
+    return strided
+
+
+def _three_d(norm: Norm) -> Norm:
+    def batch(x, w, b, eps, rms):
+        return norm(x.view(x.shape[0], 1, x.shape[1]), w, b, eps, rms).reshape(x.shape)
+
+    return batch
+
+
+VARIANTS: dict[str, Callable[[Norm], Norm]] = {
+    "each row alone": _row_by_row,
+    "strided rows (stride N + 8)": _strided,
+    "as a 3-D batch (M, 1, N)": _three_d,
+}
+
+
+def invariance(found: dict[str, Norm], some: list[Case]) -> dict[str, dict[str, float]]:
+    """For each implementation and each of :data:`VARIANTS` (the same rows called another
+    way), the share of elements whose bits equal those of the plain (M, N) call."""
+    equal = {label: dict.fromkeys(VARIANTS, 0) for label in found}
+    total = 0
+    with progress(some, desc="layouts", unit="case", leave=False) as bar:
+        for seed, case in enumerate(bar):
+            x, w, b = case.inputs(seed)
+            rms = case.op == "rms_norm"
+            for label, norm in found.items():
+                plain = _bits(norm(x, w, b, case.eps, rms))
+                for variant, make in VARIANTS.items():
+                    other = _bits(make(norm)(x, w, b, case.eps, rms))
+                    equal[label][variant] += int((other == plain).sum())
+            total += x.numel()
+    return {label: {v: k / total for v, k in row.items()} for label, row in equal.items()}
+
+
 def _exponent_mask(dtype: torch.dtype) -> int:
     return {torch.float32: 0x7F800000, torch.bfloat16: 0x7F80, torch.float16: 0x7C00}[dtype]
 
@@ -369,6 +419,9 @@ def _section(out: Path, quick: bool, names: list[str]) -> str:
         if d in main.total
     )
     png, scale_rows = plot_scale_share(out / "scale_correct.png", scale)
+    first = measured[0]
+    same_shape = [c for c in measured if (c.rows, c.n, c.offset) == (first.rows, first.n, 0.0)]
+    layouts = invariance(found, same_shape)
     absent = absent_backends(names)
     missing = "".join(
         f"<li>layernorm ({html.escape(n)}): {html.escape(why)}</li>" for n, why in absent.items()
@@ -393,6 +446,14 @@ def _section(out: Path, quick: bool, names: list[str]) -> str:
         + "<h3>Bitwise agreement</h3><p>The share of elements on which two implementations "
         "give the same bits, over all the inputs above, per dtype.</p>"
         + matrices
+        + "<h3>Whatever the batch and layout</h3><p>The share of elements with the same "
+        "bits as the plain (M, N) call when the same rows come one at a time, with a row "
+        f"stride of N + 8, or as a 3-D batch; shape ({first.rows}, {first.n}), offset 0, "
+        "both ops, every dtype.</p>"
+        + table(
+            ["implementation", *VARIANTS],
+            [[label] + [_percent(layouts[label][v]) for v in VARIANTS] for label in labels],
+        )
         + "<h3>Correct over the whole float32 range</h3><p>float32 rows whose largest |x| is "
         "the magnitude, eps = 0 (so the statistics alone decide), layer_norm and rms_norm "
         "pooled; in brackets the worst error in ulps of the correctly rounded value "
