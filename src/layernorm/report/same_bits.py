@@ -191,8 +191,9 @@ def _ordered(bits: np.ndarray, sign: int) -> np.ndarray:
 class Tally:
     """Counts over the measured elements: ``correct[label][(op, dtype)] = (hits, total)``,
     ``agree[dtype][(a, b)]`` = elements where labels a and b give the same bits,
-    ``total[dtype]``, and per case the worst distance in ulps from the correctly rounded
-    value (``inf`` for a NaN or infinity where the exact result is finite)."""
+    ``total[dtype]``, and ``per_case``: for each case and label, the share correctly
+    rounded and the worst distance in ulps from the correctly rounded value (``inf``
+    for a NaN or infinity where that value is finite)."""
 
     correct: dict[str, dict[tuple[str, torch.dtype], list[int]]] = field(default_factory=dict)
     agree: dict[torch.dtype, dict[tuple[str, str], int]] = field(default_factory=dict)
@@ -223,14 +224,11 @@ def _oracle_bits(case: Case, x, w, b) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(want), np.stack(zero)
 
 
-def measure(
-    found: dict[str, Norm],
-    all_cases: list[Case],
-    desc: str = "same bits",
-    tally: Tally | None = None,
-) -> Tally:
-    """Runs every implementation on every case and counts against the oracle."""
-    tally = Tally() if tally is None else tally
+def measure(found: dict[str, Norm], all_cases: list[Case], desc: str = "same bits") -> Tally:
+    """Runs every implementation on every case (the inputs of the i-th case drawn with
+    seed i) and counts against the oracle. An exactly zero result counts as correctly
+    rounded with either sign."""
+    tally = Tally()
     labels = list(found)
     with progress(all_cases, desc=desc, unit="case", leave=False) as bar:
         for seed, case in enumerate(bar):
