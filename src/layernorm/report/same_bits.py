@@ -454,8 +454,8 @@ def _section(out: Path, quick: bool, names: list[str]) -> str:
         )
         + "<h3>Correct over the whole float32 range</h3><p>float32 rows whose largest |x| is "
         "the magnitude, eps = 0 (so the statistics alone decide), layer_norm and rms_norm "
-        "pooled; in brackets the worst error in ulps of the correctly rounded value "
-        "(NaN/inf: a non-finite output).</p>"
-        + img_tag(png, "scale range")
-        + table(scale_rows[0], scale_rows[1:])
+        "pooled, random weight and bias; in brackets the worst error in ulps of the "
+        "correctly rounded value (hundreds where gamma·u + beta nearly cancels, so that a "
+        "small absolute error is many ulps of a small result; NaN/inf: a non-finite "
+        "output).</p>" + img_tag(png, "scale range") + table(scale_rows[0], scale_rows[1:])
     )
