@@ -182,3 +182,27 @@ def test_the_decomposition_is_the_float32_portable_forward():
     exact = layernorm.layer_norm(x, 768, backend="numba")
     assert (y - exact).abs().max() < 4e-6
     assert not torch.equal(y, exact)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_residual_and_layouts_give_the_same_bits(backend, dtype):
+    # add_*: y is the norm of the rounded x + residual; strided rows, 3-D inputs, one row
+    # alone or in a batch: the same correctly rounded bits.
+    g = torch.Generator().manual_seed(7)
+    wide = (torch.randn(6, 700, generator=g) * 2 + 30).to(dtype)
+    x = wide[:, :512]  # rows with stride 700
+    r = torch.randn(6, 512, generator=g).to(dtype)
+    w, b = torch.randn(512, generator=g), torch.randn(512, generator=g)
+    y, h = layernorm.add_layer_norm(x, r, 512, w, b, backend=backend)
+    assert torch.equal(h, x + r)
+    _assert_correctly_rounded(h, w, b, 1e-5, False, backend)
+    plain = layernorm.layer_norm(h.contiguous(), 512, w, b, backend=backend)
+    assert (_bits(y) == _bits(plain)).all()
+    y3 = layernorm.layer_norm(h.reshape(2, 3, 512), 512, w, b, backend=backend)
+    assert (_bits(y3.reshape(6, 512)) == _bits(plain)).all()
+    alone = layernorm.layer_norm(h[4:5].contiguous(), 512, w, b, backend=backend)
+    assert (_bits(alone) == _bits(plain[4:5])).all()
+    ys, hs = layernorm.add_rms_norm(x, r, 512, w, backend=backend)
+    _assert_correctly_rounded(hs, w, None, torch.finfo(torch.float32).eps, True, backend)
+    assert (_bits(ys) == _bits(layernorm.rms_norm(hs, 512, w, backend=backend))).all()

@@ -90,7 +90,7 @@ ROW_BLOCK = 32  # rows per dweight/dbias partial sum (fixed: never depends on th
 #: these kernels. numba keys its on-disk cache on this file alone, so a change to that one
 #: must change this line, or a stale cached kernel would keep running the old code;
 #: ``tests/test_numba_vectors.py`` fails until it does.
-VECTORS_SHA256 = "d2b1fd4470d945a4"
+VECTORS_SHA256 = "ef05628f9ea10708"
 
 
 def _jit(*signature, **options):

@@ -607,6 +607,8 @@ def _bfloat16_boundary_within(builder: ir.IRBuilder, low: ir.Value, high: ir.Val
             builder.fcmp_ordered("<=", low, wide), builder.fcmp_ordered("<=", wide, high)
         )
         hit = builder.or_(hit, builder.and_(on, inside))
+    # low == high (an exact value, E = 0): one value, one rounding, nothing to decide
+    hit = builder.and_(hit, builder.fcmp_unordered("!=", low, high))
     return builder.zext(hit, i32)
 
 
