@@ -90,7 +90,7 @@ ROW_BLOCK = 32  # rows per dweight/dbias partial sum (fixed: never depends on th
 #: these kernels. numba keys its on-disk cache on this file alone, so a change to that one
 #: must change this line, or a stale cached kernel would keep running the old code;
 #: ``tests/test_numba_vectors.py`` fails until it does.
-VECTORS_SHA256 = "ef05628f9ea10708"
+VECTORS_SHA256 = "1da081f1b7c65212"
 
 
 def _jit(*signature, **options):
@@ -394,17 +394,25 @@ def _forward_row(
         mean, rstd, n, eps, rms, store_stats,
     )  # fmt: skip
     y_i = y[i * n : (i + 1) * n]
-    checked = normalize_row_checked(
-        z, y_i, m1, delta, rstd_i, weight, bias, e_mean, k_c, k_p, k_w, k_y
-    )
+    a, b = _folded(delta, rstd_i, e_mean, k_c, k_p, k_w)
+    checked = normalize_row_checked(z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y)
     if (flag | checked) != 0:
         # rare: once more with compensated statistics, whose bound is some 50 times
         # tighter; what is still open goes to the exact fallback
         delta, rstd_i, e_mean, k_c, k_p, k_w, k_y, flag = _precise_statistics(z, m1, n, eps, rms)
-        checked = normalize_row_checked(
-            z, y_i, m1, delta, rstd_i, weight, bias, e_mean, k_c, k_p, k_w, k_y
-        )
+        a, b = _folded(delta, rstd_i, e_mean, k_c, k_p, k_w)
+        checked = normalize_row_checked(z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y)
     return np.uint8(flag | checked)
+
+
+@_jit(inline="always")
+def _folded(delta, rstd_i, e_mean, k_c, k_p, k_w):
+    """The bound's per-element terms ``(k_c(|c| + |d|) + e_mean)·|w|·k_w + |p|·k_p`` as
+    ``|w|·a + |p|·b`` (docs/contract.md §3), from ``|d| <= |c|/(1 - u) + |delta|`` and
+    ``|c|·|w|·rstd <= |p|/(1 - u)²``, with ``k_w / rstd = (1 + 1.02 e_r)·slack``."""
+    a = (e_mean + k_c * abs(delta)) * k_w
+    b = k_p + k_c * (2.0 + 1.01 * _U) * (1.0 + 2.01 * _U) * (k_w / rstd_i) * _SLACK
+    return a, b
 
 
 @_jit(parallel=True)

@@ -613,22 +613,21 @@ def _bfloat16_boundary_within(builder: ir.IRBuilder, low: ir.Value, high: ir.Val
 
 
 @intrinsic
-def normalize_row_checked(
-    typingctx, z, y, m1, delta, rstd, weight, bias, e_mean, k_c, k_p, k_w, k_y
-):  # fmt: skip
+def normalize_row_checked(typingctx, z, y, m1, delta, rstd, weight, bias, k_w, k_p, k_y):
     """:func:`normalize_row` in float64 (``m1`` to ``k_y`` are doubles; ``z``, ``weight``,
     ``bias`` are widened to double exactly), each element rounded once to ``y``'s dtype
     (:func:`narrow_once`), and Ziv's rounding test on each (docs/contract.md §3)::
 
         d = z - m1;  c = d - delta;  p = (c * rstd) * weight;  yh = p + bias
-        E = (k_c * (|c| + |d|) + e_mean) * |weight| * k_w + |p| * k_p + |yh| * k_y
+        E = |weight| * k_w + |p| * k_p + |yh| * k_y
 
     ``E`` bounds ``|yh - y_exact|`` and the rounding errors of ``yh ± E`` (the caller's
-    row constants make it so); it is 0 where ``p == 0`` and ``c`` has no error (the
-    value is ``bias``, and ``yh`` is it, exactly: a constant row). Returns 1 when ``yh - E`` and ``yh + E`` round to
-    different values of ``y``'s dtype for some element (the row needs the exact
-    fallback), else 0. For a float64 ``y`` no test is made (returns 0)."""
-    sig = signature(types.int32, z, y, m1, delta, rstd, weight, bias, e_mean, k_c, k_p, k_w, k_y)
+    row constants make it so); it is 0 where ``p == 0`` and ``weight * k_w == 0`` (the
+    value is ``bias``, and ``yh`` is it, exactly: a constant row). Returns 1 when
+    ``yh - E`` and ``yh + E`` round to different values of ``y``'s dtype for some
+    element (the row needs the exact fallback), else 0. For a float64 ``y`` no test is
+    made (returns 0)."""
+    sig = signature(types.int32, z, y, m1, delta, rstd, weight, bias, k_w, k_p, k_y)
 
     def codegen(context, builder, sig, args):
         z, y, w, b = (Row(context, builder, sig.args[k], args[k]) for k in (0, 1, 5, 6))
@@ -640,9 +639,7 @@ def normalize_row_checked(
         )
 
         def element(index: ir.Value, lanes: int) -> None:
-            m1, delta, rstd, e_mean, k_c, k_p, k_w, k_y = _splat_all(
-                builder, args[2:5] + args[7:], lanes
-            )
+            m1, delta, rstd, k_w, k_p, k_y = _splat_all(builder, args[2:5] + args[7:], lanes)
             zv, wv, bv = (row.load(index, lanes, double) for row in (z, w, b))
             d = builder.fsub(zv, m1)
             c = builder.fsub(d, delta)
@@ -651,16 +648,13 @@ def normalize_row_checked(
             y.store_raw(narrow_once(builder, yh, y.dtype), index, lanes)
             if not check:
                 return
-            spread = builder.fadd(_fabs(builder, c), _fabs(builder, d))
-            e_c = builder.fadd(builder.fmul(spread, k_c), e_mean)
-            bound = builder.fmul(builder.fmul(e_c, _fabs(builder, wv)), k_w)
-            bound = builder.fadd(bound, builder.fmul(_fabs(builder, p), k_p))
+            mean_part = builder.fmul(_fabs(builder, wv), k_w)
+            bound = builder.fadd(mean_part, builder.fmul(_fabs(builder, p), k_p))
             bound = builder.fadd(bound, builder.fmul(_fabs(builder, yh), k_y))
             # p == 0 with no error in c: the value is beta, and yh = beta exactly
             zero = ir.Constant(p.type, None)
             exact = builder.and_(
-                builder.fcmp_ordered("==", p, zero),
-                builder.fcmp_ordered("==", builder.fmul(e_c, wv), zero),
+                builder.fcmp_ordered("==", p, zero), builder.fcmp_ordered("==", mean_part, zero)
             )
             bound = builder.select(exact, zero, bound)
             low, high = builder.fsub(yh, bound), builder.fadd(yh, bound)
