@@ -102,7 +102,8 @@ def test_report_writes_self_contained_html(tmp_path):
     page = (tmp_path / "index.html").read_text()
     assert page.count("data:image/png;base64,") >= 3
     assert "Claims checked" in page and "FAIL" not in page
-    for png in ("h_eps.png", "jacobian_eigenvalues.png", "offset_error.png"):
+    assert "The same bits everywhere" in page
+    for png in ("h_eps.png", "jacobian_eigenvalues.png", "offset_error.png", "scale_correct.png"):
         assert (tmp_path / png).stat().st_size > 10_000
 
 

@@ -128,15 +128,24 @@ def _core_errors(inputs: list[torch.Tensor], names: list[str]) -> dict[str, list
 
 
 def _plot_errors(
-    path: Path, xs: list[float], series: dict[str, list[float]], xlabel: str, title: str
+    path: Path,
+    xs: list[float],
+    series: dict[str, list[float]],
+    xlabel: str,
+    title: str,
+    ylabel: str = "max |core error|",
+    yscale: str = "log",
+    bound: tuple[float, str] | None = (4e-6, "contract: 4e-6"),
 ) -> None:
-    """The errors of :func:`_core_errors` against ``xs``, log-log, with the contract's bound."""
+    """Each series against ``xs`` (log x): by default the errors of :func:`_core_errors`,
+    log-log, with the contract's bound dashed."""
     plt = _figure()
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for key, errs in series.items():
-        ax.plot(xs, errs, "o-", label=key)
-    ax.axhline(4e-6, ls="--", color="gray", lw=1, label="contract: 4e-6")
-    ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel="max |core error|", title=title)
+    for i, (key, errs) in enumerate(series.items()):  # shrinking marks: overlaps show
+        ax.plot(xs, errs, "-", marker="osD^v*"[i % 6], ms=max(3.0, 9 - 1.5 * i), label=key)
+    if bound is not None:
+        ax.axhline(bound[0], ls="--", color="gray", lw=1, label=bound[1])
+    ax.set(xscale="log", yscale=yscale, xlabel=xlabel, ylabel=ylabel, title=title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -255,6 +264,12 @@ def write_report(
         ("compiled dispatch", _compiled_section),
         ("claims", _claims_section),
         ("math", lambda: _math_section(out)),
+        (
+            "same bits",
+            lambda: _plugin_section(
+                "layernorm.report.same_bits", lambda m: m.report_section(out, quick)
+            ),
+        ),
     ]
     if bench:
         sections.append(
