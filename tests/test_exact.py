@@ -1,8 +1,8 @@
 """Correct rounding (docs/contract.md §3): every forward output of a float32, float16 or
 bfloat16 input is the exact result rounded once, the same bits on every backend.
 
-The oracle (tests/_oracle.py) shares no code with the library: integers, mpmath and
-squares of rationals. Inputs: random rows at offsets up to 1e6 and widths up to 2**20,
+The oracle (layernorm/report/oracle.py, re-exported as tests/_oracle) shares no code
+with the kernels: integers, mpmath and squares of rationals. Inputs: random rows at offsets up to 1e6 and widths up to 2**20,
 rows whose exact result is a rounding midpoint or within 2**-40 (relative) of one, rows
 over float32's whole range (1e-38 to 3e38), and 10**7 random elements per dtype compared
 bitwise between the numba and torch backends.
