@@ -70,6 +70,8 @@ import numbers
 
 import torch
 
+from .torch_ import round_once
+
 #: Philox4x32 rounds (Random123's and Triton's default)
 ROUNDS = 10
 #: multiplier of counter word 0 (Random123 ``PHILOX_M4x32_0``, Triton ``PHILOX_ROUND_A``)
@@ -315,21 +317,6 @@ def _round_to_odd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(inexact, bits + step, bits).view(torch.float64)
 
 
-def _round_once(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # float64 values (rounded to odd) to a narrower dtype by nearest-even, once: float32
-    # directly; float16 and bfloat16 through float32 rounded to odd, because torch
-    # converts float64 to them through a float32 rounded to nearest. (The same rule as
-    # the exact kernels' torch_.round_once; one of the two goes when both are merged.)
-    single = values.to(torch.float32)
-    if dtype == torch.float32:
-        return single
-    back = single.to(torch.float64)
-    bits = single.view(torch.int32)
-    bits = torch.where(back.abs() > values.abs(), bits - 1, bits)
-    bits = bits | ((back != values) & ~values.isnan()).to(torch.int32)
-    return bits.view(torch.float32).to(dtype)
-
-
 def apply_dropout(
     x: torch.Tensor, kept: torch.Tensor, p: float, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
@@ -355,4 +342,4 @@ def apply_dropout(
     wide = x.to(torch.float64)
     exact = _round_to_odd(wide * high, wide * low)  # both products exact
     finite = torch.where(wide.isfinite(), exact, wide * s)  # Inf·s, NaN as they are
-    return torch.where(kept, _round_once(finite, dtype), zero)
+    return torch.where(kept, round_once(finite, dtype), zero)
