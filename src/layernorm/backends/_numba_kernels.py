@@ -686,10 +686,14 @@ def _column_sums(acc_tag, dweight_partial, dbias_partial, dweight, dbias, n):
 @_jit()
 def backward_serial(
     storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride,
-    weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream,
+    weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags,
 ):  # fmt: skip
     """The backward on addresses (the arguments of ``_kernel_abi.BACKWARD``), in the
-    calling thread (for small inputs)."""
+    calling thread (for small inputs). ``flags``: m + 1 bytes; ``flags[i]`` is 1 when
+    row ``i`` of dx needs the exact fallback, ``flags[m]`` when any row does."""
+    flags_ = _view(flags, m + 1, _FLAG_TAG)
+    for i in range(m):
+        flags_[i] = 0
     arrays = _backward_arrays(
         storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out,
         dresidual_out_stride, weight, mean, rstd, dx, m, n, rms,
@@ -700,19 +704,24 @@ def backward_serial(
         rstd_, dx_, dw_part, db_part, touched, m, n, _cast(acc_tag, n), rms, stream,
     )  # fmt: skip
     _column_sums(acc_tag, dw_part, db_part, dweight, dbias, n)
+    _any_flag(flags_, m)
 
 
 @_jit()
 def backward_parallel(
     storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride,
-    weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream,
+    weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags,
 ):  # fmt: skip
     """One span of rows (a whole number of ``ROW_BLOCK`` blocks, but for the last) of a
     backward that ``numba_`` spreads over its threads: :func:`backward_serial`, except that
     ``dweight`` and ``dbias`` receive the span's per-block partial sums
     (``ceil(m / ROW_BLOCK) * n`` elements each, in the accumulation dtype; both required),
     which the caller adds over all spans in block order with :func:`column_sums`: the same
-    additions in the same order as :func:`backward_serial`'s, so the same bits."""
+    additions in the same order as :func:`backward_serial`'s, so the same bits. ``flags``:
+    the span's m + 1 fallback flags, as :func:`backward_serial` writes them."""
+    flags_ = _view(flags, m + 1, _FLAG_TAG)
+    for i in range(m):
+        flags_[i] = 0
     arrays = _backward_arrays(
         storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out,
         dresidual_out_stride, weight, mean, rstd, dx, m, n, rms,
@@ -724,6 +733,7 @@ def backward_parallel(
         rstd_, dx_, _view(dweight, blocks * n, acc_tag), _view(dbias, blocks * n, acc_tag),
         touched, m, n, _cast(acc_tag, n), rms, stream,
     )  # fmt: skip
+    _any_flag(flags_, m)
 
 
 @_jit()
@@ -784,15 +794,15 @@ def entry(name: str, storage_tag: np.ndarray, acc_tag: np.ndarray):
 
     elif name == "backward_serial":
 
-        def backward(dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream):  # fmt: skip
-            backward_serial(storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream)  # fmt: skip
+        def backward(dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags):  # fmt: skip
+            backward_serial(storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags)  # fmt: skip
 
         run = backward
 
     elif name == "backward_parallel":
 
-        def backward(dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream):  # fmt: skip
-            backward_parallel(storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream)  # fmt: skip
+        def backward(dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags):  # fmt: skip
+            backward_parallel(storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags)  # fmt: skip
 
         run = backward
 

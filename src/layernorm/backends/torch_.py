@@ -293,6 +293,7 @@ def backward(
     rms: bool,
     need_dweight: bool,
     need_dbias: bool,
+    eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     acc = accumulation_dtype(x.dtype)
     shape = x.shape
