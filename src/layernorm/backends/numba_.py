@@ -492,4 +492,33 @@ def backward(
         eps,  # eps
         flags.ctypes.data,  # flags
     )
+    if flags[m]:  # rare: rows whose rounding the float64 bound left open
+        _fix_backward_rows(dx, dy, x, w, dresidual_out, eps, rms, flags[:m])
     return dx, dweight, dbias
+
+
+def _fix_backward_rows(
+    dx: torch.Tensor,
+    dy: torch.Tensor,
+    z: torch.Tensor,
+    w: torch.Tensor,
+    dresidual_out: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+    flags: np.ndarray,
+) -> None:
+    """Rewrites the flagged rows of ``dx`` exactly (:mod:`layernorm.backends._exact`)."""
+    from . import _exact, torch_
+
+    if dx.dtype == torch.float64:
+        return
+    rows = torch.from_numpy(np.flatnonzero(flags))
+    n = z.shape[-1]
+    z64, g64 = (torch_.matrix(t)[rows].to(torch.float64) for t in (z, dy))
+    gh = (g64 * w.to(torch.float64)).numpy()  # exact: 24-bit by 24-bit
+    rho = torch.full((len(rows), n), -0.0, dtype=torch.float64)
+    if dresidual_out is not None:
+        rho = torch_.matrix(dresidual_out)[rows].to(torch.float64)
+    finite, fixed = _exact.fix_backward_rows(z64.numpy(), gh, rho.numpy(), eps, rms, dx.dtype)
+    storage = torch_.matrix(dx).view(_exact.STORAGE[dx.dtype])
+    storage[rows[torch.from_numpy(finite)]] = torch.from_numpy(fixed)
