@@ -90,6 +90,7 @@ from ._numba_vectors import (
 from ._numba_vectors import lanes as vector_lanes
 
 _FLAG_TAG = np.empty(0, np.uint8)  # the dtype of the forward's fallback flags
+_F64_TAG = np.empty(0, np.float64)  # the dtype of the backward's dweight/dbias partials
 ROW_BLOCK = 32  # rows per dweight/dbias partial sum (fixed: never depends on threads)
 #: The start of the SHA-256 of ``_numba_vectors.py``, whose intrinsics are compiled into
 #: these kernels. numba keys its on-disk cache on this file alone, so a change to that one
@@ -500,7 +501,7 @@ def _dx_row_checked(
         gh = dy * weight;  d = z - m1;  c = d - delta
         t1 = gh - c2;  t2 = rstd * t1;  t3 = k * c;  t4 = t2 - t3
         y = (t4 + dresidual_out) + 0.0              (an exact zero is +0.0)
-        E = (u(|t2| + |t3| + |t4|) + k_t1 |t1| + k_c |c| + k_0)(1 + 2^-30) + 3.1u(1 + 2^-30)|y|
+        E = (k_t1 |t1| + k_c |c| + k_0)(1 + 2^-30) + 3.1u(1 + 2^-30)|y|
         dweight_partial += dy * (c * rstd);  dbias_partial += dy
 
     in float64 (the scalars are doubles; rows are widened exactly). Returns 1 when
@@ -547,15 +548,8 @@ def _dx_row_checked(
             store_partial(dbp, builder.fadd(dbp.load(index, lanes, double), g), index, lanes)
             if not check:
                 return
-            constant = _splat_all(
-                builder, [double(_U), double(_SLACK), double(3.1 * _U * _SLACK)], lanes
-            )
-            unit, slack, k_y = constant
-            rounding = builder.fadd(
-                builder.fadd(_fabs(builder, t2), _fabs(builder, t3)), _fabs(builder, t4)
-            )
-            bound = builder.fmul(unit, rounding)
-            bound = builder.fadd(bound, builder.fmul(k_t1, _fabs(builder, t1)))
+            slack, k_y = _splat_all(builder, [double(_SLACK), double(3.1 * _U * _SLACK)], lanes)
+            bound = builder.fmul(k_t1, _fabs(builder, t1))
             bound = builder.fadd(bound, builder.fmul(k_c, _fabs(builder, c)))
             bound = builder.fadd(bound, k_0)
             bound = builder.fadd(builder.fmul(bound, slack), builder.fmul(k_y, _fabs(builder, y)))
@@ -631,8 +625,10 @@ def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, n, eps, rms):
     r_hi = rstd * (1.0 + 1.01 * e_r)  # >= the exact rstd
     e_k = 3.02 * _U * abs(k) + r_hi * r_hi * r_hi * (3.03 * e_r * abs(a) + e_a)
     beta = 1.01 * _U * abs(delta) + e_mean  # e_c <= alpha |c| + beta
-    k_t1 = r_hi * (e_r + _U)
-    k_c = abs(k) * alpha + e_k * (1.0 + alpha)
+    # with the roundings of t2, t3 and t4 = t2 - t3: u(|t2| + |t3| + |t4|)
+    # <= 2.01u(|t2| + |t3|), |t2| <= (1 + u) rstd |t1|, |t3| <= (1 + u) |k| |c|
+    k_t1 = r_hi * (e_r + _U) + 2.02 * _U * rstd
+    k_c = abs(k) * (alpha + 2.02 * _U) + e_k * (1.0 + alpha)
     k_0 = r_hi * e_c2 + beta * (abs(k) + e_k)
     return delta, rstd, c2, k, k_t1, k_c, k_0, flag
 
@@ -833,8 +829,8 @@ def _backward_arrays(
         _view(weight, n, acc_tag),
         _view(mean, 0 if rms else m, acc_tag),
         _view(dx, m * n, storage_tag),
-        np.empty(blocks * n, acc_tag.dtype),
-        np.empty(blocks * n, acc_tag.dtype),
+        np.empty(blocks * n, np.float64),
+        np.empty(blocks * n, np.float64),
         _view(flags, m + 1, _FLAG_TAG),
     )
 
@@ -880,7 +876,7 @@ def backward_parallel(
     """One span of rows (a whole number of ``ROW_BLOCK`` blocks, but for the last) of a
     backward that ``numba_`` spreads over its threads: :func:`backward_serial`, except that
     ``dweight`` and ``dbias`` receive the span's per-block partial sums
-    (``ceil(m / ROW_BLOCK) * n`` elements each, in the accumulation dtype; both required),
+    (``ceil(m / ROW_BLOCK) * n`` elements each, float64; both required),
     which the caller adds over all spans in block order with :func:`column_sums`: the same
     additions in the same order as :func:`backward_serial`'s, so the same bits. ``flags``:
     the span's m + 1 fallback flags, as :func:`backward_serial` writes them."""
@@ -892,7 +888,7 @@ def backward_parallel(
     blocks = (m + ROW_BLOCK - 1) // ROW_BLOCK
     backward_kernel(
         dy_, dy_stride, x_, x_stride, dresidual_out_, dresidual_out_stride, weight_, mean_,
-        dx_, _view(dweight, blocks * n, acc_tag), _view(dbias, blocks * n, acc_tag), flags_,
+        dx_, _view(dweight, blocks * n, _F64_TAG), _view(dbias, blocks * n, _F64_TAG), flags_,
         m, n, np.float64(eps), rms,
     )  # fmt: skip
     _any_flag(flags_, m)
@@ -901,9 +897,10 @@ def backward_parallel(
 @_jit()
 def column_sums(acc_tag, partial, blocks, n, out):
     """``out`` (N,) = the column sums of the ``blocks`` x N partial sums at ``partial``
-    (addresses, accumulation dtype), in block order in float64: how the spans of
-    :func:`backward_parallel` become dweight and dbias."""
-    column_sum_kernel(_view(partial, blocks * n, acc_tag), blocks, n, _view(out, n, acc_tag))
+    (addresses; float64 partials, ``out`` in the accumulation dtype), in block order in
+    float64: how the spans of :func:`backward_parallel` become dweight and dbias."""
+    partials = _view(partial, blocks * n, _F64_TAG)
+    column_sum_kernel(partials, blocks, n, _view(out, n, acc_tag))
 
 
 # ---------------------------------------------------------------------------------------

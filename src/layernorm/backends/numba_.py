@@ -236,7 +236,7 @@ def _backward_over_threads(
     size, acc_size = types.itemsize, types.acc.itemsize
     rows = _kernels().ROW_BLOCK
     blocks = -(-m // rows)
-    partial = torch.empty(2, blocks, n, dtype=types.acc_dtype)
+    partial = torch.empty(2, blocks, n, dtype=torch.float64)  # float64 partial sums
     dweight_partial, dbias_partial = partial[0].data_ptr(), partial[1].data_ptr()
     dy_step, x_step, dx_step = dy_stride * size, x_stride * size, n * size
     dresidual_out_step = dresidual_out_stride * size
@@ -251,7 +251,7 @@ def _backward_over_threads(
             dy + i * dy_step, dy_stride, x + i * x_step, x_stride,
             dresidual_out + i * dresidual_out_step, dresidual_out_stride, weight,
             mean + i * mean_step, rstd + i * acc_size, dx + i * dx_step,
-            dweight_partial + start * n * acc_size, dbias_partial + start * n * acc_size,
+            dweight_partial + start * n * 8, dbias_partial + start * n * 8,
             count, n, rms, stream, eps, scratch.ctypes.data + i + start,
         )  # fmt: skip
         spans.append((i, count))

@@ -368,8 +368,8 @@ def backward(
     r_hi = r * (1.0 + 1.01 * e_r)
     e_k = 3.02 * _U * k.abs() + r_hi * r_hi * r_hi * (3.03 * e_r * a.abs() + e_a)
     beta = 1.01 * _U * delta.abs() + e_mean
-    k_t1 = r_hi * (e_r + _U)
-    k_c = k.abs() * alpha + e_k * (1.0 + alpha)
+    k_t1 = r_hi * (e_r + _U) + 2.02 * _U * r  # (+ the roundings of t2, t3, t2 - t3)
+    k_c = k.abs() * (alpha + 2.02 * _U) + e_k * (1.0 + alpha)
     k_0 = r_hi * e_c2 + beta * (k.abs() + e_k)
     c = d - delta[:, None]
     t1 = gh - c2[:, None]
@@ -382,8 +382,7 @@ def backward(
     dweight = column_sum(g * u).to(acc) if need_dweight else None
     dbias = column_sum(g).to(acc) if need_dbias else None
     if x.dtype != torch.float64:
-        bound = (t2.abs() + t3.abs() + t4.abs()) * _U + k_t1[:, None] * t1.abs()
-        bound = bound + k_c[:, None] * c.abs() + k_0[:, None]
+        bound = k_t1[:, None] * t1.abs() + k_c[:, None] * c.abs() + k_0[:, None]
         bound = bound * _SLACK + y.abs() * (3.1 * _U * _SLACK)
         low = _storage_bits(round_once(y - bound, x.dtype))
         high = _storage_bits(round_once(y + bound, x.dtype))
