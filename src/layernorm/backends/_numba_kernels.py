@@ -26,8 +26,10 @@ Numerics (docs/contract.md §3). The forward computes in float64 for every dtype
 rounds each output once, with Ziv's test against a bound per element; a row whose
 rounding the bound leaves open is computed again with compensated statistics
 (:func:`_precise_statistics`), and if still open, flagged (``flags``) for the host's exact
-fallback (:mod:`layernorm.backends._exact`). The backward accumulates in float32
-(float64 for float64 input). Row sums add blocks of ``_numba_vectors.SUM_BLOCK``
+fallback (:mod:`layernorm.backends._exact`). The backward's dx is correctly rounded the
+same way, from five float64 row sums (:func:`_backward_sums`), the statistics of ``z``
+recomputed with ``eps``, Ziv's test per element (:func:`_dx_row_checked`) and flags for
+``_exact.fix_backward_rows``. Row sums add blocks of ``_numba_vectors.SUM_BLOCK``
 elements in the accumulation dtype and the block totals in float64, so their error does
 not grow with N. Statistics are the corrected
 two-pass: ``m1 = mean(z)``, ``d = z - m1``, ``delta = mean(d)``, ``mean = m1 + delta``,
@@ -46,7 +48,7 @@ no function that computes a statistic is compiled with ``fastmath``. So outputs 
 bitwise batch- and thread-invariant, and the same from build to build.
 dweight/dbias partial sums come from a fixed partition of the rows into blocks of
 :data:`ROW_BLOCK` rows (independent of the thread count), summed row by row within a
-block, then over blocks in block order in float64.
+block in float64, then over blocks in block order in float64.
 
 Inlining. Code that numba inlines itself (``inline="always"``) is lowered with the
 caller's fast-math flags; none of these kernels has any, and the forward's row function

@@ -7,9 +7,10 @@ dtypes, the numerics of docs/contract.md §3) with one kernel per direction:
   same pass, the corrected two-pass statistics and ``y``; the row is read once from memory,
   and a large float32 ``y`` is written with non-temporal stores (:data:`STREAM_BYTES`).
 - backward: per block of ``_numba_kernels.ROW_BLOCK`` (32) rows, ``dx``
-  (``+ dresidual_out``) for each row and partial sums of ``g * u`` and ``g`` in the
-  accumulation dtype; a serial loop adds the block partials in block order (float64) for
-  dweight/dbias.
+  (``+ dresidual_out``) for each row, correctly rounded (docs/contract.md §3: the row's
+  statistics recomputed from ``x`` and ``eps``, flagged rows fixed by
+  :func:`_fix_backward_rows`), and float64 partial sums of ``g * u`` and ``g``; a serial
+  loop adds the block partials in block order (float64) for dweight/dbias.
 
 Tensors reach the kernels as addresses (``data_ptr()``) and sizes, through per-dtype
 entries of C-typed arguments only (:func:`entry`; the arguments are described once, in

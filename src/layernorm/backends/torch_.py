@@ -18,9 +18,8 @@ It defines the kernel contract every backend follows (see ``layernorm.backends``
   ``x`` and returns ``dx`` (shaped like ``x``, ``x``'s dtype, ``+ dresidual_out`` when
   given) and
   ``dweight``/``dbias`` in the accumulation dtype, or ``None`` when not asked for.
-  ``mean`` is rounded to the statistics dtype, so ``backward`` re-centers: with
-  ``d = x − mean``, ``u = (d − mean(d)) · rstd``; otherwise the gradient's error would grow
-  with the row's offset (7e−3 at offset 1e6 in float32) while the forward's does not.
+  ``backward`` also gets the forward's ``eps``; :func:`backward` recomputes the row
+  statistics from ``x`` and ``eps`` and rounds ``dx`` correctly (docs/contract.md §3).
 
 Statistics are the corrected two-pass of docs/contract.md §3. Reductions go through :func:`row_sum`
 and :func:`column_sum`, whose summation order depends only on N (and the row
