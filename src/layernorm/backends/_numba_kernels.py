@@ -574,16 +574,44 @@ def _dx_row_checked(
     return sig, codegen
 
 
+@_jit()
+def _precise_backward_sums(dy, z, w, m1, n):
+    """:func:`_backward_sums` again, for a row the fast pass flagged, by Ogita, Rump and
+    Oishi's Sum2 (each sum within ``u|sum| + γ_n²·Σ|terms|`` of the sum of its rounded
+    terms), and that factor ``u + γ_n²``, :func:`_backward_constants`' ``gamma``.
+    Scalar code: it runs for few rows."""
+    n_float = np.float64(n)
+    g = n_float * _U / (1.0 - n_float * _U)
+    totals = np.zeros(5)
+    compensations = np.zeros(5)
+    for k in range(n):
+        gh = element_f64(dy, k) * element_f64(w, k)
+        d = element_f64(z, k) - m1
+        terms = (d, d * d, gh, gh * gh, gh * d)
+        for j in range(5):
+            totals[j], e = _two_sum(totals[j], terms[j])
+            compensations[j] += e
+    s = totals + compensations
+    return s[0], s[1], s[2], s[3], s[4], 1.01 * (_U + g * g)
+
+
 @_jit(inline="always")
-def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, n, eps, rms):
+def _fast_gamma(n):
+    """:func:`_backward_constants`' ``gamma`` for sums in ``_numba_vectors``' order: a
+    sum's error relative to the sum of its |terms| (:func:`_depth` roundings per path)."""
+    h = np.float64(_depth(n) + 1) * _U
+    return h / (1.0 - h)
+
+
+@_jit(inline="always")
+def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, gamma, n, eps, rms):
     """A row's constants for :func:`_dx_row_checked` from its five sums
-    (:func:`_backward_sums`) and the row's flag (docs/contract.md §3):
+    (:func:`_backward_sums`), whose errors are at most ``gamma`` times the sums of their
+    |terms|, and the row's flag (docs/contract.md §3):
     ``(delta, rstd, c2, k, k_t1, k_c, k_0, flag)``; ``flag`` is 1 when the bound on
     ``rstd`` is too loose to use."""
     zero = 0.0
     n_float = np.float64(n)
-    h = np.float64(_depth(n) + 1) * _U
-    gamma = h / (1.0 - h)  # bounds a sum's error relative to the sum of |terms|
     d_abs = 1.001 * np.sqrt(n_float * s_dd)  # >= Σ|d|
     g_abs = 1.001 * np.sqrt(n_float * s_gg)  # >= Σ|gh|
     p_abs = 1.001 * np.sqrt(s_gg) * np.sqrt(s_dd)  # >= Σ|gh·d|
@@ -666,13 +694,26 @@ def _backward_block(
         x_i = x[i * x_stride : i * x_stride + n]
         s_d, s_dd, s_g, s_gg, s_gd = _backward_sums(dy_i, x_i, weight, m1, zero)
         delta, rstd_i, c2, k, k_t1, k_c, k_0, flag = _backward_constants(
-            s_d, s_dd, s_g, s_gg, s_gd, n, eps, rms
+            s_d, s_dd, s_g, s_gg, s_gd, _fast_gamma(n), n, eps, rms
         )
         dresidual_out_i = dresidual_out[i * dresidual_out_stride : i * dresidual_out_stride + n]
+        dx_i = dx[i * n : (i + 1) * n]
         checked = _dx_row_checked(
-            dy_i, x_i, dresidual_out_i, dx[i * n : (i + 1) * n], weight, dweight_block,
-            dbias_block, m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
+            dy_i, x_i, dresidual_out_i, dx_i, weight, dweight_block, dbias_block,
+            m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
         )  # fmt: skip
+        if (flag | checked) != 0:
+            # rare: once more with compensated sums, whose bound is some 100 times
+            # tighter (the partial sums already have the row's terms: a throwaway pair)
+            s_d, s_dd, s_g, s_gg, s_gd, gamma = _precise_backward_sums(dy_i, x_i, weight, m1, n)
+            delta, rstd_i, c2, k, k_t1, k_c, k_0, flag = _backward_constants(
+                s_d, s_dd, s_g, s_gg, s_gd, gamma, n, eps, rms
+            )
+            throwaway = np.zeros(n)
+            checked = _dx_row_checked(
+                dy_i, x_i, dresidual_out_i, dx_i, weight, throwaway, throwaway,
+                m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
+            )  # fmt: skip
         flags[i] = np.uint8(flag | checked)
 
 
