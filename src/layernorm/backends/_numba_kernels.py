@@ -73,6 +73,7 @@ from ._numba_vectors import (
     SUM_BLOCK,
     Row,
     _as_bits,
+    _bfloat16_boundary_within,
     _elementwise,
     _fabs,
     _reduce,
@@ -555,9 +556,13 @@ def _dx_row_checked(
             bound = builder.fadd(bound, builder.fmul(k_c, _fabs(builder, c)))
             bound = builder.fadd(bound, k_0)
             bound = builder.fadd(builder.fmul(bound, slack), builder.fmul(k_y, _fabs(builder, y)))
-            low = _as_bits(builder, narrow_once(builder, builder.fsub(y, bound), dx.dtype))
-            high = _as_bits(builder, narrow_once(builder, builder.fadd(y, bound), dx.dtype))
-            differ = builder.zext(builder.icmp_unsigned("!=", low, high), _shaped(i32, low))
+            low, high = builder.fsub(y, bound), builder.fadd(y, bound)
+            if dx.dtype == types.uint16:  # bfloat16: the same answer, for half the work
+                differ = _bfloat16_boundary_within(builder, low, high)
+            else:
+                low = _as_bits(builder, narrow_once(builder, low, dx.dtype))
+                high = _as_bits(builder, narrow_once(builder, high, dx.dtype))
+                differ = builder.zext(builder.icmp_unsigned("!=", low, high), _shaped(i32, low))
             if lanes == 1:
                 differ = builder.insert_element(
                     ir.Constant(ir.VectorType(i32, width), [0] * width), differ, i32(0)
@@ -595,11 +600,43 @@ def _precise_backward_sums(dy, z, w, m1, n):
     return s[0], s[1], s[2], s[3], s[4], 1.01 * (_U + g * g)
 
 
+_CHUNK = 256  # elements per chunk of the backward's row sums
+_GROUP = 16 * _CHUNK  # chunks per group
+
+
+@_jit(inline="always")
+def _chunked_backward_sums(dy, z, w, m1, n):
+    """:func:`_backward_sums` of the row, in chunks of :data:`_CHUNK` elements (each one
+    block of ``_numba_vectors``' order), the chunk totals added in order into groups of
+    16, the group totals in order into the row's: fewer roundings on any path than one
+    sum over the row (:func:`_fast_gamma`), so a bound some 6 times tighter at N = 4096."""
+    zero = 0.0
+    t0 = t1 = t2 = t3 = t4 = zero
+    for g in range(0, n, _GROUP):
+        u0 = u1 = u2 = u3 = u4 = zero
+        for c in range(g, min(n, g + _GROUP), _CHUNK):
+            e = min(n, c + _CHUNK)
+            a0, a1, a2, a3, a4 = _backward_sums(dy[c:e], z[c:e], w[c:e], m1, zero)
+            u0 += a0
+            u1 += a1
+            u2 += a2
+            u3 += a3
+            u4 += a4
+        t0 += u0
+        t1 += u1
+        t2 += u2
+        t3 += u3
+        t4 += u4
+    return t0, t1, t2, t3, t4
+
+
 @_jit(inline="always")
 def _fast_gamma(n):
-    """:func:`_backward_constants`' ``gamma`` for sums in ``_numba_vectors``' order: a
-    sum's error relative to the sum of its |terms| (:func:`_depth` roundings per path)."""
-    h = np.float64(_depth(n) + 1) * _U
+    """:func:`_backward_constants`' ``gamma`` for :func:`_chunked_backward_sums`: a sum's
+    error relative to the sum of its |terms|, from the roundings on any path: those of
+    a chunk (:func:`_depth`), at most 16 into its group, one per group into the row's."""
+    groups = (n + _GROUP - 1) // _GROUP
+    h = np.float64(_depth(min(n, _CHUNK)) + 16 + groups + 1) * _U
     return h / (1.0 - h)
 
 
@@ -692,7 +729,7 @@ def _backward_block(
                 m1 = zero
         dy_i = dy[i * dy_stride : i * dy_stride + n]
         x_i = x[i * x_stride : i * x_stride + n]
-        s_d, s_dd, s_g, s_gg, s_gd = _backward_sums(dy_i, x_i, weight, m1, zero)
+        s_d, s_dd, s_g, s_gg, s_gd = _chunked_backward_sums(dy_i, x_i, weight, m1, n)
         delta, rstd_i, c2, k, k_t1, k_c, k_0, flag = _backward_constants(
             s_d, s_dd, s_g, s_gg, s_gd, _fast_gamma(n), n, eps, rms
         )
