@@ -73,7 +73,7 @@ from ._numba_vectors import (
     SUM_BLOCK,
     Row,
     _as_bits,
-    _bfloat16_boundary_within,
+    _constant,
     _elementwise,
     _fabs,
     _reduce,
@@ -81,6 +81,7 @@ from ._numba_vectors import (
     _splat_all,
     add_rows,
     element_f64,
+    narrow,
     narrow_once,
     normalize_row,
     normalize_row_checked,
@@ -543,7 +544,12 @@ def _dx_row_checked(
             t4 = builder.fsub(t2, t3)
             zero = ir.Constant(t4.type, None)
             y = builder.fadd(builder.fadd(t4, rho), zero)
-            dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
+            bfloat16 = check and dx.dtype == types.uint16
+            if bfloat16:  # through float32 to nearest: see the test below
+                single = builder.fptrunc(y, _shaped(ir.FloatType(), y))
+                dx.store_raw(narrow(builder, single, dx.dtype), index, lanes)
+            else:
+                dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
             u = builder.fmul(c, rstd)
             store_partial(
                 dwp, builder.fadd(dwp.load(index, lanes, double), builder.fmul(g, u)), index, lanes
@@ -556,10 +562,21 @@ def _dx_row_checked(
             bound = builder.fadd(bound, builder.fmul(k_c, _fabs(builder, c)))
             bound = builder.fadd(bound, k_0)
             bound = builder.fadd(builder.fmul(bound, slack), builder.fmul(k_y, _fabs(builder, y)))
-            low, high = builder.fsub(y, bound), builder.fadd(y, bound)
-            if dx.dtype == types.uint16:  # bfloat16: the same answer, for half the work
-                differ = _bfloat16_boundary_within(builder, low, high)
+            if bfloat16:
+                # r = RN32(y). When E < |r| 2^-25 (below half of r's gaps to its float32
+                # neighbours), [y - E, y + E] holds no float32 but r, and every bfloat16
+                # rounding boundary is a float32 whose low 16 bits are 0x8000: the
+                # rounding is decided unless r is one. Then RN16(r), the value stored,
+                # is y's one rounding too (a double rounding errs only from a boundary).
+                bits = builder.bitcast(single, _shaped(i32, y))
+                low16 = builder.and_(bits, _constant(i32, 0xFFFF, y))
+                on = builder.icmp_unsigned("==", low16, _constant(i32, 0x8000, y))
+                (tiny,) = _splat_all(builder, [double(2.0**-25)], lanes)
+                near = builder.fmul(_fabs(builder, builder.fpext(single, y.type)), tiny)
+                loose = builder.fcmp_ordered(">", bound, near)
+                differ = builder.zext(builder.or_(on, loose), _shaped(i32, y))
             else:
+                low, high = builder.fsub(y, bound), builder.fadd(y, bound)
                 low = _as_bits(builder, narrow_once(builder, low, dx.dtype))
                 high = _as_bits(builder, narrow_once(builder, high, dx.dtype))
                 differ = builder.zext(builder.icmp_unsigned("!=", low, high), _shaped(i32, low))
