@@ -90,6 +90,7 @@ from ._numba_vectors import (
     row_sum_sq,
     row_sums_centered,
     splat,
+    widen,
 )
 from ._numba_vectors import lanes as vector_lanes
 
@@ -544,12 +545,8 @@ def _dx_row_checked(
             t4 = builder.fsub(t2, t3)
             zero = ir.Constant(t4.type, None)
             y = builder.fadd(builder.fadd(t4, rho), zero)
-            bfloat16 = check and dx.dtype == types.uint16
-            if bfloat16:  # through float32 to nearest: see the test below
-                single = builder.fptrunc(y, _shaped(ir.FloatType(), y))
-                dx.store_raw(narrow(builder, single, dx.dtype), index, lanes)
-            else:
-                dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
+            half = check and dx.dtype in (types.uint16, types.int16)
+            dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
             u = builder.fmul(c, rstd)
             store_partial(
                 dwp, builder.fadd(dwp.load(index, lanes, double), builder.fmul(g, u)), index, lanes
@@ -562,18 +559,35 @@ def _dx_row_checked(
             bound = builder.fadd(bound, builder.fmul(k_c, _fabs(builder, c)))
             bound = builder.fadd(bound, k_0)
             bound = builder.fadd(builder.fmul(bound, slack), builder.fmul(k_y, _fabs(builder, y)))
-            if bfloat16:
+            if half:
                 # r = RN32(y). When E < |r| 2^-25 (below half of r's gaps to its float32
-                # neighbours), [y - E, y + E] holds no float32 but r, and every bfloat16
-                # rounding boundary is a float32 whose low 16 bits are 0x8000: the
-                # rounding is decided unless r is one. Then RN16(r), the value stored,
-                # is y's one rounding too (a double rounding errs only from a boundary).
+                # neighbours), [y - E, y + E] holds no float32 but r, and every rounding
+                # boundary of the half types is a float32: the rounding is decided
+                # unless r is one and |y - r| <= E.
+                single = builder.fptrunc(y, _shaped(ir.FloatType(), y))
                 bits = builder.bitcast(single, _shaped(i32, y))
-                low16 = builder.and_(bits, _constant(i32, 0xFFFF, y))
-                on = builder.icmp_unsigned("==", low16, _constant(i32, 0x8000, y))
+                if dx.dtype == types.uint16:  # bfloat16 boundaries: low 16 bits 0x8000
+                    low16 = builder.and_(bits, _constant(i32, 0xFFFF, y))
+                    on = builder.icmp_unsigned("==", low16, _constant(i32, 0x8000, y))
+                else:  # float16: r is the midpoint of RN16(r) and a neighbour (exact sums
+                    # in float32), or at least 65504 (the overflow threshold)
+                    h = narrow(builder, single, dx.dtype)
+                    one = _constant(ir.IntType(16), 1, y)
+                    (largest,) = _splat_all(builder, [double(65504.0)], lanes)
+                    (halve,) = _splat_all(builder, [ir.FloatType()(0.5)], lanes)
+                    on = builder.fcmp_ordered(
+                        ">=", _fabs(builder, builder.fpext(single, y.type)), largest
+                    )
+                    value = widen(builder, h, dx.dtype)
+                    for step in (builder.sub(h, one), builder.add(h, one)):
+                        neighbour = widen(builder, step, dx.dtype)
+                        midpoint = builder.fmul(builder.fadd(value, neighbour), halve)
+                        on = builder.or_(on, builder.fcmp_ordered("==", single, midpoint))
+                r = builder.fpext(single, y.type)
+                inside = builder.fcmp_ordered("<=", _fabs(builder, builder.fsub(y, r)), bound)
+                on = builder.and_(on, inside)
                 (tiny,) = _splat_all(builder, [double(2.0**-25)], lanes)
-                near = builder.fmul(_fabs(builder, builder.fpext(single, y.type)), tiny)
-                loose = builder.fcmp_ordered(">", bound, near)
+                loose = builder.fcmp_ordered(">", bound, builder.fmul(_fabs(builder, r), tiny))
                 differ = builder.zext(builder.or_(on, loose), _shaped(i32, y))
             else:
                 low, high = builder.fsub(y, bound), builder.fadd(y, bound)
