@@ -618,17 +618,22 @@ def _precise_backward_sums(dy, z, w, m1, n):
     Scalar code: it runs for few rows."""
     n_float = np.float64(n)
     g = n_float * _U / (1.0 - n_float * _U)
-    totals = np.zeros(5)
-    compensations = np.zeros(5)
+    s0 = s1 = s2 = s3 = s4 = 0.0  # the running sums
+    c0 = c1 = c2 = c3 = c4 = 0.0  # and their compensations: five independent chains
     for k in range(n):
         gh = element_f64(dy, k) * element_f64(w, k)
         d = element_f64(z, k) - m1
-        terms = (d, d * d, gh, gh * gh, gh * d)
-        for j in range(5):
-            totals[j], e = _two_sum(totals[j], terms[j])
-            compensations[j] += e
-    s = totals + compensations
-    return s[0], s[1], s[2], s[3], s[4], 1.01 * (_U + g * g)
+        s0, e = _two_sum(s0, d)
+        c0 += e
+        s1, e = _two_sum(s1, d * d)
+        c1 += e
+        s2, e = _two_sum(s2, gh)
+        c2 += e
+        s3, e = _two_sum(s3, gh * gh)
+        c3 += e
+        s4, e = _two_sum(s4, gh * d)
+        c4 += e
+    return s0 + c0, s1 + c1, s2 + c2, s3 + c3, s4 + c4, 1.01 * (_U + g * g)
 
 
 _CHUNK = 256  # elements per chunk of the backward's row sums
