@@ -49,6 +49,7 @@ import ctypes
 import functools
 import importlib.util
 import math
+import threading
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -60,9 +61,9 @@ from . import _host_memory, _threads
 
 __all__ = ["SERIAL_NUMEL", "backward", "cannot_run", "entry", "entry_address", "forward", "prefers"]
 
-#: float32 outputs of at least this many bytes are written with non-temporal (streaming)
-#: stores, which skip the read-for-ownership of a plain store; smaller ones stay cached
-#: for whoever reads them next. Same bits either way.
+#: Outputs of at least this many bytes (the forward's ``y``, float32 ``dx``) are written
+#: with non-temporal (streaming) stores, which skip the read-for-ownership of a plain
+#: store; smaller ones stay cached for whoever reads them next. Same bits either way.
 STREAM_BYTES = 16 << 20
 
 
@@ -101,6 +102,21 @@ def _kernels() -> ModuleType:
 _entries: dict[tuple[torch.dtype, str], Callable[..., None]] = {}
 #: the C callbacks of the threaded entries, by (dtype, kernel name): see :func:`entry_address`
 _callbacks: dict[tuple[torch.dtype, str], object] = {}
+
+#: each thread's forward flags buffer (:func:`_scratch`)
+_flag_buffers = threading.local()
+
+
+def _scratch(size: int) -> np.ndarray:
+    """``size`` bytes of this thread's reusable buffer for the forward's fallback flags
+    (no allocation per call): the kernels write every flag the caller reads, so its old
+    contents never show. One call at a time per thread uses it (a forward calls no
+    forward while its flags are live)."""
+    buffer: np.ndarray | None = getattr(_flag_buffers, "buffer", None)
+    if buffer is None or buffer.shape[0] < size:
+        buffer = _flag_buffers.buffer = np.empty(max(size, 4096), np.uint8)
+    return buffer[:size]
+
 
 #: every entry :func:`entry` knows, as :func:`build` compiles them
 ENTRIES = ("forward_serial", "forward_parallel", "backward_serial", "backward_parallel")
@@ -185,7 +201,7 @@ def _forward_over_threads(
     rstd_step = acc_size if store_stats else 0
     rows = _kernels().ROW_BLOCK
     blocks = -(-m // rows)
-    scratch = np.zeros(blocks * (rows + 1), np.uint8)
+    scratch = _scratch(blocks * (rows + 1))  # every span writes all of its stretch
     spans: list[tuple[int, int]] = []  # (first row, rows) of each span; append is atomic
 
     def span(start: int, stop: int) -> None:
@@ -372,7 +388,9 @@ def forward(
         residual_address = residual.data_ptr()
         residual_stride = _stride(residual, n)
         residual_out_address = residual_out.data_ptr()
-    flags = np.zeros(m + 1, np.uint8)  # the kernel sets them all (zeros: never stale)
+    # the caller's flags: the kernel sets them all; the threaded entry gathers them from
+    # its own scratch (this thread's too), so they get a buffer of their own
+    flags = np.empty(m + 1, np.uint8) if numel >= SERIAL_NUMEL else _scratch(m + 1)
     run = entry(x.dtype, "forward_serial" if numel < SERIAL_NUMEL else "forward_parallel")
     # the arguments of _kernel_abi.FORWARD, in its order
     run(
