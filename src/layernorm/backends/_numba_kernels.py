@@ -94,7 +94,7 @@ SEGMENT = 1024
 #: these kernels. numba keys its on-disk cache on this file alone, so a change to that one
 #: must change this line, or a stale cached kernel would keep running the old code;
 #: ``tests/test_numba_vectors.py`` fails until it does.
-VECTORS_SHA256 = "8753ba5c7adffa7f"
+VECTORS_SHA256 = "86faaf3eda7651f6"
 
 
 def _jit(*signature, **options):

@@ -764,10 +764,12 @@ def normalize_row_fast(typingctx, z, y, m1, delta, rstd, weight, bias, bound_a, 
       ``S = RN32(yh)``'s, so the element is decided unless ``|yh| < tiny`` or ``S``'s
       pattern is within one of a boundary's (:func:`_near_boundary`), or (float16)
       ``0 < |yh| < 2^-14``, where its boundaries are not at fixed float32 bits. Stored:
-      ``RN(S)``, rounded twice, which is ``RN(yh)`` unless ``S`` is a boundary (tested).
+      ``RN(S)``, rounded twice, which is ``RN(yh)`` unless ``S`` is a boundary (tested);
+      bfloat16 without the tie rule (no tie is left decided), and a NaN is left open
+      (the checked pass writes :func:`narrow`'s NaN).
     - float64: ``yh``, no test (returns 0).
 
-    A NaN ``yh`` passes (it stays NaN); ``bound_a``, ``bound_b``, ``tiny`` must not be
+    A NaN ``yh`` passes (it stays NaN) but in bfloat16; ``bound_a``, ``bound_b``, ``tiny`` must not be
     NaN (the caller runs this pass only with finite weight and bias); ``tiny`` is unused
     for float32 and float64."""
     sig = signature(types.int32, z, y, m1, delta, rstd, weight, bias, bound_a, bound_b, tiny)
@@ -800,7 +802,15 @@ def _fast_pass(context, builder, sig, args, streaming: bool) -> ir.Value:
             y.store_raw(yh, index, lanes, streaming)
             return
         single = builder.fptrunc(yh, _shaped(ir.FloatType(), yh))
-        y.store_raw(narrow(builder, single, y.dtype), index, lanes, streaming)
+        if y.dtype == types.uint16:  # no tie here (the test leaves S = boundary open)
+            bits = builder.bitcast(single, _shaped(_I32, single))
+            rounded = builder.lshr(
+                builder.add(bits, _constant(_I32, 0x8000, bits)), _constant(_I32, 16, bits)
+            )
+            stored = builder.trunc(rounded, _shaped(_I16, bits))
+        else:
+            stored = narrow(builder, single, y.dtype)
+        y.store_raw(stored, index, lanes, streaming)
         if y.dtype == types.float32:
             bound = builder.fadd(bound_a, builder.fmul(_fabs(builder, p), bound_b))
             ends = [builder.fsub(yh, bound), builder.fadd(yh, bound)]
@@ -819,6 +829,8 @@ def _fast_pass(context, builder, sig, args, streaming: bool) -> ir.Value:
                 )
                 small = builder.or_(small, subnormal)
             differ = builder.or_(small, _near_boundary(builder, single, y.dtype))
+            if y.dtype == types.uint16:  # NaN: the checked pass writes narrow's 0x7FC0
+                differ = builder.or_(differ, builder.fcmp_unordered("uno", yh, yh))
         flags.add(differ)
 
     _elementwise(builder, y.length, flags.width, element)
