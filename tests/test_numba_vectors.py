@@ -354,3 +354,29 @@ def test_the_cheap_pass_decides_only_what_its_bound_leaves_no_doubt_about(fmt):
     opened = _cheap_pass(nan, out, 0.0, 0.0, 1.0, one, zero, bound_a, bound_b, tiny)
     assert opened == (fmt == "bfloat16")
     assert opened or math.isnan(_stored_value(out, fmt)[0])
+
+
+@njit(cache=False)
+def _largest(values):
+    return _numba_kernels._largest(values)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_largest_magnitude_is_exact_or_inf(dtype):
+    """``_numba_kernels._largest`` (the cheap test's max |gamma|, max |beta|): exactly
+    ``max |values|``, subnormals and the largest finite value included, and ``inf``
+    when a value is not finite (then the cheap test is skipped)."""
+    info = np.finfo(dtype)
+    rows = [
+        np.random.default_rng(3).standard_normal(1001),
+        [info.smallest_subnormal, 0.0],
+        [0.0, -0.0],
+        [-3.5, 2.0],
+        [info.max, -info.max],
+        [-info.tiny * 0.75],
+    ]
+    for row in rows:
+        values = np.array(row, dtype)
+        assert _largest(values) == np.max(np.abs(values.astype(np.float64)))
+    for bad in (np.nan, -np.inf, np.inf):
+        assert _largest(np.array([1.0, bad, 2.0], dtype)) == np.inf

@@ -23,10 +23,14 @@ missing weight is ones and a missing bias is ``-0.0`` (``v * 1 + -0.0 == v`` bit
 no inner-loop branches).
 
 Numerics (docs/contract.md §3). The forward computes in float64 for every dtype and
-rounds each output once, with Ziv's test against a bound per element; a row whose
-rounding the bound leaves open is computed again with compensated statistics
-(:func:`_precise_statistics`), and if still open, flagged (``flags``) for the host's exact
-fallback (:mod:`layernorm.backends._exact`). The backward accumulates in float32
+rounds each output once. Its output pass runs over segments of :data:`SEGMENT` elements,
+first with a cheap rounding test (``_numba_vectors.normalize_row_fast``); a segment that
+test leaves open is computed again with Ziv's test against a bound per element
+(``normalize_row_checked``); a row whose rounding that leaves open is computed again with
+compensated statistics (:func:`_precise_statistics`), and if still open, flagged
+(``flags``) for the host's exact fallback (:mod:`layernorm.backends._exact`). A float64
+row whose statistics would leave float64's range is scaled by a power of two first
+(:func:`_scaled_row`). The backward accumulates in float32
 (float64 for float64 input). Row sums add blocks of ``_numba_vectors.SUM_BLOCK``
 elements in the accumulation dtype and the block totals in float64, so their error does
 not grow with N. Statistics are the corrected
@@ -526,16 +530,35 @@ def _fast_bounds(a, b, k_y, weight_max, bias_max):
     return bound_a, bound_b, tiny
 
 
-@_jit(inline="always")
 def _largest(values):
-    """``max |values|``, or ``inf`` when one is not finite (NaN included)."""
-    largest = 0.0
-    for k in range(values.shape[0]):
-        v = abs(np.float64(values[k]))
-        if not v < np.inf:
+    """``max |values|`` (float32 or float64 values) as a float64, or ``inf`` when one is
+    not finite (NaN included): the largest magnitude's bit pattern, by an integer
+    maximum (which vectorizes without fast-math, unlike a float one), then its value."""
+
+
+@overload(_largest)
+def _largest_impl(values):
+    wide = values.dtype == types.float64
+    bits_type = np.uint64 if wide else np.uint32
+    magnitude = (1 << 63) - 1 if wide else (1 << 31) - 1
+    fraction_bits = 52 if wide else 23
+    bias = 1075 if wide else 150  # exponent bias + fraction bits
+    infinite = 0x7FF << 52 if wide else 0xFF << 23
+
+    def impl(values):
+        patterns = values.view(bits_type)
+        top = bits_type(0)
+        for k in range(patterns.shape[0]):
+            top = max(top, patterns[k] & bits_type(magnitude))
+        if top >= bits_type(infinite):
             return np.inf
-        largest = max(largest, v)
-    return largest
+        exponent = np.int64(top >> bits_type(fraction_bits))
+        fraction = np.int64(top & bits_type((1 << fraction_bits) - 1))
+        if exponent == 0:  # subnormal
+            return math.ldexp(np.float64(fraction), 1 - bias)
+        return math.ldexp(np.float64(fraction + (1 << fraction_bits)), exponent - bias)
+
+    return impl
 
 
 @_jit(inline="always")
