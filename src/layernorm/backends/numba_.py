@@ -107,15 +107,16 @@ _callbacks: dict[tuple[torch.dtype, str], object] = {}
 _flag_buffers = threading.local()
 
 
-def _scratch(size: int) -> np.ndarray:
-    """``size`` bytes of this thread's reusable buffer for the forward's fallback flags
-    (no allocation per call): the kernels write every flag the caller reads, so its old
-    contents never show. One call at a time per thread uses it (a forward calls no
-    forward while its flags are live)."""
+def _scratch(size: int) -> tuple[np.ndarray, int]:
+    """This thread's reusable buffer for the forward's fallback flags, of at least
+    ``size`` bytes, and its address (no allocation, no ctypes object per call): the
+    kernels write every flag the caller reads, so its old contents never show. One call
+    at a time per thread uses it (a forward calls no forward while its flags are live)."""
     buffer: np.ndarray | None = getattr(_flag_buffers, "buffer", None)
     if buffer is None or buffer.shape[0] < size:
         buffer = _flag_buffers.buffer = np.empty(max(size, 4096), np.uint8)
-    return buffer[:size]
+        _flag_buffers.address = buffer.ctypes.data
+    return buffer, _flag_buffers.address
 
 
 #: every entry :func:`entry` knows, as :func:`build` compiles them
@@ -201,7 +202,7 @@ def _forward_over_threads(
     rstd_step = acc_size if store_stats else 0
     rows = _kernels().ROW_BLOCK
     blocks = -(-m // rows)
-    scratch = _scratch(blocks * (rows + 1))  # every span writes all of its stretch
+    scratch, scratch_address = _scratch(blocks * (rows + 1))  # spans write all they read
     spans: list[tuple[int, int]] = []  # (first row, rows) of each span; append is atomic
 
     def span(start: int, stop: int) -> None:
@@ -211,7 +212,7 @@ def _forward_over_threads(
             x + i * x_step, x_stride, residual + i * residual_step, residual_stride,
             has_residual, residual_out + i * residual_out_step, weight, bias, y + i * y_step,
             mean + i * mean_step, rstd + i * rstd_step, count, n, eps, rms,
-            stream, store_stats, scratch.ctypes.data + i + start,
+            stream, store_stats, scratch_address + i + start,
         )  # fmt: skip
         spans.append((i, count))
 
@@ -390,7 +391,11 @@ def forward(
         residual_out_address = residual_out.data_ptr()
     # the caller's flags: the kernel sets them all; the threaded entry gathers them from
     # its own scratch (this thread's too), so they get a buffer of their own
-    flags = np.empty(m + 1, np.uint8) if numel >= SERIAL_NUMEL else _scratch(m + 1)
+    if numel < SERIAL_NUMEL:
+        flags, flags_address = _scratch(m + 1)
+    else:
+        flags = np.empty(m + 1, np.uint8)
+        flags_address = flags.ctypes.data
     run = entry(x.dtype, "forward_serial" if numel < SERIAL_NUMEL else "forward_parallel")
     # the arguments of _kernel_abi.FORWARD, in its order
     run(
@@ -411,7 +416,7 @@ def forward(
         rms,  # rms
         nbytes >= STREAM_BYTES,  # stream
         stats,  # store_stats
-        flags.ctypes.data,  # flags
+        flags_address,  # flags
     )
     if flags[m]:  # rare: rows whose rounding the float64 bound left open
         _fix_rows(y, x if residual_out is None else residual_out, w, b, eps, rms, flags[:m])
