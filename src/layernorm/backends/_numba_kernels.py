@@ -164,15 +164,10 @@ def _store_fence(typingctx):
 @_jit(inline="always")
 def _vector_head(a):
     """How many leading elements of ``a`` precede a multiple of 8 elements' bytes: where
-    its 8-lane vectors may be streamed (``normalize_row_fast_streaming``)."""
+    its 8-lane vectors may be streamed (``normalize_row_fast_streaming``,
+    :func:`copy_row_streaming`)."""
     size = 8 * a.itemsize
     return min(a.shape[0], ((size - a.ctypes.data % size) % size) // a.itemsize)
-
-
-@_jit()
-def _aligned_head(a, n):
-    """How many leading elements of the float32 array ``a`` precede a 32-byte boundary."""
-    return min(n, ((4 * _WIDTH - a.ctypes.data % (4 * _WIDTH)) % (4 * _WIDTH)) // 4)
 
 
 def copy_row_streaming(src, dst):
@@ -191,7 +186,7 @@ def _copy_row_streaming(src, dst):
 
     def impl(src, dst):
         n = dst.shape[0]
-        head = _aligned_head(dst, n)
+        head = _vector_head(dst)
         for k in range(head):
             dst[k] = src[k]
         k = head
