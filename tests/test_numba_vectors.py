@@ -11,10 +11,13 @@ torch's own conversions.
 from __future__ import annotations
 
 import hashlib
+import math
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("numba")
 from numba import njit
@@ -27,6 +30,7 @@ from layernorm.backends._numba_vectors import (
     dx_row,
     dx_row_touching,
     normalize_row,
+    normalize_row_fast,
     row_sum,
     row_sum_sq,
     row_sums_backward,
@@ -237,3 +241,142 @@ def test_the_kernels_record_the_vector_code_they_are_compiled_with():
     assert digest == _numba_kernels.VECTORS_SHA256, (
         f"_numba_vectors.py changed: set VECTORS_SHA256 in _numba_kernels.py to {digest!r}"
     )
+
+
+# ---------------------------------------------------------------------------------------
+# The forward's cheap pass (docs/contract.md §3): what it decides, it decides soundly
+
+#: (significand bits, smallest normal exponent, largest exponent) of each output format
+_FORMATS = {"float32": (24, -126, 127), "bfloat16": (8, -126, 127), "float16": (11, -14, 15)}
+_STORAGE = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.int16}
+
+
+def _round_exactly(q: Fraction, fmt: str) -> Fraction | float:
+    """``q`` rounded to nearest-even in ``fmt``, exactly (``inf`` past the overflow
+    threshold): the test's own oracle, sharing nothing with the kernels."""
+    digits, emin, emax = _FORMATS[fmt]
+    if q == 0:
+        return Fraction(0)
+    a = abs(q)
+    e = a.numerator.bit_length() - a.denominator.bit_length()
+    if Fraction(2) ** e > a:
+        e -= 1
+    quantum = Fraction(2) ** (max(e, emin) - digits + 1)
+    k = a / quantum
+    whole = k.numerator // k.denominator
+    rest = k - whole
+    if rest > Fraction(1, 2) or (rest == Fraction(1, 2) and whole % 2):
+        whole += 1
+    value = whole * quantum
+    if value >= Fraction(2) ** (emax + 1):
+        return math.copysign(math.inf, q)
+    return value if q > 0 else -value
+
+
+def _stored_value(bits: np.ndarray, fmt: str) -> list[Fraction | float]:
+    as_float = torch.from_numpy(bits.copy()).view(getattr(torch, fmt)).double().numpy()
+    return [Fraction(v) if math.isfinite(v) else v for v in as_float]
+
+
+@njit(cache=False)
+def _cheap_pass(z, y, m1, delta, rstd, w, b, bound_a, bound_b, tiny):
+    return normalize_row_fast(z, y, m1, delta, rstd, w, b, bound_a, bound_b, tiny)
+
+
+def _cheap_rows(fmt: str, rng: np.random.Generator) -> list[tuple[np.ndarray, ...]]:
+    """Rows (z, w, b) with ``m1 = delta = 0``, ``rstd = 1``: ``yh = z*w + b``. Random
+    ones, and ones whose ``yh`` lies on, or within 2^-40 (relative) of, a rounding
+    boundary of ``fmt``, near 0, in float16's subnormal range and past its largest value."""
+    digits, _, _ = _FORMATS[fmt]
+    n = 257
+    rows = [
+        (
+            rng.standard_normal(n).astype(np.float32),
+            rng.uniform(0.5, 1.5, n).astype(np.float32),
+            rng.standard_normal(n).astype(np.float32),
+        )
+    ]
+    # yh = z + b on a boundary M (a midpoint: an odd multiple of half an ulp) or off it by
+    # small offsets: z = M rounded to float32, b = the rest plus the offset (exact sums)
+    significands = rng.integers(2 ** (digits - 1), 2**digits, n)
+    exponents = rng.integers(-6, 6, n)
+    midpoints = (2.0 * significands + 1) * 2.0 ** (exponents - digits) * rng.choice([-1, 1], n)
+    z = midpoints.astype(np.float32)
+    for scale in (0.0, 2.0**-40, 2.0**-30, 2.0**-20):
+        offsets = np.abs(midpoints) * scale * rng.uniform(-1, 1, n)
+        b = (midpoints - z + offsets).astype(np.float32)
+        rows.append((z, np.ones(n, np.float32), b))
+    # float16's subnormal midpoints (odd multiples of 2^-25) and values near them
+    halves = [3 * 2.0**-25, -5 * 2.0**-25, 1023 * 2.0**-25, 3 * 2.0**-25 * (1 + 2.0**-20)]
+    special = [0.0, -0.0, 1e-6, -3e-7, 6.2e-5, 1e-30, 7e4, 65519.0, 65520.0, 3e38, *halves]
+    ones = np.ones(len(special), np.float32)
+    rows.append((np.array(special, np.float32), ones, np.zeros(len(special), np.float32)))
+    return rows
+
+
+@pytest.mark.parametrize("fmt", list(_FORMATS))
+def test_the_cheap_pass_decides_only_what_its_bound_leaves_no_doubt_about(fmt):
+    """``normalize_row_fast`` returns 0 for an element only when every value within the
+    bound its contract assumes (float32: ``bound_a + |p| bound_b``; 16-bit:
+    ``|yh| 2^-26``, and only where ``|yh| >= tiny``) rounds to the value it stored,
+    ``RN(yh)``; a row is open when one of its elements is (vector and scalar code alike);
+    most random elements are decided (the pass is not one that always says open); a NaN
+    stays NaN, or (bfloat16) is left open."""
+    rng = np.random.default_rng(21)
+    bound_a, bound_b, tiny = 2.0**-60, 2.0**-44, 2.0**-50
+    for index, (z, w, b) in enumerate(_cheap_rows(fmt, rng)):
+        n = len(z)
+        yh = z.astype(np.float64) * w.astype(np.float64) + b.astype(np.float64)
+        row = np.empty(n, _STORAGE[fmt])
+        row_open = _cheap_pass(z, row, 0.0, 0.0, 1.0, w, b, bound_a, bound_b, tiny)
+        single = np.empty(1, _STORAGE[fmt])
+        opens = []
+        for k in range(n):
+            one = (z[k : k + 1], single, 0.0, 0.0, 1.0, w[k : k + 1], b[k : k + 1])
+            opens.append(_cheap_pass(*one, bound_a, bound_b, tiny))
+            assert single.view(np.uint8).tobytes() == row[k : k + 1].view(np.uint8).tobytes()
+        assert row_open == int(any(opens))
+        stored = _stored_value(row, fmt)
+        for k in np.flatnonzero(np.array(opens) == 0):
+            exact = Fraction(float(yh[k]))
+            if fmt == "float32":
+                bound = Fraction(bound_a) + abs(exact - Fraction(float(b[k]))) * Fraction(bound_b)
+            else:
+                assert abs(yh[k]) >= tiny or yh[k] == 0
+                bound = abs(exact) * Fraction(2) ** -26
+            low, high = _round_exactly(exact - bound, fmt), _round_exactly(exact + bound, fmt)
+            assert low == high == stored[k], (fmt, k, float(yh[k]))
+        if index == 0:  # the random row
+            assert np.mean(np.array(opens) == 0) >= 0.95
+    # NaN stays NaN; in bfloat16 it is left open (the checked pass writes 0x7FC0)
+    nan, out = np.array([np.nan], np.float32), np.empty(1, _STORAGE[fmt])
+    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+    opened = _cheap_pass(nan, out, 0.0, 0.0, 1.0, one, zero, bound_a, bound_b, tiny)
+    assert opened == (fmt == "bfloat16")
+    assert opened or math.isnan(_stored_value(out, fmt)[0])
+
+
+@njit(cache=False)
+def _largest(values):
+    return _numba_kernels._largest(values)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_largest_magnitude_is_exact_or_inf(dtype):
+    """``_numba_kernels._largest`` (the cheap test's max |gamma|, max |beta|): exactly
+    ``max |values|``, subnormals and the largest finite value included, and ``inf``
+    when a value is not finite (then the cheap test is skipped)."""
+    info = np.finfo(dtype)
+    rows = [
+        np.random.default_rng(3).standard_normal(1001),
+        [info.smallest_subnormal, 0.0],
+        [0.0, -0.0],
+        [-3.5, 2.0],
+        [info.max, -info.max],
+        [-info.tiny * 0.75],
+    ]
+    for row in rows:
+        values = np.array(row, dtype)
+        assert _largest(values) == np.max(np.abs(values.astype(np.float64)))
+    for bad in (np.nan, -np.inf, np.inf):
+        assert _largest(np.array([1.0, bad, 2.0], dtype)) == np.inf

@@ -23,10 +23,14 @@ missing weight is ones and a missing bias is ``-0.0`` (``v * 1 + -0.0 == v`` bit
 no inner-loop branches).
 
 Numerics (docs/contract.md §3). The forward computes in float64 for every dtype and
-rounds each output once, with Ziv's test against a bound per element; a row whose
-rounding the bound leaves open is computed again with compensated statistics
-(:func:`_precise_statistics`), and if still open, flagged (``flags``) for the host's exact
-fallback (:mod:`layernorm.backends._exact`). The backward's dx is correctly rounded the
+rounds each output once. Its output pass runs over segments of :data:`SEGMENT` elements,
+first with a cheap rounding test (``_numba_vectors.normalize_row_fast``); a segment that
+test leaves open is computed again with Ziv's test against a bound per element
+(``normalize_row_checked``); a row whose rounding that leaves open is computed again with
+compensated statistics (:func:`_precise_statistics`), and if still open, flagged
+(``flags``) for the host's exact fallback (:mod:`layernorm.backends._exact`). A float64
+row whose statistics would leave float64's range is scaled by a power of two first
+(:func:`_scaled_row`). The backward's dx is correctly rounded the
 same way, from five float64 row sums (:func:`_backward_sums`), the statistics of ``z``
 recomputed with ``eps``, Ziv's test per element (:func:`_dx_row_checked`) and flags for
 ``_exact.fix_backward_rows``. Row sums add blocks of ``_numba_vectors.SUM_BLOCK``
@@ -59,6 +63,7 @@ intrinsics: inline by construction.
 from __future__ import annotations
 
 import inspect
+import math
 import platform
 from collections.abc import Callable
 
@@ -70,6 +75,7 @@ from numba.extending import intrinsic, overload
 
 from . import _kernel_abi, _numba_cache
 from ._numba_vectors import (
+    FAST_MARGIN,
     SUM_BLOCK,
     Row,
     _as_bits,
@@ -83,13 +89,12 @@ from ._numba_vectors import (
     element_f64,
     narrow,
     narrow_once,
-    normalize_row,
     normalize_row_checked,
-    normalized,
+    normalize_row_fast,
+    normalize_row_fast_streaming,
     row_sum,
     row_sum_sq,
     row_sums_centered,
-    splat,
     widen,
 )
 from ._numba_vectors import lanes as vector_lanes
@@ -97,11 +102,14 @@ from ._numba_vectors import lanes as vector_lanes
 _FLAG_TAG = np.empty(0, np.uint8)  # the dtype of the forward's fallback flags
 _F64_TAG = np.empty(0, np.float64)  # the dtype of the backward's dweight/dbias partials
 ROW_BLOCK = 32  # rows per dweight/dbias partial sum (fixed: never depends on threads)
+#: Elements per segment of the forward's output pass (``_forward_row``): a segment that
+#: the cheap pass leaves open is rewritten by the checked pass, so this bounds that cost.
+SEGMENT = 1024
 #: The start of the SHA-256 of ``_numba_vectors.py``, whose intrinsics are compiled into
 #: these kernels. numba keys its on-disk cache on this file alone, so a change to that one
 #: must change this line, or a stale cached kernel would keep running the old code;
 #: ``tests/test_numba_vectors.py`` fails until it does.
-VECTORS_SHA256 = "1da081f1b7c65212"
+VECTORS_SHA256 = "86faaf3eda7651f6"
 
 
 def _jit(*signature, **options):
@@ -124,33 +132,14 @@ def _jit(*signature, **options):
 
 
 # ---------------------------------------------------------------------------------------
-# Streaming (non-temporal) stores for large float32 outputs: explicit <8 x float> vectors
-# whose stores bypass the cache (no read-for-ownership of the output, which a plain store
-# costs), with the arithmetic of ``_numba_vectors.normalize_row`` (same bits). Used only
+# Streaming (non-temporal) stores for large outputs: vectors whose stores bypass the cache
+# (no read-for-ownership of the output, which a plain store costs; same bits). Used only
 # when the output is larger than the caches, where it would be evicted before anyone read
-# it anyway; dx keeps plain stores (see ``_backward_block``).
+# it anyway: the forward's output pass (``_numba_vectors.normalize_row_fast_streaming``)
+# and float32 dx rows (``copy_row_streaming``, see ``_backward_block``).
 
 _WIDTH = 8  # floats per streamed vector (AVX); a row's unaligned head and tail go the plain way
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")  # sfence
-
-
-@intrinsic
-def _normalize_vector_nt(typingctx, z, y, k, m1, delta, rstd, w, b):
-    """y[k:k+8] = ((z - m1) - delta) * rstd * w + b, streamed; y + k must be 32-aligned."""
-    sig = types.void(z, y, k, m1, delta, rstd, w, b)
-
-    def codegen(context, builder, signature, args):
-        za, ya, k, m1, delta, rstd, wa, ba = args
-        at = signature.args
-        zv, wv, bv = (
-            Row(context, builder, at[i], a).load(k, _WIDTH) for i, a in ((0, za), (6, wa), (7, ba))
-        )
-        scalars = (splat(builder, v, _WIDTH) for v in (m1, delta, rstd))
-        yv = normalized(builder, zv, wv, bv, *scalars)
-        Row(context, builder, at[1], ya).store(yv, k, _WIDTH, streaming=True)
-        return context.get_dummy_value()
-
-    return sig, codegen
 
 
 @intrinsic
@@ -183,35 +172,13 @@ def _store_fence(typingctx):
     return sig, codegen
 
 
-@_jit()
-def _aligned_head(a, n):
-    """How many leading elements of the float32 array ``a`` precede a 32-byte boundary."""
-    return min(n, ((4 * _WIDTH - a.ctypes.data % (4 * _WIDTH)) % (4 * _WIDTH)) // 4)
-
-
-def normalize_row_streaming(z, y, m1, delta, rstd, weight, bias):
-    """:func:`normalize_row` with streaming stores where every row is float32 (on x86)."""
-
-
-@overload(normalize_row_streaming, inline="always")
-def _normalize_row_streaming(z, y, m1, delta, rstd, weight, bias):
-    if not (_X86 and y.dtype == z.dtype == weight.dtype == bias.dtype == types.float32):
-        return lambda z, y, m1, delta, rstd, weight, bias: normalize_row(
-            z, y, m1, delta, rstd, weight, bias
-        )
-
-    def impl(z, y, m1, delta, rstd, weight, bias):
-        n = y.shape[0]
-        head = _aligned_head(y, n)
-        normalize_row(z[:head], y[:head], m1, delta, rstd, weight[:head], bias[:head])
-        k = head
-        while k + _WIDTH <= n:
-            _normalize_vector_nt(z, y, k, m1, delta, rstd, weight, bias)
-            k += _WIDTH
-        normalize_row(z[k:], y[k:], m1, delta, rstd, weight[k:], bias[k:])
-        _store_fence()
-
-    return impl
+@_jit(inline="always")
+def _vector_head(a):
+    """How many leading elements of ``a`` precede a multiple of 8 elements' bytes: where
+    its 8-lane vectors may be streamed (``normalize_row_fast_streaming``,
+    :func:`copy_row_streaming`)."""
+    size = 8 * a.itemsize
+    return min(a.shape[0], ((size - a.ctypes.data % size) % size) // a.itemsize)
 
 
 def copy_row_streaming(src, dst):
@@ -230,7 +197,7 @@ def _copy_row_streaming(src, dst):
 
     def impl(src, dst):
         n = dst.shape[0]
-        head = _aligned_head(dst, n)
+        head = _vector_head(dst)
         for k in range(head):
             dst[k] = src[k]
         k = head
@@ -333,58 +300,81 @@ def _two_sum(a, b):
     return s, (a - (s - t)) + (b - t)
 
 
+_LANES = 8  # independent Sum2 chains of _precise_statistics (their latencies overlap)
+
+
+@_jit(inline="always")
+def _lane_total(total, compensation):
+    """``(s, c)``: the lanes' Sum2 totals added by TwoSum in lane order, every error
+    (the lanes' and these) summed into ``c``; ``s + c`` is then Sum2 of all the terms in
+    this tree, with the bound of Sum2 over ``n + 2 * _LANES`` terms."""
+    s = 0.0
+    c = 0.0
+    for j in range(_LANES):
+        s, e = _two_sum(s, total[j])
+        c += e + compensation[j]
+    return s, c
+
+
 @_jit()
 def _precise_statistics(z, m1, n, eps, rms):
     """Row statistics again, for a row the fast pass flagged, by compensated sums
-    (Ogita, Rump and Oishi's Sum2: error at most ``u·|sum| + γ_{n}²·Σ|terms|``), and the
-    constants of :func:`_row_statistics`' bound with the smaller errors they leave
+    (Ogita, Rump and Oishi's Sum2: error at most ``u·|sum| + γ_{n}²·Σ|terms|`` for any
+    tree of TwoSums whose errors are all summed, here ``_LANES`` interleaved chains then
+    :func:`_lane_total`, so ``γ`` of ``n + 2·_LANES`` terms), and the constants of
+    :func:`_row_statistics`' bound with the smaller errors they leave
     (docs/contract.md §3): ``(delta, rstd, e_mean, k_c, k_p, k_w, k_y, flag)`` for the
-    same ``m1``. Scalar code: it runs for few rows."""
+    same ``m1``. Scalar code in ``_LANES`` independent chains: it runs for few rows."""
     n_float = np.float64(n)
-    g = n_float * _U / (1.0 - n_float * _U)
+    terms = n_float + 2.0 * _LANES
+    g = terms * _U / (1.0 - terms * _U)
     g2 = g * g
+    total = np.zeros(_LANES)
+    compensation = np.zeros(_LANES)
     if rms:
-        total = 0.0
-        compensation = 0.0
-        for k in range(n):
-            v = element_f64(z, k)
-            total, e = _two_sum(total, v * v)  # v * v is exact: v has at most 24 bits
-            compensation += e
-        s2 = total + compensation
+        for start in range(0, n, _LANES):
+            for j in range(min(_LANES, n - start)):
+                v = element_f64(z, start + j)
+                total[j], e = _two_sum(total[j], v * v)  # exact v * v: v has <= 24 bits
+                compensation[j] += e
+        sum_, error = _lane_total(total, compensation)
+        s2 = sum_ + error
         var = s2 / n_float
         delta = 0.0
         e_mean = 0.0
         k_c = 0.0
         e_var = 1.01 * ((2.0 * _U + g2) * var)
     else:
-        total = 0.0
-        compensation = 0.0
-        rounding = 0.0  # Σ of the exact rounding errors of d = z - m1
-        absolute = 0.0
-        for k in range(n):
-            d, r = _two_sum(element_f64(z, k), -m1)
-            total, e = _two_sum(total, d)
-            compensation += e
-            rounding += r
-            absolute += abs(d)
-        s1 = (total + compensation) + rounding
+        rounding = np.zeros(_LANES)  # Σ of the exact rounding errors of d = z - m1
+        absolute = np.zeros(_LANES)
+        for start in range(0, n, _LANES):
+            for j in range(min(_LANES, n - start)):
+                d, r = _two_sum(element_f64(z, start + j), -m1)
+                total[j], e = _two_sum(total[j], d)
+                compensation[j] += e
+                rounding[j] += r
+                absolute[j] += abs(d)
+        sum_, error = _lane_total(total, compensation)
+        s1 = (sum_ + error) + rounding.sum()
         delta = s1 / n_float
         # Sum2's bound, the plain sum of the roundings, two additions and the division
-        e_mean = 1.01 * (4.0 * _U * abs(delta) + (g2 + g * _U) * absolute / n_float)
-        total = 0.0
-        compensation = 0.0
-        spread = 0.0  # Σ 2|c| e_c + e_c² + u c², e_c = u(|c| + |d|) + e_mean
-        for k in range(n):
-            d = element_f64(z, k) - m1
-            c = d - delta
-            e_c = 1.01 * _U * (abs(c) + abs(d)) + e_mean
-            spread += 2.0 * abs(c) * e_c + e_c * e_c + _U * c * c
-            total, e = _two_sum(total, c * c)
-            compensation += e
-        s2 = total + compensation
+        e_mean = 1.01 * (4.0 * _U * abs(delta) + (g2 + g * _U) * absolute.sum() / n_float)
+        total[:] = 0.0
+        compensation[:] = 0.0
+        spread = np.zeros(_LANES)  # Σ 2|c| e_c + e_c² + u c², e_c = u(|c| + |d|) + e_mean
+        for start in range(0, n, _LANES):
+            for j in range(min(_LANES, n - start)):
+                d = element_f64(z, start + j) - m1
+                c = d - delta
+                e_c = 1.01 * _U * (abs(c) + abs(d)) + e_mean
+                spread[j] += 2.0 * abs(c) * e_c + e_c * e_c + _U * c * c
+                total[j], e = _two_sum(total[j], c * c)
+                compensation[j] += e
+        sum_, error = _lane_total(total, compensation)
+        s2 = sum_ + error
         var = s2 / n_float
         k_c = 1.01 * _U
-        e_var = 1.01 * ((_U + g2) * var + spread / n_float + _U * var)
+        e_var = 1.01 * ((_U + g2) * var + spread.sum() / n_float + _U * var)
     s = var + eps
     e_s = e_var + 1.01 * _U * s
     flag = 1 if e_s >= 0.01 * s else 0
@@ -399,17 +389,60 @@ def _precise_statistics(z, m1, n, eps, rms):
 @_jit(inline="always")
 def _forward_row(
     i, x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y,
-    mean, rstd, n, eps, rms, store_stats,
+    mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, stream,
 ):  # fmt: skip
-    """Row ``i`` of the forward: its statistics and its output, each element rounded once
-    (``_numba_vectors.normalize_row_checked``). Returns the row's fallback flag."""
+    """Row ``i`` of the forward: its statistics and its output, each element rounded once.
+    The output pass runs over segments of at most :data:`SEGMENT` elements: first the
+    cheap pass (``_numba_vectors.normalize_row_fast``, with :func:`_fast_bounds` from the
+    largest ``|weight|`` and ``|bias|``; skipped when one is not finite, ``weight_max =
+    inf``), with streaming stores when ``stream`` (on x86: the row's unaligned head is a
+    segment of its own); where it leaves an element open, the pass with the bound per
+    element (``normalize_row_checked``) rewrites that segment only (the passes have no
+    reductions: segments change no bits). Returns the row's fallback flag."""
     z, m1, delta, rstd_i, e_mean, k_c, k_p, k_w, k_y, flag = _row_statistics(
         i, x, x_stride, residual, residual_stride, has_residual, residual_out,
         mean, rstd, n, eps, rms, store_stats,
     )  # fmt: skip
     y_i = y[i * n : (i + 1) * n]
+    in_range = _RANGE_LOW < rstd_i < _RANGE_HIGH and abs(m1) < np.inf
+    if _is_float64(y_i) and not in_range:
+        # rare: a float64 row whose statistics leave float64's range
+        scaled, mean_i, rstd_scaled = _scaled_row(z, y_i, weight, bias, n, eps, rms)
+        if scaled:
+            if store_stats:
+                if not rms:
+                    mean[i] = mean_i
+                rstd[i] = rstd_scaled
+            return np.uint8(0)
     a, b = _folded(delta, rstd_i, e_mean, k_c, k_p, k_w)
-    checked = normalize_row_checked(z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y)
+    checked = np.int32(0)
+    if flag == 0 and weight_max < np.inf:
+        bound_a, bound_b, tiny = _fast_bounds(a, b, k_y, weight_max, bias_max)
+        streaming = stream and _X86
+        start = 0
+        stop = _vector_head(y_i) if streaming else min(n, SEGMENT)
+        while start < n:
+            z_s, y_s = z[start:stop], y_i[start:stop]
+            w_s, b_s = weight[start:stop], bias[start:stop]
+            if streaming and start > 0:  # after the head: aligned
+                open_ = normalize_row_fast_streaming(
+                    z_s, y_s, m1, delta, rstd_i, w_s, b_s, bound_a, bound_b, tiny
+                )  # fmt: skip
+                if open_ != 0:
+                    _store_fence()  # the streamed stores land before their rewrite
+            else:
+                open_ = normalize_row_fast(
+                    z_s, y_s, m1, delta, rstd_i, w_s, b_s, bound_a, bound_b, tiny
+                )  # fmt: skip
+            if open_ != 0:
+                checked |= normalize_row_checked(
+                    z_s, y_s, m1, delta, rstd_i, w_s, b_s, a, b, k_y
+                )  # fmt: skip
+            start, stop = stop, min(n, stop + SEGMENT)
+        if streaming:
+            _store_fence()
+    else:
+        checked = normalize_row_checked(z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y)
     if (flag | checked) != 0:
         # rare: once more with compensated statistics, whose bound is some 50 times
         # tighter; what is still open goes to the exact fallback
@@ -417,6 +450,132 @@ def _forward_row(
         a, b = _folded(delta, rstd_i, e_mean, k_c, k_p, k_w)
         checked = normalize_row_checked(z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y)
     return np.uint8(flag | checked)
+
+
+#: float64 rows whose ``rstd`` falls outside these (``var + eps`` outside 2^-880..2^880),
+#: or whose first sum is not finite, go to :func:`_scaled_row`
+_RANGE_LOW, _RANGE_HIGH = 2.0**-440, 2.0**440
+
+
+def _is_float64(a):
+    """Whether ``a`` is a float64 array (a constant of the compiled code)."""
+
+
+@overload(_is_float64, inline="always")
+def _is_float64_impl(a):
+    wide = a.dtype == types.float64
+    return lambda a: wide
+
+
+@_jit()
+def _scaled_row(z, y, weight, bias, n, eps, rms):
+    """A float64 row over the whole range (docs/contract.md §3): ``z`` scaled by the
+    power of two ``2^-k`` that brings ``max |z|`` into ``[1/2, 1)`` (exact, but for
+    elements under ``2^-1022`` of it, which fall to subnormals), the corrected two-pass
+    statistics and the output in those units, with ``eps`` scaled by ``2^-2k``; where
+    that overflows (``eps·2^-2k > 2^1000``, the variance is negligible beside it), the
+    output is ``ldexp(c / sqrt(eps), k)·w + b``. Scalar code: it runs for rows of
+    magnitude past about 2^±440 only. Returns ``(handled, mean, rstd)``, ``handled``
+    False for a row holding a NaN or an infinity, or only zeros (then the usual path's
+    result stands: NaN, or ``beta``)."""
+    largest = 0.0
+    for j in range(n):
+        v = abs(element_f64(z, j))
+        if not v < np.inf:
+            return False, 0.0, 0.0
+        largest = max(largest, v)
+    if largest == 0.0:
+        return False, 0.0, 0.0
+    k = math.frexp(largest)[1]
+    n_float = np.float64(n)
+    m1 = 0.0
+    if not rms:
+        for j in range(n):
+            m1 += math.ldexp(element_f64(z, j), -k)
+        m1 /= n_float
+    s1 = 0.0
+    s2 = 0.0
+    for j in range(n):
+        d = math.ldexp(element_f64(z, j), -k) - m1
+        s1 += d
+        s2 += d * d
+    delta = 0.0 if rms else s1 / n_float
+    var = max(s2 / n_float - delta * delta, 0.0)
+    eps_scaled = math.ldexp(eps, -2 * k)
+    huge = not eps_scaled <= 2.0**1000
+    factor = 1.0 / np.sqrt(eps) if huge else 1.0 / np.sqrt(var + eps_scaled)
+    for j in range(n):
+        c = (math.ldexp(element_f64(z, j), -k) - m1) - delta
+        if huge:
+            y[j] = math.ldexp(c * factor, k) * weight[j] + bias[j]
+        else:
+            y[j] = c * factor * weight[j] + bias[j]
+    rstd_i = factor if huge else math.ldexp(factor, -k)
+    return True, math.ldexp(m1 + delta, k), rstd_i
+
+
+@_jit(inline="always")
+def _fast_bounds(a, b, k_y, weight_max, bias_max):
+    """The row constants of ``normalize_row_fast`` (docs/contract.md §3) from those of
+    ``normalize_row_checked``'s bound ``E = |w|·a + |p|·b + |yh|·k_y`` and the largest
+    ``|w|``, ``|beta|`` of the call: ``(bound_a, bound_b, tiny)`` with
+
+    - ``E <= bound_a + |p|·bound_b``, from ``|yh| <= |p|(1 + u) + |beta|``;
+    - ``E <= |yh|·FAST_MARGIN`` wherever ``|yh| >= tiny``, from
+      ``|p| <= |yh|(1 + 2u) + |beta|``: ``E <= A + |yh|·B`` with
+      ``A = w_max·a + beta_max·b``, ``B = b(1 + 2u) + k_y``, so
+      ``tiny = A / (FAST_MARGIN - B)`` (``inf`` unless ``B <= FAST_MARGIN / 2``).
+
+    Each is rounded up by the slack (their own roundings are a few ``u``)."""
+    bound_a = (weight_max * a + bias_max * k_y * (1.0 + 2.0 * _U)) * _SLACK
+    bound_b = (b + k_y * (1.0 + 2.0 * _U)) * _SLACK
+    growth = b * (1.0 + 2.0 * _U) + k_y
+    tiny = np.inf
+    if growth <= 0.5 * FAST_MARGIN:
+        tiny = (weight_max * a + bias_max * b) / (FAST_MARGIN - growth) * (_SLACK * _SLACK)
+    return bound_a, bound_b, tiny
+
+
+def _largest(values):
+    """``max |values|`` (float32 or float64 values) as a float64, or ``inf`` when one is
+    not finite (NaN included): the largest magnitude's bit pattern, by an integer
+    maximum (which vectorizes without fast-math, unlike a float one), then its value."""
+
+
+@overload(_largest)
+def _largest_impl(values):
+    wide = values.dtype == types.float64
+    bits_type = np.uint64 if wide else np.uint32
+    magnitude = (1 << 63) - 1 if wide else (1 << 31) - 1
+    fraction_bits = 52 if wide else 23
+    bias = 1075 if wide else 150  # exponent bias + fraction bits
+    infinite = 0x7FF << 52 if wide else 0xFF << 23
+
+    def impl(values):
+        patterns = values.view(bits_type)
+        top = bits_type(0)
+        for k in range(patterns.shape[0]):
+            top = max(top, patterns[k] & bits_type(magnitude))
+        if top >= bits_type(infinite):
+            return np.inf
+        exponent = np.int64(top >> bits_type(fraction_bits))
+        fraction = np.int64(top & bits_type((1 << fraction_bits) - 1))
+        if exponent == 0:  # subnormal
+            return math.ldexp(np.float64(fraction), 1 - bias)
+        return math.ldexp(np.float64(fraction + (1 << fraction_bits)), exponent - bias)
+
+    return impl
+
+
+@_jit(inline="always")
+def _largest_parameters(weight, bias):
+    """``(max |weight|, max |bias|)`` for :func:`_fast_bounds`, the first ``inf`` when
+    either holds a value that is not finite (the cheap pass is then skipped)."""
+    weight_max = _largest(weight)
+    bias_max = _largest(bias)
+    if bias_max == np.inf:
+        weight_max = np.inf
+    return weight_max, bias_max
 
 
 @_jit(inline="always")
@@ -436,12 +595,13 @@ def forward_kernel(
 ):  # fmt: skip
     """Every row's output ``y`` (contiguous (M*N,)) and fallback flag ``flags[i]``
     (:func:`_forward_row`), for one span of rows of a call that ``numba_`` spreads over
-    its threads. ``stream`` is ignored: the rounded output pass has no streaming variant
-    (same bits either way)."""
+    its threads; ``stream``: outputs far larger than the caches (streaming stores, the
+    same bits)."""
+    weight_max, bias_max = _largest_parameters(weight, bias)
     for i in range(m):
         flags[i] = _forward_row(
             i, x, x_stride, residual, residual_stride, has_residual, residual_out, weight,
-            bias, y, mean, rstd, n, eps, rms, store_stats,
+            bias, y, mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, stream,
         )  # fmt: skip
 
 
@@ -452,10 +612,11 @@ def forward_kernel_serial(
 ):  # fmt: skip
     """:func:`forward_kernel` in the calling thread (no parallel region to launch): the
     same row function, so the same bits."""
+    weight_max, bias_max = _largest_parameters(weight, bias)
     for i in range(m):
         flags[i] = _forward_row(
             i, x, x_stride, residual, residual_stride, has_residual, residual_out, weight,
-            bias, y, mean, rstd, n, eps, rms, store_stats,
+            bias, y, mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, False,
         )  # fmt: skip
 
 

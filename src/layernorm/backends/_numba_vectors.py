@@ -171,18 +171,21 @@ class Row:
                 value = self.builder.fpext(value, _shaped(acc, value))
         return value
 
-    def store_raw(self, stored: ir.Value, index: ir.Value, lanes: int) -> None:
-        """Stores values already in the row's storage dtype (see :func:`narrow_once`)."""
-        self.builder.store(stored, self._address(index, lanes), align=self.itemsize)
-
-    def store(self, value: ir.Value, index: ir.Value, lanes: int, streaming: bool = False) -> None:
-        """``streaming``: a non-temporal store, which bypasses the cache (the address must
-        then be aligned to the whole vector)."""
-        stored = narrow(self.builder, value, self.dtype)
+    def store_raw(
+        self, stored: ir.Value, index: ir.Value, lanes: int, streaming: bool = False
+    ) -> None:
+        """Stores values already in the row's storage dtype (see :func:`narrow_once`);
+        ``streaming`` as in :meth:`store` (for vectors only)."""
+        streaming = streaming and lanes > 1
         align = self.itemsize * lanes if streaming else self.itemsize
         store = self.builder.store(stored, self._address(index, lanes), align=align)
         if streaming:
             store.set_metadata("nontemporal", self.builder.module.add_metadata([_I32(1)]))
+
+    def store(self, value: ir.Value, index: ir.Value, lanes: int, streaming: bool = False) -> None:
+        """``streaming``: a non-temporal store, which bypasses the cache (the address must
+        then be aligned to the whole vector)."""
+        self.store_raw(narrow(self.builder, value, self.dtype), index, lanes, streaming)
 
 
 Terms = Callable[[ir.IRBuilder, list[ir.Value], list[ir.Value]], list[ir.Value]]
@@ -573,6 +576,36 @@ def narrow_once(builder: ir.IRBuilder, value: ir.Value, dtype: types.Type) -> ir
     return narrow(builder, odd, dtype)
 
 
+class _Flags:
+    """Whether a row pass left any element open: an i32 per lane, OR-ed over the row."""
+
+    def __init__(self, builder: ir.IRBuilder, width: int):
+        self.builder = builder
+        self.width = width
+        self.vector = ir.VectorType(_I32, width)
+        self.lanes = cgutils.alloca_once_value(builder, ir.Constant(self.vector, [0] * width))
+
+    def add(self, differ: ir.Value) -> None:
+        """ORs in ``differ`` (i1 or i32, a vector of ``width`` lanes or a scalar)."""
+        builder = self.builder
+        scalar = differ.type.element if isinstance(differ.type, ir.VectorType) else differ.type
+        if scalar != _I32:
+            differ = builder.zext(differ, _shaped(_I32, differ))
+        if not isinstance(differ.type, ir.VectorType):
+            differ = builder.insert_element(
+                ir.Constant(self.vector, [0] * self.width), differ, _I32(0)
+            )
+        builder.store(builder.or_(builder.load(self.lanes), differ), self.lanes)
+
+    def any(self) -> ir.Value:
+        """1 (i32) when any lane was set, else 0."""
+        vector = self.builder.load(self.lanes)
+        result = self.builder.extract_element(vector, _I32(0))
+        for k in range(1, self.width):
+            result = self.builder.or_(result, self.builder.extract_element(vector, _I32(k)))
+        return result
+
+
 def _as_bits(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
     """Stored values as integers of their width (float32 bits; 16-bit ones already are)."""
     scalar = value.type.element if isinstance(value.type, ir.VectorType) else value.type
@@ -632,11 +665,8 @@ def normalize_row_checked(typingctx, z, y, m1, delta, rstd, weight, bias, k_w, k
     def codegen(context, builder, sig, args):
         z, y, w, b = (Row(context, builder, sig.args[k], args[k]) for k in (0, 1, 5, 6))
         double = ir.DoubleType()
-        width = lanes(double)
         check = y.dtype != types.float64
-        flags = cgutils.alloca_once_value(
-            builder, ir.Constant(ir.VectorType(_I32, width), [0] * width)
-        )
+        flags = _Flags(builder, lanes(double))
 
         def element(index: ir.Value, lanes: int) -> None:
             m1, delta, rstd, k_w, k_p, k_y = _splat_all(builder, args[2:5] + args[7:], lanes)
@@ -664,18 +694,10 @@ def normalize_row_checked(typingctx, z, y, m1, delta, rstd, weight, bias, k_w, k
                 low = _as_bits(builder, narrow_once(builder, low, y.dtype))
                 high = _as_bits(builder, narrow_once(builder, high, y.dtype))
                 differ = builder.zext(builder.icmp_unsigned("!=", low, high), _shaped(_I32, low))
-            if lanes == 1:
-                differ = builder.insert_element(
-                    ir.Constant(ir.VectorType(_I32, width), [0] * width), differ, _I32(0)
-                )
-            builder.store(builder.or_(builder.load(flags), differ), flags)
+            flags.add(differ)
 
-        _elementwise(builder, y.length, width, element)
-        vector = builder.load(flags)
-        result = builder.extract_element(vector, _I32(0))
-        for k in range(1, width):
-            result = builder.or_(result, builder.extract_element(vector, _I32(k)))
-        return result
+        _elementwise(builder, y.length, flags.width, element)
+        return flags.any()
 
     return sig, codegen
 
@@ -688,3 +710,128 @@ def element_f64(typingctx, z, index):
         return Row(context, builder, sig.args[0], args[0]).load(args[1], 1, ir.DoubleType())
 
     return signature(types.float64, z, index), codegen
+
+
+#: The first test's margin for 16-bit outputs (docs/contract.md §3): it passes an element
+#: only where its bound is at most ``|yh| * 2^-26``, a quarter of a float32 ulp or less.
+FAST_MARGIN = 2.0**-26
+#: The low bits of a float32 pattern that make it a rounding boundary of a 16-bit dtype
+#: (the midpoints between two of its values, the overflow threshold), and their mask:
+#: bfloat16 keeps float32's top 16 bits, float16 (in its normal range) the top 19 bits.
+_BOUNDARY_BITS: dict[types.Type, tuple[int, int]] = {
+    types.uint16: (0x8000, 0xFFFF),
+    types.int16: (0x1000, 0x1FFF),
+}
+#: float16's smallest normal: below it the boundaries are not at fixed low bits of a float32
+_FLOAT16_NORMAL = 2.0**-14
+
+
+def _splat_constant(builder: ir.IRBuilder, value: float, lanes: int) -> ir.Value:
+    """The double ``value``, splat to ``lanes`` (a scalar for one)."""
+    scalar = ir.Constant(ir.DoubleType(), value)
+    return (
+        scalar if lanes == 1 else ir.Constant(ir.VectorType(scalar.type, lanes), [scalar] * lanes)
+    )
+
+
+def _near_boundary(builder: ir.IRBuilder, single: ir.Value, dtype: types.Type) -> ir.Value:
+    """i1 (per lane) where the float32 ``single``'s pattern is within one of a ``dtype``
+    rounding boundary's (:data:`_BOUNDARY_BITS`): ``(bits - (H - 1)) & mask <u 3``."""
+    boundary, mask = _BOUNDARY_BITS[dtype]
+    bits = builder.bitcast(single, _shaped(_I32, single))
+    offset = builder.and_(
+        builder.sub(bits, _constant(_I32, boundary - 1, single)), _constant(_I32, mask, single)
+    )
+    return builder.icmp_unsigned("<", offset, _constant(_I32, 3, single))
+
+
+@intrinsic
+def normalize_row_fast(typingctx, z, y, m1, delta, rstd, weight, bias, bound_a, bound_b, tiny):
+    """The forward's first, cheap pass (docs/contract.md §3): ``yh`` as in
+    :func:`normalize_row_checked`, each element rounded to ``y``'s dtype, with a test
+    that needs no per-element bound for 16-bit outputs and a two-term one for float32.
+    Returns 1 when the test leaves some element open (the caller then runs
+    :func:`normalize_row_checked`, which overwrites the row), else 0, and then every
+    element stored is ``yh``'s correct rounding, hence (``yh`` within the bound) the exact
+    value's.
+
+    - float32: ``E = bound_a + |p| * bound_b`` (per-row constants that make it at least
+      :func:`normalize_row_checked`'s ``E``), and Ziv's test: ``yh - E`` and ``yh + E``
+      round to the same float32. Stored: ``RN32(yh)``.
+    - bfloat16, float16: the caller's ``tiny`` is such that ``|yh| >= tiny`` implies
+      ``E <= |yh| * FAST_MARGIN`` (``E = 0`` at ``yh = 0`` when ``tiny = 0``); then
+      every float32 within ``E`` of ``yh`` has a pattern within one of
+      ``S = RN32(yh)``'s, so the element is decided unless ``|yh| < tiny`` or ``S``'s
+      pattern is within one of a boundary's (:func:`_near_boundary`), or (float16)
+      ``0 < |yh| < 2^-14``, where its boundaries are not at fixed float32 bits. Stored:
+      ``RN(S)``, rounded twice, which is ``RN(yh)`` unless ``S`` is a boundary (tested);
+      bfloat16 without the tie rule (no tie is left decided), and a NaN is left open
+      (the checked pass writes :func:`narrow`'s NaN).
+    - float64: ``yh``, no test (returns 0).
+
+    A NaN ``yh`` passes (it stays NaN) but in bfloat16; ``bound_a``, ``bound_b``, ``tiny`` must not be
+    NaN (the caller runs this pass only with finite weight and bias); ``tiny`` is unused
+    for float32 and float64."""
+    sig = signature(types.int32, z, y, m1, delta, rstd, weight, bias, bound_a, bound_b, tiny)
+    return sig, lambda context, builder, sig, args: _fast_pass(context, builder, sig, args, False)
+
+
+@intrinsic
+def normalize_row_fast_streaming(
+    typingctx, z, y, m1, delta, rstd, weight, bias, bound_a, bound_b, tiny
+):  # fmt: skip
+    """:func:`normalize_row_fast` with non-temporal vector stores (no read-for-ownership
+    of ``y``; same bits): ``y`` must start at a multiple of 8 elements' bytes."""
+    sig = signature(types.int32, z, y, m1, delta, rstd, weight, bias, bound_a, bound_b, tiny)
+    return sig, lambda context, builder, sig, args: _fast_pass(context, builder, sig, args, True)
+
+
+def _fast_pass(context, builder, sig, args, streaming: bool) -> ir.Value:
+    """:func:`normalize_row_fast`'s code (``streaming``: non-temporal vector stores)."""
+    z, y, w, b = (Row(context, builder, sig.args[k], args[k]) for k in (0, 1, 5, 6))
+    double = ir.DoubleType()
+    flags = _Flags(builder, lanes(double))
+
+    def element(index: ir.Value, lanes: int) -> None:
+        m1, delta, rstd, bound_a, bound_b, tiny = _splat_all(builder, args[2:5] + args[7:], lanes)
+        zv, wv, bv = (row.load(index, lanes, double) for row in (z, w, b))
+        c = builder.fsub(builder.fsub(zv, m1), delta)
+        p = builder.fmul(builder.fmul(c, rstd), wv)
+        yh = builder.fadd(p, bv)
+        if y.dtype == types.float64:
+            y.store_raw(yh, index, lanes, streaming)
+            return
+        single = builder.fptrunc(yh, _shaped(ir.FloatType(), yh))
+        if y.dtype == types.uint16:  # no tie here (the test leaves S = boundary open)
+            bits = builder.bitcast(single, _shaped(_I32, single))
+            rounded = builder.lshr(
+                builder.add(bits, _constant(_I32, 0x8000, bits)), _constant(_I32, 16, bits)
+            )
+            stored = builder.trunc(rounded, _shaped(_I16, bits))
+        else:
+            stored = narrow(builder, single, y.dtype)
+        y.store_raw(stored, index, lanes, streaming)
+        if y.dtype == types.float32:
+            bound = builder.fadd(bound_a, builder.fmul(_fabs(builder, p), bound_b))
+            ends = [builder.fsub(yh, bound), builder.fadd(yh, bound)]
+            low, high = (_as_bits(builder, builder.fptrunc(v, single.type)) for v in ends)
+            differ = builder.icmp_unsigned("!=", low, high)
+        else:
+            magnitude = _fabs(builder, yh)
+            small = builder.fcmp_ordered("<", magnitude, tiny)
+            if y.dtype == types.int16:  # float16's subnormals (0 itself is exact here)
+                normal = ir.Constant(magnitude.type, None)
+                subnormal = builder.and_(
+                    builder.fcmp_ordered(
+                        "<", magnitude, _splat_constant(builder, _FLOAT16_NORMAL, lanes)
+                    ),
+                    builder.fcmp_ordered("!=", magnitude, normal),
+                )
+                small = builder.or_(small, subnormal)
+            differ = builder.or_(small, _near_boundary(builder, single, y.dtype))
+            if y.dtype == types.uint16:  # NaN: the checked pass writes narrow's 0x7FC0
+                differ = builder.or_(differ, builder.fcmp_unordered("uno", yh, yh))
+        flags.add(differ)
+
+    _elementwise(builder, y.length, flags.width, element)
+    return flags.any()

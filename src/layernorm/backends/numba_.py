@@ -50,6 +50,7 @@ import ctypes
 import functools
 import importlib.util
 import math
+import threading
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -61,9 +62,9 @@ from . import _host_memory, _threads
 
 __all__ = ["SERIAL_NUMEL", "backward", "cannot_run", "entry", "entry_address", "forward", "prefers"]
 
-#: float32 outputs of at least this many bytes are written with non-temporal (streaming)
-#: stores, which skip the read-for-ownership of a plain store; smaller ones stay cached
-#: for whoever reads them next. Same bits either way.
+#: Outputs of at least this many bytes (the forward's ``y``, float32 ``dx``) are written
+#: with non-temporal (streaming) stores, which skip the read-for-ownership of a plain
+#: store; smaller ones stay cached for whoever reads them next. Same bits either way.
 STREAM_BYTES = 16 << 20
 
 
@@ -102,6 +103,22 @@ def _kernels() -> ModuleType:
 _entries: dict[tuple[torch.dtype, str], Callable[..., None]] = {}
 #: the C callbacks of the threaded entries, by (dtype, kernel name): see :func:`entry_address`
 _callbacks: dict[tuple[torch.dtype, str], object] = {}
+
+#: each thread's forward flags buffer (:func:`_scratch`)
+_flag_buffers = threading.local()
+
+
+def _scratch(size: int) -> tuple[np.ndarray, int]:
+    """This thread's reusable buffer for the forward's fallback flags, of at least
+    ``size`` bytes, and its address (no allocation, no ctypes object per call): the
+    kernels write every flag the caller reads, so its old contents never show. One call
+    at a time per thread uses it (a forward calls no forward while its flags are live)."""
+    buffer: np.ndarray | None = getattr(_flag_buffers, "buffer", None)
+    if buffer is None or buffer.shape[0] < size:
+        buffer = _flag_buffers.buffer = np.empty(max(size, 4096), np.uint8)
+        _flag_buffers.address = buffer.ctypes.data
+    return buffer, _flag_buffers.address
+
 
 #: every entry :func:`entry` knows, as :func:`build` compiles them
 ENTRIES = ("forward_serial", "forward_parallel", "backward_serial", "backward_parallel")
@@ -186,7 +203,7 @@ def _forward_over_threads(
     rstd_step = acc_size if store_stats else 0
     rows = _kernels().ROW_BLOCK
     blocks = -(-m // rows)
-    scratch = np.zeros(blocks * (rows + 1), np.uint8)
+    scratch, scratch_address = _scratch(blocks * (rows + 1))  # spans write all they read
     spans: list[tuple[int, int]] = []  # (first row, rows) of each span; append is atomic
 
     def span(start: int, stop: int) -> None:
@@ -196,7 +213,7 @@ def _forward_over_threads(
             x + i * x_step, x_stride, residual + i * residual_step, residual_stride,
             has_residual, residual_out + i * residual_out_step, weight, bias, y + i * y_step,
             mean + i * mean_step, rstd + i * rstd_step, count, n, eps, rms,
-            stream, store_stats, scratch.ctypes.data + i + start,
+            stream, store_stats, scratch_address + i + start,
         )  # fmt: skip
         spans.append((i, count))
 
@@ -393,7 +410,13 @@ def forward(
         residual_address = residual.data_ptr()
         residual_stride = _stride(residual, n)
         residual_out_address = residual_out.data_ptr()
-    flags = np.zeros(m + 1, np.uint8)  # the kernel sets them all (zeros: never stale)
+    # the caller's flags: the kernel sets them all; the threaded entry gathers them from
+    # its own scratch (this thread's too), so they get a buffer of their own
+    if numel < SERIAL_NUMEL:
+        flags, flags_address = _scratch(m + 1)
+    else:
+        flags = np.empty(m + 1, np.uint8)
+        flags_address = flags.ctypes.data
     run = entry(x.dtype, "forward_serial" if numel < SERIAL_NUMEL else "forward_parallel")
     # the arguments of _kernel_abi.FORWARD, in its order
     run(
@@ -414,7 +437,7 @@ def forward(
         rms,  # rms
         nbytes >= STREAM_BYTES,  # stream
         stats,  # store_stats
-        flags.ctypes.data,  # flags
+        flags_address,  # flags
     )
     if flags[m]:  # rare: rows whose rounding the float64 bound left open
         _fix_rows(y, x if residual_out is None else residual_out, w, b, eps, rms, flags[:m])
