@@ -52,7 +52,6 @@ EPS = 1e-5
 #: limits of the triton backend that --set may override (tuning runs)
 TUNABLE = (
     "FUSED_FORWARD_N",
-    "LOOPED_FORWARD_BYTES",
     "FUSED_BACKWARD_N",
     "CHUNK_N",
     "PARTIAL_ELEMENTS",

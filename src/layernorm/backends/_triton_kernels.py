@@ -109,8 +109,6 @@ def _load_z(
     return z
 
 
-
-
 # ---------------------------------------------------------------------------------------
 # The correctly rounded forward (docs/contract.md §3): float64, a bound per element,
 # Ziv's test; a row the test leaves open is recomputed in the kernel with accurate sums
@@ -281,7 +279,8 @@ def _output(
     bound = tl.where((p == 0.0) & (mean_part == 0.0), 0.0, bound)
     low = _bits(_round_once(yh - bound, DTYPE), DTYPE)
     high = _bits(_round_once(yh + bound, DTYPE), DTYPE)
-    open_ = (low != high) & mask
+    # (a zero bound is an exact value: -0.0 + 0.0 = +0.0 would split a -0.0 in two)
+    open_ = (low != high) & (bound != 0.0) & mask
     return _round_once(yh, DTYPE), _max2d(open_.to(tl.int32))
 
 
@@ -330,8 +329,9 @@ def forward_fused_kernel(
     RMS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
 ):  # fmt: skip
     """One program per row, held whole as a ROWS x COLS tile (ROWS·COLS >= N): stage 1,
-    and for a row it leaves open, stage 2 in the same program. ``FLAGS[row]`` is 1 when
-    the row is still open (the host's exact fallback), else 0."""
+    and for a row it leaves open, stage 2 in the same program. ``FLAGS[row]``: 0 when
+    stage 1 settled the row, 2 when stage 2 did, 1 when it is still open (the host's
+    exact fallback)."""
     row = tl.program_id(0).to(tl.int64)
     cols = _tile(ROWS, COLS)
     mask = cols < N
@@ -355,8 +355,14 @@ def forward_fused_kernel(
     k_y = _C2_1 * _U * _SLACK
     y, open_ = _output(z, gamma, beta, mask, m1, delta, rstd, a, b, k_y,
                        Y.dtype.element_ty, HAS_WEIGHT, HAS_BIAS)  # fmt: skip
+    tl.store(Y + row * stride_y + cols, y, mask=mask)
     flag = open_ | loose
-    if flag != 0:  # rare: stage 2, whose bound is far tighter
+    if flag != 0:  # rare: stage 2, whose bound is far tighter; the row is read again
+        if HAS_RESIDUAL:
+            tl.debug_barrier()  # residual_out, written by other threads, is read back
+            z = _load_row(RES_OUT, row, stride_res_out, cols, mask)
+        else:
+            z = _load_row(X, row, stride_x, cols, mask)
         if RMS:
             delta, var, e_mean, e_var, k_c = _precise_rms(z, mask, n, g)
         else:
@@ -370,18 +376,18 @@ def forward_fused_kernel(
                 _sum2d(q), _sum2d(r), _sum2d(rounding), absolute, sigma, n, g
             )
             c = tl.where(mask, d - delta, 0.0)
-            squares = c * c
             spread = _sum2d(tl.where(mask, _spread(c, d, e_mean), 0.0))
             sigma = _pow2_above(4.0 * n * _square_above(big_d, delta))
-            q, r = _split(squares, sigma)
+            q, r = _split(c * c, sigma)
             var, e_var = _precise_variance(_sum2d(q), _sum2d(r), spread, sigma, n, g)
             k_c = _C1_01 * _U
         rstd, k_p, k_w, loose = _row_constants(var, e_var, eps)
         a, b = _folded(delta, rstd, e_mean, k_c, k_p, k_w)
+        gamma, beta = _load_params(W, B, cols, mask, HAS_WEIGHT, HAS_BIAS)
         y, open_ = _output(z, gamma, beta, mask, m1, delta, rstd, a, b, k_y,
                            Y.dtype.element_ty, HAS_WEIGHT, HAS_BIAS)  # fmt: skip
-        flag = open_ | loose
-    tl.store(Y + row * stride_y + cols, y, mask=mask)
+        tl.store(Y + row * stride_y + cols, y, mask=mask)
+        flag = 2 - (open_ | loose)  # 2: settled by stage 2, 1: still open
     tl.store(FLAGS + row, flag)
 
 
@@ -532,7 +538,7 @@ def forward_precise_kernel(
     """Wide rows, stage 2, grid (M,): launched for every row, it returns at once for a
     row none of whose chunks is open; for an open row it computes the statistics again
     by accurate sums (four passes over the row) and rewrites the row's output.
-    ``FLAGS[row]`` is 1 when the row is still open (the host's exact fallback)."""
+    ``FLAGS[row]`` as in :func:`forward_fused_kernel`."""
     row = tl.program_id(0).to(tl.int64)
     index = tl.arange(0, CHUNKS_P2)
     chunk_flags = tl.load(CHUNK_FLAGS + row * num_chunks + index, mask=index < num_chunks, other=0)
@@ -610,8 +616,8 @@ def forward_precise_kernel(
                                HAS_BIAS)  # fmt: skip
             tl.store(Y + row * stride_y + cols, y, mask=mask)
             flag = flag | open_
+        flag = 2 - flag  # 2: settled by stage 2, 1: still open
     tl.store(FLAGS + row, flag)
-
 
 
 @triton.jit

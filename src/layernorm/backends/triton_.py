@@ -41,8 +41,9 @@ import torch
 from . import torch_
 from .torch_ import contiguous_rows, matrix
 
-#: rows of at most this many elements are held whole in one program's registers (forward)
-FUSED_FORWARD_N = 1 << 14
+#: rows of at most this many elements are held whole in one program's registers (forward;
+#: float64 arithmetic: 16 elements per thread at 8 warps, 254 registers, no spill on sm_90)
+FUSED_FORWARD_N = 1 << 12
 #: the backward keeps more values per element live, so its fused limit is lower
 FUSED_BACKWARD_N = 1 << 13
 #: wider rows are split into chunks of this many columns (a power of two)
@@ -148,9 +149,9 @@ def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _num_warps(block: int) -> int:
-    # about 16 float32 values per thread: no spills at 32 warps (BLOCK_N = 16K)
-    return max(4, min(32, block // 512))
+def _num_warps_forward(block: int) -> int:
+    # about 16 elements per thread in float64 (8 warps hold a 4096-element row or chunk)
+    return max(4, min(8, block // 512))
 
 
 def _num_warps_backward(block: int) -> int:
@@ -249,6 +250,25 @@ def _forward(
     eps: float,
     rms: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    y, residual_out, mean, rstd, flags = _launch_forward(
+        kernels, x, residual, weight, bias, eps, rms
+    )
+    _settle(y, x if residual_out is None else residual_out, weight, bias, eps, rms, flags)
+    return y, residual_out, mean, rstd
+
+
+def _launch_forward(
+    kernels: ModuleType,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The forward's launches, no host work: ``(y, residual_out, mean, rstd, flags)``,
+    with ``flags[i]`` 0 where stage 1 settled row ``i``, 2 where stage 2 did, and 1
+    where the row is open (``y``'s row is then not final: :func:`_settle`)."""
     m, n = x.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     residual_out = None if residual is None else torch.empty_like(y)
@@ -268,13 +288,13 @@ def _forward(
             x.stride(0), r.stride(0), y.stride(0), h.stride(0),
             n, eps_bits, rows + cols - 2,
             HAS_RESIDUAL=residual is not None, ROWS=rows, COLS=cols, **params,
-            **_launch(_num_warps(rows * cols)),
+            **_launch(_num_warps_forward(rows * cols)),
         )  # fmt: skip
     else:
-        _forward_wide(kernels, x, r, w, b, y, h, mean, rstd, flags, eps_bits, residual is not None, params)
-    z = x if residual_out is None else residual_out
-    _settle(y, z, weight, bias, eps, rms, flags)
-    return y, residual_out, mean, rstd
+        _forward_wide(
+            kernels, x, r, w, b, y, h, mean, rstd, flags, eps_bits, residual is not None, params
+        )
+    return y, residual_out, mean, rstd, flags
 
 
 def _forward_wide(
@@ -302,7 +322,7 @@ def _forward_wide(
     part_c = part_a if params["RMS"] else torch.empty_like(part_a)
     chunk_flags = torch.empty((m, num_chunks), dtype=torch.int32, device=x.device)
     depth = rows + cols - 2 + num_chunks - 1
-    tile = {"ROWS": rows, "COLS": cols, **_launch(_num_warps(chunk))}
+    tile = {"ROWS": rows, "COLS": cols, **_launch(_num_warps_forward(chunk))}
     chunks_p2 = _next_power_of_2(num_chunks)
     kernels.forward_sums_kernel[(m, num_chunks)](
         x, r, h, part_a,
@@ -342,7 +362,7 @@ def _settle(
     (``torch_._fix_rows``, the torch backend's; ``_exact`` is shared by every backend).
     Reading whether any row is open is this backend's one synchronization with a GPU
     per call (docs/contract.md §3, §5)."""
-    flagged = flags != 0
+    flagged = flags == 1
     if not bool(flagged.any()):
         return
     n = y.shape[1]
