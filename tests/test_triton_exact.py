@@ -330,3 +330,24 @@ def test_only_undecidable_rows_go_to_the_host(path, monkeypatch):
     y = layernorm.layer_norm(x, n, w, b, eps=0.75, backend="triton")
     assert flagged == [[1, 3]]
     assert y[1, 1].item() == y[3, 1].item() == 1.0  # the tie 1 + ulp/2, to even
+
+
+def test_a_captured_graph_reads_no_flags(monkeypatch):
+    # docs/contract.md §3: while a CUDA graph is captured the host cannot read the flags;
+    # an open row (an exact tie) keeps the kernel's rounding and nothing is read
+    n = 8
+    ulp = _ulp_one(torch.float32)
+    x = torch.tensor([[0.0, 1.0] * (n // 2)])
+    w, b = torch.full((n,), ulp), torch.ones(n)
+    calls = []
+    monkeypatch.setattr(torch_, "_fix_rows", lambda *args: calls.append(args))
+    monkeypatch.setattr(triton_, "_capturing", lambda: True)
+    y = layernorm.layer_norm(x, n, w, b, eps=0.75, backend="triton")
+    assert not calls
+    kernels = triton_._kernels()
+    with triton_._quiet(kernels):
+        kernel_y, *_, flags = triton_._launch_forward(kernels, x, None, w, b, 0.75, False)
+    assert flags.tolist() == [1] and torch.equal(y, kernel_y)
+    monkeypatch.setattr(triton_, "_capturing", lambda: False)
+    layernorm.layer_norm(x, n, w, b, eps=0.75, backend="triton")
+    assert len(calls) == 1

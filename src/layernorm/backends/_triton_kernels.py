@@ -7,33 +7,49 @@ Layout: ``x``, ``residual``, ``dy``, ``dresidual_out`` are ``(M, N)`` with conti
 read through their row stride (no copy); outputs are contiguous. Every row index is cast to
 int64 before it is multiplied by a stride, so tensors past 2^31 elements address correctly.
 
-Numerics (docs/contract.md §3): float32 arithmetic whatever the storage dtype; means and the reciprocal
-square root use IEEE-rounded ``div_rn`` / ``sqrt_rn`` so the compiled and the interpreted
-kernels agree and a constant row gives a core of exactly 0. Layer norm uses the corrected
-two-pass ``m1 = mean(z)``, ``d = z - m1``, ``delta = mean(d)``, ``c = d - delta``.
+Forward numerics (docs/contract.md §3): every output element of a float32, float16 or
+bfloat16 input is the exact result rounded once, the numba and torch backends' bits, by
+their three stages:
 
-Three forward paths, chosen by the host from N and the dtype only:
+1. float64 arithmetic (the inputs widened exactly) with the contract's bound per element
+   and Ziv's test: ``yh - E`` and ``yh + E`` must round to the same value. Sums run
+   over a ``ROWS x COLS`` tile (:func:`_sum2d`), so whatever order ``tl.sum`` takes
+   within a level, a term passes at most ``(ROWS - 1) + (COLS - 1)`` roundings, plus
+   one per chunk on the wide path: the ``depth`` each kernel receives. The bound's
+   factors are rounded up to float32-representable values (:data:`_C1_01`, ...).
+2. For a row stage 1 leaves open, the statistics again by accurate sums: one error-free
+   extraction (Rump, Ogita and Oishi's ExtractVector) makes the high parts' sum exact
+   and leaves low parts of at most ``u·sigma``, so the error of a sum is at most
+   ``u|S| + γ·N·u·sigma`` (:func:`_accurate`); then the output and the test again. This
+   runs on the device: in the same program (fused), or in a kernel launched for every
+   row that returns at once for a settled row (wide). No host work.
+3. A row still open gets ``FLAGS[row] = 1``; the host rewrites it with the exact
+   fallback (``triton_._settle``). ``FLAGS`` is 0 where stage 1 settled the row, 2 where
+   stage 2 did.
 
-- fused: one program holds a whole row in registers (``BLOCK_N >= N``).
-- looped: one program per row loops over chunks of ``CHUNK`` columns twice (statistics,
-  then normalization); the second read of the row mostly hits L2.
-- wide: grid (rows, chunks); a first kernel writes each chunk's statistics, a second
-  combines them and normalizes its chunk. Cost: x is read twice from memory, but a row
-  of any width (tested past 1M elements) is spread over many programs.
+The halves are rounded from float64 through float32 rounded to odd (:func:`_round_once`),
+never twice to nearest; bfloat16 by hand, since the interpreter's cast truncates. A
+float argument reaches a kernel as float32, so ``eps`` comes as its float64 bit
+pattern. Layer norm centres by the corrected two-pass ``m1 = mean(z)``, ``d = z - m1``,
+``delta = mean(d)``, ``c = d - delta``; the output is ``((z - m1) - delta)·rstd·gamma
++ beta`` in that order, with gamma and beta rounded to float32 first.
 
-The looped and wide paths keep per-chunk statistics of ``d = z - z[0]`` (shifting by the
-row's first element keeps the chunk means small, so float32 loses nothing, and makes a
-constant row exactly 0) and combine them in a fixed order with the parallel-variance
-formula ``M2 = Σ M2_c + Σ n_c (mean_c - mean)²`` (mean by the corrected two-pass). Sums
-within a chunk are float32 trees (``tl.sum``); sums over a row's chunk partials, forward
-and backward, add in float64 (:func:`_total`), so the error does not grow with the number
-of chunks (rows of 16M elements are tested on a GPU).
+Two forward paths, chosen by the host from N only:
 
-Backward: each program owns a fixed block of rows (and one chunk of columns on the wide
-path), loops over them in order and accumulates ``dweight``/``dbias`` in float32
-registers; the per-program partials go to a ``(programs, N)`` buffer that
-:func:`column_sum_kernel` reduces in a fixed order. No atomics anywhere, so every result is
-bitwise reproducible, and a row's forward output never depends on the other rows.
+- fused: one program holds a whole row (``ROWS·COLS >= N``, at most
+  ``triton_.FUSED_FORWARD_N``).
+- wide: grid (rows, chunks): per-chunk float64 partial sums of z, then (layer norm) of
+  ``d`` and ``d²``, then each chunk's output from the row's totals (every program of a
+  row adds the same partials in the same order), then stage 2 per row. A row of any
+  width (tested past 1M elements) is spread over many programs; x is read three times.
+
+The backward computes in float32 (faithful, not correctly rounded), with the saved mean
+re-centred; sums over a row's chunk partials add in float64 (:func:`_total`). Each
+program owns a fixed block of rows (and one chunk of columns when chunked), loops over
+them in order and accumulates ``dweight``/``dbias`` in float32 registers; the
+per-program partials go to a ``(programs, N)`` buffer that :func:`column_sum_kernel`
+reduces in a fixed order. No atomics anywhere, so every result is bitwise reproducible,
+and a row's forward output never depends on the other rows.
 """
 
 # Triton kernels keep explicit if/else on constexpr flags (one branch is compiled):

@@ -13,15 +13,20 @@ mode triton was imported in, whatever the variable says later.
 
 Launch configuration depends only on N and the dtype, never on M: a row's output is
 bitwise the same alone or in any batch. The forward holds rows of at most
-:data:`FUSED_FORWARD_N` elements in one program's registers, loops one program over rows
-of at most :data:`LOOPED_FORWARD_BYTES`, and spreads wider rows (any width, tested past
-1M elements) over chunks of :data:`CHUNK_N` columns with a deterministic two-stage
-reduction. The backward holds rows of at most :data:`FUSED_BACKWARD_N` elements and
-chunks wider ones. These limits keep every kernel free of register spills on sm_90 (but
-24 bytes of stack in the 8K fused backward), as ``tests/_triton_compile_check.py`` checks
-on the compiled cubins without a GPU. They are module constants so that tests can shrink
-them, and untuned: the GPU benchmark (``benchmarks/gpu_bench.py --set NAME=INT``) is the
-judge. No autotuning.
+:data:`FUSED_FORWARD_N` elements in one program and spreads wider rows (any width, tested
+past 1M elements) over chunks of :data:`CHUNK_N` columns. The backward holds rows of at
+most :data:`FUSED_BACKWARD_N` elements and chunks wider ones. These limits keep every
+kernel free of register spills on sm_90 (but 24 bytes of stack in the 8K fused
+backward), as ``tests/_triton_compile_check.py`` checks on the compiled cubins without a
+GPU. They are module constants so that tests can shrink them, and untuned: the GPU
+benchmark (``benchmarks/gpu_bench.py --set NAME=INT``) is the judge. No autotuning.
+
+The forward is correctly rounded (docs/contract.md §3; the stages are in
+:mod:`layernorm.backends._triton_kernels`). It computes in float64 on every device; the
+double-float variant for GPUs whose float64 is slow (consumer parts: 1/32 to 1/64 of
+float32) is designed, not built (docs/contract.md §3). Host synchronization: stages 1 and
+2 run on the device, but :func:`_settle` reads whether any row is left for the host's
+exact fallback, one small device-to-host read per call on a GPU (docs/contract.md §5).
 Limits: float16, bfloat16 and float32 only (float64 falls back to the other backends).
 """
 
@@ -349,6 +354,11 @@ def _forward_wide(
     )  # fmt: skip
 
 
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (no host reads then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _settle(
     y: torch.Tensor,
     z: torch.Tensor,
@@ -361,7 +371,11 @@ def _settle(
     """Rewrites the rows the kernels left open with the exact fallback, on the host
     (``torch_._fix_rows``, the torch backend's; ``_exact`` is shared by every backend).
     Reading whether any row is open is this backend's one synchronization with a GPU
-    per call (docs/contract.md §3, §5)."""
+    per call (docs/contract.md §3, §5). While a CUDA graph is being captured nothing can
+    be read: the open rows keep stage 2's rounding of their float64 value, the contract's
+    one exception."""
+    if _capturing():
+        return
     flagged = flags == 1
     if not bool(flagged.any()):
         return
