@@ -93,6 +93,7 @@ def _assert_correctly_rounded(x, w, b, eps, rms):
         want, zero = _oracle.forward(z, gamma, beta, eps, rms, NAMES[x.dtype])
         wrong += int(((want != got[i]) & ~zero).sum())
     assert wrong == 0, f"{wrong} of {x.numel()} elements not correctly rounded"
+    return y
 
 
 def _assert_numba_bits(x, w, b, eps, rms):
@@ -199,8 +200,7 @@ def test_values_within_2_to_the_minus_40_of_a_midpoint(path, dtype):
     w, b = torch.full((n,), ulp), torch.ones(n)
     for k in range(20, 51, 3):
         for t in (2.0**-k, -(2.0**-k)):
-            _assert_correctly_rounded(x, w, b, 0.75 + t, False)
-            y = layernorm.layer_norm(x, n, w, b, eps=0.75 + t, backend="triton")
+            y = _assert_correctly_rounded(x, w, b, 0.75 + t, False)
             assert y[0, 1].item() == (1.0 if t > 0 else 1.0 + ulp)
 
 
@@ -278,7 +278,7 @@ def test_each_stage_settles_the_rows_it_can(path, monkeypatch):
 def test_random_rows_never_reach_the_host(path, monkeypatch):
     # the host's fallback is for near-ties: random rows at offset 1e4 never call it
     g = torch.Generator().manual_seed(18)
-    x = torch.randn(64, path, generator=g) + 1e4
+    x = torch.randn(32, path, generator=g) + 1e4
     assert 1 not in _flags(x, None, None, 1e-5, False)
     calls = []
     monkeypatch.setattr(torch_, "_fix_rows", lambda *args: calls.append(args))
