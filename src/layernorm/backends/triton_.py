@@ -242,24 +242,11 @@ def forward(
     )
     weight, bias = _unit_stride(weight), _unit_stride(bias)
     with _quiet(kernels):
-        y, residual_out, mean, rstd = _forward(kernels, x, residual, weight, bias, eps, rms)
+        y, residual_out, mean, rstd, flags = _launch_forward(
+            kernels, x, residual, weight, bias, eps, rms
+        )
+        _settle(y, x if residual_out is None else residual_out, weight, bias, eps, rms, flags)
     return y.view(shape), None if residual_out is None else residual_out.view(shape), mean, rstd
-
-
-def _forward(
-    kernels: ModuleType,
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    eps: float,
-    rms: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    y, residual_out, mean, rstd, flags = _launch_forward(
-        kernels, x, residual, weight, bias, eps, rms
-    )
-    _settle(y, x if residual_out is None else residual_out, weight, bias, eps, rms, flags)
-    return y, residual_out, mean, rstd
 
 
 def _launch_forward(
