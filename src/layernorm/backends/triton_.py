@@ -173,13 +173,13 @@ def forward_path(n: int, dtype: torch.dtype) -> str:
 def _tile_shape(block: int) -> tuple[int, int]:
     """(rows, columns) of the tile a program holds ``block`` (a power of two) elements
     in: about square, so that a sum over it passes few roundings (``_sum2d``)."""
-    cols = 1 << ((block.bit_length() - 1 + 1) // 2)
+    cols = 1 << (block.bit_length() // 2)
     return block // cols, cols
 
 
 def _float64_bits(value: float) -> int:
     """The bit pattern of the float64 ``value`` (the kernels' ``eps_bits``)."""
-    return struct.unpack("<q", struct.pack("<d", value))[0]
+    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
 
 
 def uses_fused_backward(n: int, dtype: torch.dtype) -> bool:
