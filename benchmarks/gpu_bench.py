@@ -14,6 +14,10 @@ perfect kernel must move: forward reads x and writes y (2·M·N elements), backw
 x and dy and writes dx (3·M·N), forward+backward 5·M·N; weights and per-row statistics
 are ignored. Each figure is reported in GB/s and as a fraction of the copy's GB/s.
 
+Our forward is correctly rounded (float64 arithmetic, docs/contract.md §3) and reads one
+value per call from the device (whether a row is left for the host's exact fallback), so
+its timings include that synchronization.
+
 Times are medians of CUDA-event timings after warm-up. Providers run in order of
 importance: ours and torch eager on every shape first, then liger, quack and
 torch.compile (whose per-shape compilation is the slow part) shape by shape; when
@@ -52,7 +56,6 @@ EPS = 1e-5
 #: limits of the triton backend that --set may override (tuning runs)
 TUNABLE = (
     "FUSED_FORWARD_N",
-    "LOOPED_FORWARD_BYTES",
     "FUSED_BACKWARD_N",
     "CHUNK_N",
     "PARTIAL_ELEMENTS",

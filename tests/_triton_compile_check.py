@@ -34,6 +34,8 @@ def compile_kernel(fn, pointers: dict[str, str], constexprs: dict, num_warps: in
             signature[name] = "i64"
         elif name in ("n_f", "eps"):
             signature[name] = "fp32"
+        elif name == "eps_bits":
+            signature[name] = "i64"
         else:
             signature[name] = pointers.get(name, "i32")
     names = list(signature)
@@ -67,40 +69,42 @@ def variants():
             ("MEAN", "RSTD", "PART_A", "PART_B", "PART_C1", "PART_C2", "PART_D", "DW_PART", "DB_PART"),
             "*fp32",
         ))  # fmt: skip
+        p["FLAGS"] = p["CHUNK_FLAGS"] = "*i32"
+        for name in ("PART_A", "PART_B", "PART_C"):
+            p[name] = "*fp64"
         for rms in (False, True):
             flags = {"HAS_WEIGHT": True, "HAS_BIAS": not rms, "RMS": rms}
-            block = triton_.FUSED_FORWARD_N
-            yield (
-                k.forward_fused_kernel,
-                p,
-                {**flags, "HAS_RESIDUAL": True, "BLOCK_N": block},
-                triton_._num_warps(block),
-            )
-            yield (
-                k.forward_fused_kernel,
-                p,
-                {**flags, "HAS_RESIDUAL": False, "BLOCK_N": 1024},
-                triton_._num_warps(1024),
-            )
+            for block, residual in ((triton_.FUSED_FORWARD_N, True), (1024, False)):
+                rows, cols = triton_._tile_shape(block)
+                yield (
+                    k.forward_fused_kernel,
+                    p,
+                    {**flags, "HAS_RESIDUAL": residual, "ROWS": rows, "COLS": cols},
+                    triton_._num_warps_forward(block),
+                )
             chunk = triton_.CHUNK_N
+            rows, cols = triton_._tile_shape(chunk)
+            tile = {"ROWS": rows, "COLS": cols}
             yield (
-                k.forward_looped_kernel,
+                k.forward_sums_kernel,
                 p,
-                {**flags, "HAS_RESIDUAL": True, "CHUNK": chunk, "CHUNKS_P2": 32},
-                triton_._num_warps(chunk),
+                {"HAS_RESIDUAL": True, "RMS": rms, **tile},
+                triton_._num_warps_forward(chunk),
             )
-            yield (
-                k.forward_partial_kernel,
-                p,
-                {"HAS_RESIDUAL": True, "RMS": rms, "CHUNK": chunk},
-                triton_._num_warps(chunk),
-            )
-            yield (
-                k.forward_wide_kernel,
-                p,
-                {**flags, "CHUNK": chunk, "CHUNKS_P2": 256},
-                triton_._num_warps(chunk),
-            )
+            if not rms:
+                yield (
+                    k.forward_centered_kernel,
+                    p,
+                    {"CHUNKS_P2": 256, **tile},
+                    triton_._num_warps_forward(chunk),
+                )
+            for kernel in (k.forward_output_kernel, k.forward_precise_kernel):
+                yield (
+                    kernel,
+                    p,
+                    {**flags, "CHUNKS_P2": 256, **tile},
+                    triton_._num_warps_forward(chunk),
+                )
             yield (
                 k.backward_partial_kernel,
                 p,

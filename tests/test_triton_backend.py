@@ -2,7 +2,8 @@
 
 Small shapes only: the interpreter runs each program in NumPy. The ``path`` fixture
 shrinks the limits so a width of a few hundred columns takes each forward path (fused,
-looped, wide) and the chunked backward. Tests that need a GPU are marked ``gpu``.
+wide) and the chunked backward. Tests that need a GPU are marked ``gpu``. The forward's
+correct rounding is tested in test_triton_exact.py.
 """
 
 from __future__ import annotations
@@ -55,15 +56,14 @@ def interpret(request, monkeypatch):
     _forget_triton()
 
 
-def _shrink(monkeypatch, looped_bytes: int) -> None:
+def _shrink(monkeypatch) -> None:
     """Sends rows wider than 128 columns to the chunked paths (chunks of 64 columns)."""
     monkeypatch.setattr(triton_, "FUSED_FORWARD_N", 128)
     monkeypatch.setattr(triton_, "FUSED_BACKWARD_N", 128)
     monkeypatch.setattr(triton_, "CHUNK_N", 64)
-    monkeypatch.setattr(triton_, "LOOPED_FORWARD_BYTES", looped_bytes)
 
 
-@pytest.fixture(params=["fused", "looped", "wide"])
+@pytest.fixture(params=["fused", "wide"])
 def path(request, monkeypatch):
     """Runs a test on each forward path; returns the width that takes it. The backward is
     fused for the first, chunked for the others, and runs on at most 3 row blocks, so
@@ -73,9 +73,9 @@ def path(request, monkeypatch):
         assert triton_.forward_path(FUSED_N, torch.float32) == "fused"
         assert triton_.uses_fused_backward(FUSED_N, torch.float32)
         return FUSED_N
-    _shrink(monkeypatch, 1 << 20 if request.param == "looped" else 256)
+    _shrink(monkeypatch)
     for dtype in DTYPES:
-        assert triton_.forward_path(WIDE_N, dtype) == request.param
+        assert triton_.forward_path(WIDE_N, dtype) == "wide"
         assert not triton_.uses_fused_backward(WIDE_N, dtype)
     return WIDE_N
 
@@ -133,13 +133,16 @@ def test_automatic_choice_never_interprets_cpu_tensors():
 # Forward against the float64 reference
 
 
-def test_agrees_with_torch_backend_to_the_last_bits(path):
-    # Same float32 formula, different summation order: a few ulp apart at most.
-    x = torch.randn(4, path)
+def test_forward_is_the_torch_backends_bits(path):
+    # Both correctly rounded (docs/contract.md §3): the same bits, and the statistics
+    # (rounded from float64 to float32) within a unit of float32 of each other.
+    x = torch.randn(4, path) + 3
     weight, bias = _params(path)
-    ours = triton_.forward(x, None, weight, bias, 1e-5, False)[0]
-    theirs = torch_.forward(x, None, weight, bias, 1e-5, False)[0]
-    torch.testing.assert_close(ours, theirs, rtol=2e-6, atol=2e-6)
+    ours = triton_.forward(x, None, weight, bias, 1e-5, False)
+    theirs = torch_.forward(x, None, weight, bias, 1e-5, False)
+    assert torch.equal(ours[0], theirs[0])
+    for a, b in zip(ours[2:], theirs[2:], strict=True):
+        torch.testing.assert_close(a, b, rtol=2.0**-23, atol=0)
 
 
 def _grads(fn, inputs, dy):
@@ -178,7 +181,7 @@ def test_error_does_not_grow_with_the_chunk_count(monkeypatch):
     # docs/contract.md §3 on rows of many chunks: 64-column chunks stand in for the
     # 4096-column ones (the interpreter runs 4096 programs too slowly); the chunk totals
     # add in float64 (the GPU test below runs 16M elements).
-    _shrink(monkeypatch, 256)
+    _shrink(monkeypatch)
     n = 64 * 64 + 3
     assert triton_.forward_path(n, torch.float32) == "wide"
     core, rms, dx = _width_errors(n, 1e4)
@@ -191,22 +194,18 @@ def test_error_does_not_grow_with_the_chunk_count(monkeypatch):
     n=st.integers(1, 200),
     rms=st.booleans(),
     dtype=st.sampled_from(DTYPES),
-    looped_bytes=st.sampled_from([0, 1 << 20]),
 )
-def test_property_agrees_with_torch_backend_and_rows_are_independent(
-    m, n, rms, dtype, looped_bytes
-):
+def test_property_is_the_torch_backends_bits_and_rows_are_independent(m, n, rms, dtype):
     # The autouse fixture only sets TRITON_INTERPRET, the same for every example.
     x = (4 * torch.randn(m, n) - 1).to(dtype)
     weight, bias = _params(n, dtype)
     bias = None if rms else bias
     with pytest.MonkeyPatch.context() as monkeypatch:
-        _shrink(monkeypatch, looped_bytes)  # n > 128: looped or wide
+        _shrink(monkeypatch)  # n > 128: wide
         y = triton_.forward(x, None, weight, bias, 1e-5, rms)[0]
         alone = triton_.forward(x[-1:], None, weight, bias, 1e-5, rms)[0]
     assert torch.equal(alone, y[-1:])
-    expected = torch_.forward(x, None, weight, bias, 1e-5, rms)[0]
-    torch.testing.assert_close(y, expected, rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["atol"])
+    assert torch.equal(y, torch_.forward(x, None, weight, bias, 1e-5, rms)[0])
 
 
 # ---------------------------------------------------------------------------------------
@@ -235,10 +234,11 @@ def test_strided_rows_are_read_in_place(path, dtype):
 
 
 def test_launch_configuration_depends_only_on_width_and_dtype():
-    assert triton_.forward_path(16384, torch.float32) == "fused"
-    assert triton_.forward_path(16385, torch.float32) == "looped"
-    assert triton_.forward_path(65536, torch.bfloat16) == "looped"
-    assert triton_.forward_path(65536, torch.float32) == "wide"
+    assert triton_.forward_path(4096, torch.float32) == "fused"
+    assert triton_.forward_path(4097, torch.bfloat16) == "wide"
+    assert triton_._tile_shape(4096) == (64, 64)
+    assert triton_._tile_shape(2048) == (32, 64)
+    assert triton_._tile_shape(1) == (1, 1)
     assert triton_.uses_fused_backward(8192, torch.bfloat16)
     assert not triton_.uses_fused_backward(8193, torch.float32)
     assert triton_._row_blocks(10, 1024, 1) == (10, 1)
@@ -301,20 +301,21 @@ def test_compiles_fullgraph_around_the_triton_kernels():
 # Rows wider than one program, with the default limits
 
 
-@pytest.mark.parametrize("n", [20_000, (1 << 20) + 17], ids=["looped", "wide"])
+@pytest.mark.parametrize("n", [20_000, (1 << 20) + 17], ids=["wide", "past-1M"])
 def test_default_chunked_paths(n):
-    # one row held by a looping program, and rows past 1M elements over many programs
-    assert triton_.forward_path(n, torch.float32) == ("looped" if n < 1 << 20 else "wide")
-    x = 5 + torch.randn(2, n)
+    # rows over many programs, past 1M elements
+    assert triton_.forward_path(n, torch.float32) == "wide"
+    x = 5 + torch.randn(2 if n < 1 << 20 else 1, n)
     weight, bias = _params(n)
     y, _, mean, rstd = triton_.forward(x, None, weight, bias, 1e-5, False)
     y_ref, mean_ref, rstd_ref = reference.layer_norm(_np(x), n, _np(weight), _np(bias))
     np.testing.assert_allclose(_np(y), y_ref, atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(_np(rstd), rstd_ref, rtol=1e-6)
     np.testing.assert_allclose(_np(mean), mean_ref, rtol=1e-6)
+    assert torch.equal(y, torch_.forward(x, None, weight, bias, 1e-5, False)[0])
     if n > 1 << 20:
         return  # the interpreter is slow; the chunked backward is tested on small widths
-    dy = torch.randn(2, n)
+    dy = torch.randn_like(x)
     dx = triton_.backward(dy, x, weight, mean, rstd, None, False, False, False)[0]
     dx_ref = reference.layer_norm_backward(_np(dy), _np(x), n, _np(weight))[0]
     np.testing.assert_allclose(_np(dx), dx_ref, atol=1e-4, rtol=1e-4)
@@ -361,7 +362,7 @@ def test_gpu_matches_torch_at_large_shapes(dtype, n):
 @pytest.mark.parametrize(
     ("n", "dtype"),
     [(4096, torch.bfloat16), (65536, torch.bfloat16), (65536, torch.float32)],
-    ids=["fused", "looped", "wide"],
+    ids=["fused", "wide-bf16", "wide-fp32"],
 )
 def test_gpu_64_bit_offsets(n, dtype):
     m = (1 << 31) // n + 2  # past 2^31 elements
@@ -381,7 +382,7 @@ def test_gpu_64_bit_offsets(n, dtype):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("n", [1000, 20_000, 300_000], ids=["fused", "looped", "wide"])
+@pytest.mark.parametrize("n", [1000, 20_000, 300_000], ids=["fused", "wide", "wide-300k"])
 def test_gpu_batch_invariance_and_reproducible_parameter_grads(n):
     x = torch.randn(64, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(n, device="cuda", requires_grad=True)
@@ -395,6 +396,29 @@ def test_gpu_batch_invariance_and_reproducible_parameter_grads(n):
     second = torch.autograd.grad(layernorm.layer_norm(x, n, weight, bias), [x, weight, bias], dy)
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [768, 4096, 20_000], ids=["fused", "fused-4096", "wide"])
+def test_gpu_forward_is_the_cpu_backends_bits(dtype, n):
+    # docs/contract.md §3: correctly rounded on the GPU too, so the CPU backend's bits
+    m = max(4, (1 << 22) // n)
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(m, n, generator=g) * 3 + 100).to(dtype)
+    r = torch.randn(m, n, generator=g).to(dtype)
+    w, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    cpu = "numba" if "numba" in layernorm.available_backends() else "torch"
+    for rms in (False, True):
+        if rms:
+            ours = layernorm.add_rms_norm(x.cuda(), r.cuda(), n, w.cuda(), backend="triton")
+            theirs = layernorm.add_rms_norm(x, r, n, w, backend=cpu)
+        else:
+            ours = layernorm.add_layer_norm(x.cuda(), r.cuda(), n, w.cuda(), b.cuda())
+            theirs = layernorm.add_layer_norm(x, r, n, w, b, backend=cpu)
+        for a, c in zip(ours, theirs, strict=True):
+            assert torch.equal(a.cpu(), c)
 
 
 @gpu

@@ -285,7 +285,7 @@ def fix_forward_row(
     out = round_once(y, dtype)
     low, high = round_once(y - bound, dtype), round_once(y + bound, dtype)
     values = _from_storage(out, dtype)
-    for i in np.flatnonzero(low != high).tolist():
+    for i in np.flatnonzero((low != high) & (bound != 0)).tolist():  # 0: exact (±0.0)
         zi = Fraction(float(z[i]))
         v = zi if rms else zi - stats.mean
         zero_v = math.copysign(0.0, z[i]) if rms else 0.0

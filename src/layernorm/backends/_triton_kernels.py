@@ -7,33 +7,49 @@ Layout: ``x``, ``residual``, ``dy``, ``dresidual_out`` are ``(M, N)`` with conti
 read through their row stride (no copy); outputs are contiguous. Every row index is cast to
 int64 before it is multiplied by a stride, so tensors past 2^31 elements address correctly.
 
-Numerics (docs/contract.md §3): float32 arithmetic whatever the storage dtype; means and the reciprocal
-square root use IEEE-rounded ``div_rn`` / ``sqrt_rn`` so the compiled and the interpreted
-kernels agree and a constant row gives a core of exactly 0. Layer norm uses the corrected
-two-pass ``m1 = mean(z)``, ``d = z - m1``, ``delta = mean(d)``, ``c = d - delta``.
+Forward numerics (docs/contract.md §3): every output element of a float32, float16 or
+bfloat16 input is the exact result rounded once, the numba and torch backends' bits, by
+their three stages:
 
-Three forward paths, chosen by the host from N and the dtype only:
+1. float64 arithmetic (the inputs widened exactly) with the contract's bound per element
+   and Ziv's test: ``yh - E`` and ``yh + E`` must round to the same value. Sums run
+   over a ``ROWS x COLS`` tile (:func:`_sum2d`), so whatever order ``tl.sum`` takes
+   within a level, a term passes at most ``(ROWS - 1) + (COLS - 1)`` roundings, plus
+   one per chunk on the wide path: the ``depth`` each kernel receives. The bound's
+   factors are rounded up to float32-representable values (:data:`_C1_01`, ...).
+2. For a row stage 1 leaves open, the statistics again by accurate sums: one error-free
+   extraction (Rump, Ogita and Oishi's ExtractVector) makes the high parts' sum exact
+   and leaves low parts of at most ``u·sigma``, so the error of a sum is at most
+   ``u|S| + γ·N·u·sigma`` (:func:`_accurate`); then the output and the test again. This
+   runs on the device: in the same program (fused), or in a kernel launched for every
+   row that returns at once for a settled row (wide). No host work.
+3. A row still open gets ``FLAGS[row] = 1``; the host rewrites it with the exact
+   fallback (``triton_._settle``). ``FLAGS`` is 0 where stage 1 settled the row, 2 where
+   stage 2 did.
 
-- fused: one program holds a whole row in registers (``BLOCK_N >= N``).
-- looped: one program per row loops over chunks of ``CHUNK`` columns twice (statistics,
-  then normalization); the second read of the row mostly hits L2.
-- wide: grid (rows, chunks); a first kernel writes each chunk's statistics, a second
-  combines them and normalizes its chunk. Cost: x is read twice from memory, but a row
-  of any width (tested past 1M elements) is spread over many programs.
+The halves are rounded from float64 through float32 rounded to odd (:func:`_round_once`),
+never twice to nearest; bfloat16 by hand, since the interpreter's cast truncates. A
+float argument reaches a kernel as float32, so ``eps`` comes as its float64 bit
+pattern. Layer norm centres by the corrected two-pass ``m1 = mean(z)``, ``d = z - m1``,
+``delta = mean(d)``, ``c = d - delta``; the output is ``((z - m1) - delta)·rstd·gamma
++ beta`` in that order, with gamma and beta rounded to float32 first.
 
-The looped and wide paths keep per-chunk statistics of ``d = z - z[0]`` (shifting by the
-row's first element keeps the chunk means small, so float32 loses nothing, and makes a
-constant row exactly 0) and combine them in a fixed order with the parallel-variance
-formula ``M2 = Σ M2_c + Σ n_c (mean_c - mean)²`` (mean by the corrected two-pass). Sums
-within a chunk are float32 trees (``tl.sum``); sums over a row's chunk partials, forward
-and backward, add in float64 (:func:`_total`), so the error does not grow with the number
-of chunks (rows of 16M elements are tested on a GPU).
+Two forward paths, chosen by the host from N only:
 
-Backward: each program owns a fixed block of rows (and one chunk of columns on the wide
-path), loops over them in order and accumulates ``dweight``/``dbias`` in float32
-registers; the per-program partials go to a ``(programs, N)`` buffer that
-:func:`column_sum_kernel` reduces in a fixed order. No atomics anywhere, so every result is
-bitwise reproducible, and a row's forward output never depends on the other rows.
+- fused: one program holds a whole row (``ROWS·COLS >= N``, at most
+  ``triton_.FUSED_FORWARD_N``).
+- wide: grid (rows, chunks): per-chunk float64 partial sums of z, then (layer norm) of
+  ``d`` and ``d²``, then each chunk's output from the row's totals (every program of a
+  row adds the same partials in the same order), then stage 2 per row. A row of any
+  width (tested past 1M elements) is spread over many programs; x is read three times.
+
+The backward computes in float32 (faithful, not correctly rounded), with the saved mean
+re-centred; sums over a row's chunk partials add in float64 (:func:`_total`). Each
+program owns a fixed block of rows (and one chunk of columns when chunked), loops over
+them in order and accumulates ``dweight``/``dbias`` in float32 registers; the
+per-program partials go to a ``(programs, N)`` buffer that :func:`column_sum_kernel`
+reduces in a fixed order. No atomics anywhere, so every result is bitwise reproducible,
+and a row's forward output never depends on the other rows.
 """
 
 # Triton kernels keep explicit if/else on constexpr flags (one branch is compiled):
@@ -87,11 +103,6 @@ def _total(partials):
 
 
 @triton.jit
-def _rstd(var, eps):
-    return tl.div_rn(1.0, tl.sqrt_rn(var + eps))
-
-
-@triton.jit
 def _load_z(
     X,
     R,
@@ -114,193 +125,515 @@ def _load_z(
     return z
 
 
-@triton.jit
-def _load_shift(X, R, RES_OUT, row, stride_x, stride_r, HAS_RESIDUAL: tl.constexpr):
-    # The row's first element of z, computed exactly as _load_z computes it.
-    shift = tl.load(X + row * stride_x).to(tl.float32)
-    if HAS_RESIDUAL:
-        shift = shift + tl.load(R + row * stride_r).to(tl.float32)
-        shift = _cast(shift, RES_OUT.dtype.element_ty).to(tl.float32)
-    return shift
+# ---------------------------------------------------------------------------------------
+# The correctly rounded forward (docs/contract.md §3): float64, a bound per element,
+# Ziv's test; a row the test leaves open is recomputed in the kernel with accurate sums
+# (stage 2), and what is still open is flagged for the host's exact fallback.
+
+_U = tl.constexpr(2.0**-53)  # float64's unit roundoff
+# The bound's factors of docs/contract.md §3, each rounded up (down for the threshold) to
+# a value float32 holds: Triton types a float literal as float32, so 1.01 would be
+# 1.00999999. A larger factor only loosens the bound.
+_C1_01 = tl.constexpr(1.015625)  # >= 1.01
+_C0_51 = tl.constexpr(0.515625)  # >= 0.51
+_C2_01 = tl.constexpr(2.015625)  # >= 2.01
+_C1_02 = tl.constexpr(1.03125)  # >= 1.02
+_C1_001 = tl.constexpr(1.001953125)  # >= 1.001
+_C2_1 = tl.constexpr(2.125)  # >= 2.1
+_LOOSE = tl.constexpr(0.0078125)  # <= 0.01: a row with e_s >= s/128 is flagged
+_SLACK = tl.constexpr(1.0 + 2.0**-22)  # >= 1 + 2**-30: the bound's own roundings
+_EXPONENT = tl.constexpr(0x7FF0000000000000)  # float64's exponent bits
 
 
 @triton.jit
-def _affine(u, W, B, cols, mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    y = u
+def _sum2d(t):
+    # A tile's sum: its rows (K terms), then the row totals (R terms). Whatever order
+    # tl.sum takes within a level, a term passes at most (K - 1) + (R - 1) roundings.
+    return tl.sum(tl.sum(t, 1), 0)
+
+
+@triton.jit
+def _max2d(t):
+    return tl.max(tl.max(t, 1), 0)
+
+
+@triton.jit
+def _gamma(depth):
+    # γ for sums whose terms pass at most ``depth`` roundings, plus one (a rounded square)
+    h = (depth + 1).to(tl.float64) * _U
+    return h / (1.0 - h)
+
+
+@triton.jit
+def _pow2_above(t):
+    # A power of two above the finite t >= 0 (0 for t = 0): twice t's leading power.
+    return (t.to(tl.int64, bitcast=True) & _EXPONENT).to(tl.float64, bitcast=True) * 2.0
+
+
+@triton.jit
+def _split(x, sigma):
+    # Rump, Ogita and Oishi's ExtractScalar (2008, Lemma 3.3): with sigma a power of two
+    # and |x| <= sigma, x = q + r exactly, q a multiple of u·sigma, |r| <= u·sigma. With
+    # sigma >= 4·N·max|x| (ExtractVector, Theorem 3.4), any sum of the q is exact.
+    q = (sigma + x) - sigma
+    return q, x - q
+
+
+@triton.jit
+def _accurate(q_total, r_total, sigma, n, g):
+    # (S, bound on |S - Σx|) of a sum split by _split: Σq is exact, Σr has an error of
+    # at most γ·Σ|r| <= γ·N·u·sigma, and S = fl(Σq + Σr) one more rounding.
+    total = q_total + r_total
+    return total, _C1_01 * (_U * tl.abs(total) + g * n * _U * sigma)
+
+
+@triton.jit
+def _two_sum_error(a, b, s):
+    # Knuth's TwoSum: the exact error of s = fl(a + b), so that s + e == a + b
+    t = s - a
+    return (a - (s - t)) + (b - t)
+
+
+@triton.jit
+def _row_constants(var, e_var, eps):
+    # rstd = 1/sqrt(var + eps) and the bound's per-row factors (docs/contract.md §3)
+    s = var + eps
+    e_s = e_var + _C1_01 * _U * s
+    loose = (e_s >= _LOOSE * s).to(tl.int32)  # 0 for a NaN row: it stays NaN
+    e_r = _C0_51 * (e_s / (s - e_s)) + _C2_01 * _U
+    rstd = 1.0 / tl.sqrt(s)
+    k_p = (_C2_01 * _U + _C1_02 * e_r) * _SLACK
+    k_w = rstd * (1.0 + _C1_02 * e_r) * _SLACK
+    return rstd, k_p, k_w, loose
+
+
+@triton.jit
+def _folded(delta, rstd, e_mean, k_c, k_p, k_w):
+    # the per-element terms (k_c(|c| + |d|) + e_mean)·|w|·k_w + |p|·k_p as |w|·a + |p|·b
+    a = (e_mean + k_c * tl.abs(delta)) * k_w
+    b = k_p + k_c * (2.0 + _C1_01 * _U) * (1.0 + _C2_01 * _U) * (k_w / rstd) * _SLACK
+    return a, b
+
+
+@triton.jit
+def _stage_one_rms(s2, n, g):
+    # (delta, var, e_mean, e_var, k_c) of RMSNorm from s2 = Σz² (each z² exact)
+    var = s2 / n
+    zero = tl.full([], 0.0, tl.float64)
+    e_var = _C1_01 * ((g + 2.0 * _U) * var + _U * var)
+    return zero, var, zero, e_var, zero
+
+
+@triton.jit
+def _stage_one(s1, s2, n, g):
+    # (delta, var, e_mean, e_var, k_c) of layer norm from s1 = Σd, s2 = Σd², d = z - m1
+    delta = s1 / n
+    absolute = _C1_001 * tl.sqrt(n * s2)  # >= Σ|d|
+    e_mean = _C1_01 * ((g + 2.0 * _U) * absolute / n + _U * tl.abs(delta))
+    var = tl.maximum(s2 / n - delta * delta, 0.0)
+    e_var = _C1_01 * (
+        (g + 3.0 * _U) * (s2 / n) + e_mean * (2.0 * tl.abs(delta) + e_mean)
+        + _U * (delta * delta + var)
+    )  # fmt: skip
+    return delta, var, e_mean, e_var, _C1_01 * _U
+
+
+@triton.jit
+def _round_to_odd_single(v):
+    # float64 -> float32, rounded to odd: truncate, set the last bit when inexact
+    single = v.to(tl.float32)
+    back = single.to(tl.float64)
+    bits = single.to(tl.int32, bitcast=True)
+    bits = tl.where(tl.abs(back) > tl.abs(v), bits - 1, bits)
+    bits = bits | ((back != v) & (v == v)).to(tl.int32)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_once(v, DTYPE: tl.constexpr):
+    # float64 -> DTYPE rounded once to nearest-even: float32 directly, the halves through
+    # float32 rounded to odd (as torch_.round_once and _exact.round_once)
+    if DTYPE == tl.float32:
+        out = v.to(tl.float32)
+    else:
+        odd = _round_to_odd_single(v)
+        if DTYPE == tl.bfloat16:
+            out = _bfloat16_rne(odd)
+        else:
+            out = odd.to(tl.float16)
+    return out
+
+
+@triton.jit
+def _bits(v, DTYPE: tl.constexpr):
+    if DTYPE == tl.float32:
+        out = v.to(tl.int32, bitcast=True)
+    else:
+        out = v.to(tl.int16, bitcast=True)
+    return out
+
+
+@triton.jit
+def _output(
+    z, gamma, beta, mask, m1, delta, rstd, a, b, k_y,
+    DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """The elements ``((z - m1) - delta)·rstd·gamma + beta`` in float64, each rounded once
+    to DTYPE, and Ziv's test on each: whether ``yh - E`` and ``yh + E`` round apart.
+    A missing weight is 1 and a missing bias -0.0 (``p + -0.0 == p`` bitwise)."""
+    d = z - m1
+    c = d - delta
+    p = c * rstd
+    mean_part = tl.zeros_like(z) + a
     if HAS_WEIGHT:
-        y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        p = p * gamma
+        mean_part = tl.abs(gamma) * a
+    yh = p
     if HAS_BIAS:
-        y = y + tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-    return y
+        yh = p + beta
+    bound = (mean_part + tl.abs(p) * b) + tl.abs(yh) * k_y
+    bound = tl.where((p == 0.0) & (mean_part == 0.0), 0.0, bound)
+    low = _bits(_round_once(yh - bound, DTYPE), DTYPE)
+    high = _bits(_round_once(yh + bound, DTYPE), DTYPE)
+    # (a zero bound is an exact value: -0.0 + 0.0 = +0.0 would split a -0.0 in two)
+    open_ = (low != high) & (bound != 0.0) & mask
+    return _round_once(yh, DTYPE), _max2d(open_.to(tl.int32))
 
 
 @triton.jit
+def _load_params(W, B, cols, mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # gamma and beta as float64 values of the accumulation dtype (float32)
+    gamma = tl.full(cols.shape, 1.0, tl.float64)
+    beta = tl.full(cols.shape, -0.0, tl.float64)
+    if HAS_WEIGHT:
+        gamma = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32).to(tl.float64)
+    if HAS_BIAS:
+        beta = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32).to(tl.float64)
+    return gamma, beta
+
+
+@triton.jit
+def _tile(ROWS: tl.constexpr, COLS: tl.constexpr):
+    # the column offsets of a ROWS x COLS tile (row-major)
+    return tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+
+
+@triton.jit
+def _eps(eps_bits):
+    # eps at its float64 value, passed as its bit pattern (a float argument is float32)
+    return eps_bits.to(tl.int64).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _precise_rms(z, mask, n, g):
+    # stage 2 for RMSNorm: s2 = Σz² by one extraction (z² is exact)
+    squares = tl.where(mask, z * z, 0.0)
+    sigma = _pow2_above(4.0 * n * _max2d(squares))
+    q, r = _split(squares, sigma)
+    s2, e_s2 = _accurate(_sum2d(q), _sum2d(r), sigma, n, g)
+    var = s2 / n
+    zero = tl.full([], 0.0, tl.float64)
+    return zero, var, zero, _C1_01 * (e_s2 / n + _U * var), zero
+
+
+@triton.jit(do_not_specialize=["N", "eps_bits", "depth"])
 def forward_fused_kernel(
-    X, R, W, B, Y, RES_OUT, MEAN, RSTD,
+    X, R, W, B, Y, RES_OUT, MEAN, RSTD, FLAGS,
     stride_x, stride_r, stride_y, stride_res_out,
-    N, n_f, eps,
+    N, eps_bits, depth,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    RMS: tl.constexpr, BLOCK_N: tl.constexpr,
+    RMS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
 ):  # fmt: skip
-    """One program per row; the whole row lives in registers (BLOCK_N >= N)."""
+    """One program per row, held whole as a ROWS x COLS tile (ROWS·COLS >= N): stage 1,
+    and for a row it leaves open, stage 2 in the same program. ``FLAGS[row]``: 0 when
+    stage 1 settled the row, 2 when stage 2 did, 1 when it is still open (the host's
+    exact fallback)."""
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
+    cols = _tile(ROWS, COLS)
     mask = cols < N
+    n = N.to(tl.float64)
+    eps = _eps(eps_bits)
+    g = _gamma(depth)
     z = _load_z(X, R, RES_OUT, row, stride_x, stride_r, stride_res_out, cols, mask,
-                HAS_RESIDUAL)  # fmt: skip
+                HAS_RESIDUAL).to(tl.float64)  # fmt: skip
+    gamma, beta = _load_params(W, B, cols, mask, HAS_WEIGHT, HAS_BIAS)
     if RMS:
-        rstd = _rstd(_mean(tl.sum(z * z, 0), n_f), eps)
-        u = z * rstd
+        m1 = tl.full([], 0.0, tl.float64)
+        delta, var, e_mean, e_var, k_c = _stage_one_rms(_sum2d(z * z), n, g)
     else:
-        m1 = _mean(tl.sum(z, 0), n_f)
+        m1 = _sum2d(z) / n
         d = tl.where(mask, z - m1, 0.0)
-        delta = _mean(tl.sum(d, 0), n_f)
-        c = tl.where(mask, d - delta, 0.0)
-        rstd = _rstd(_mean(tl.sum(c * c, 0), n_f), eps)
-        u = c * rstd
-        tl.store(MEAN + row, m1 + delta)
-    tl.store(RSTD + row, rstd)
-    y = _affine(u, W, B, cols, mask, HAS_WEIGHT, HAS_BIAS)
-    tl.store(Y + row * stride_y + cols, _cast(y, Y.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _chunk_stats(d, mask):
-    # (mean_c, M2_c) of one chunk of d = z - shift, by the corrected two-pass.
-    count = tl.sum(mask.to(tl.float32), 0)
-    m1 = _mean(tl.sum(d, 0), count)
-    e = tl.where(mask, d - m1, 0.0)
-    delta = _mean(tl.sum(e, 0), count)
-    c = tl.where(mask, e - delta, 0.0)
-    return m1 + delta, tl.sum(c * c, 0)
-
-
-@triton.jit
-def _combine(mean_c, m2_c, N, n_f, num_chunks, CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr):
-    # (mean, variance) of the row of d from its chunks' (mean_c, M2_c), in a fixed order:
-    # M2 = Σ M2_c + Σ n_c (mean_c - mean)², the mean itself by the corrected two-pass.
-    index = tl.arange(0, CHUNKS_P2)
-    valid = index < num_chunks
-    count_c = tl.where(valid, tl.minimum(N - index * CHUNK, CHUNK), 0).to(tl.float32)
-    m1 = _mean(_total(count_c * mean_c), n_f)
-    e_c = tl.where(valid, mean_c - m1, 0.0)
-    delta = _mean(_total(count_c * e_c), n_f)
-    f_c = tl.where(valid, e_c - delta, 0.0)
-    var = _mean(_total(m2_c) + _total(count_c * f_c * f_c), n_f)
-    return m1 + delta, var
-
-
-@triton.jit
-def forward_looped_kernel(
-    X, R, W, B, Y, RES_OUT, MEAN, RSTD,
-    stride_x, stride_r, stride_y, stride_res_out,
-    N, n_f, eps, num_chunks,
-    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    RMS: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr,
-):  # fmt: skip
-    """One program per row, looping over chunks of the row twice: statistics, then
-    normalization (the second read mostly hits L2). Same math as the wide path."""
-    row = tl.program_id(0).to(tl.int64)
-    index = tl.arange(0, CHUNKS_P2)
-    part_a = tl.zeros([CHUNKS_P2], dtype=tl.float32)
-    part_b = tl.zeros([CHUNKS_P2], dtype=tl.float32)
-    shift = _load_shift(X, R, RES_OUT, row, stride_x, stride_r, HAS_RESIDUAL)
-    for chunk in range(0, num_chunks):
-        cols = chunk * CHUNK + tl.arange(0, CHUNK)
-        mask = cols < N
-        z = _load_z(X, R, RES_OUT, row, stride_x, stride_r, stride_res_out, cols, mask,
-                    HAS_RESIDUAL)  # fmt: skip
-        if RMS:
-            part_a = tl.where(index == chunk, tl.sum(z * z, 0), part_a)
-        else:
-            mean_c, m2_c = _chunk_stats(tl.where(mask, z - shift, 0.0), mask)
-            part_a = tl.where(index == chunk, mean_c, part_a)
-            part_b = tl.where(index == chunk, m2_c, part_b)
-    if RMS:
-        rstd = _rstd(_mean(_total(part_a), n_f), eps)
-    else:
-        mean_d, var = _combine(part_a, part_b, N, n_f, num_chunks, CHUNK, CHUNKS_P2)
-        rstd = _rstd(var, eps)
-        tl.store(MEAN + row, shift + mean_d)
-    tl.store(RSTD + row, rstd)
-    if HAS_RESIDUAL:
-        tl.debug_barrier()  # residual_out, written above, is read back below
-    for chunk in range(0, num_chunks):
-        cols = chunk * CHUNK + tl.arange(0, CHUNK)
-        mask = cols < N
+        delta, var, e_mean, e_var, k_c = _stage_one(_sum2d(d), _sum2d(d * d), n, g)
+        tl.store(MEAN + row, (m1 + delta).to(tl.float32))
+    rstd, k_p, k_w, loose = _row_constants(var, e_var, eps)
+    tl.store(RSTD + row, rstd.to(tl.float32))
+    a, b = _folded(delta, rstd, e_mean, k_c, k_p, k_w)
+    k_y = _C2_1 * _U * _SLACK
+    y, open_ = _output(z, gamma, beta, mask, m1, delta, rstd, a, b, k_y,
+                       Y.dtype.element_ty, HAS_WEIGHT, HAS_BIAS)  # fmt: skip
+    tl.store(Y + row * stride_y + cols, y, mask=mask)
+    flag = open_ | loose
+    if flag != 0:  # rare: stage 2, whose bound is far tighter; the row is read again
         if HAS_RESIDUAL:
-            z = tl.load(RES_OUT + row * stride_res_out + cols, mask=mask, other=0.0)
+            tl.debug_barrier()  # residual_out, written by other threads, is read back
+            z = _load_row(RES_OUT, row, stride_res_out, cols, mask)
         else:
-            z = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-        z = z.to(tl.float32)
+            z = _load_row(X, row, stride_x, cols, mask)
         if RMS:
-            u = z * rstd
+            delta, var, e_mean, e_var, k_c = _precise_rms(z, mask, n, g)
         else:
-            u = tl.where(mask, (z - shift) - mean_d, 0.0) * rstd
-        y = _affine(u, W, B, cols, mask, HAS_WEIGHT, HAS_BIAS)
-        tl.store(Y + row * stride_y + cols, _cast(y, Y.dtype.element_ty), mask=mask)
+            d = tl.where(mask, z - m1, 0.0)
+            rounding = tl.where(mask, _two_sum_error(z, -m1, d), 0.0)
+            big_d = _max2d(tl.abs(d))
+            sigma = _pow2_above(4.0 * n * big_d)
+            q, r = _split(d, sigma)
+            absolute = _sum2d(tl.abs(d))
+            delta, e_mean = _precise_mean(
+                _sum2d(q), _sum2d(r), _sum2d(rounding), absolute, sigma, n, g
+            )
+            c = tl.where(mask, d - delta, 0.0)
+            spread = _sum2d(tl.where(mask, _spread(c, d, e_mean), 0.0))
+            sigma = _pow2_above(4.0 * n * _square_above(big_d, delta))
+            q, r = _split(c * c, sigma)
+            var, e_var = _precise_variance(_sum2d(q), _sum2d(r), spread, sigma, n, g)
+            k_c = _C1_01 * _U
+        rstd, k_p, k_w, loose = _row_constants(var, e_var, eps)
+        a, b = _folded(delta, rstd, e_mean, k_c, k_p, k_w)
+        gamma, beta = _load_params(W, B, cols, mask, HAS_WEIGHT, HAS_BIAS)
+        y, open_ = _output(z, gamma, beta, mask, m1, delta, rstd, a, b, k_y,
+                           Y.dtype.element_ty, HAS_WEIGHT, HAS_BIAS)  # fmt: skip
+        tl.store(Y + row * stride_y + cols, y, mask=mask)
+        flag = 2 - (open_ | loose)  # 2: settled by stage 2, 1: still open
+    tl.store(FLAGS + row, flag)
 
 
 @triton.jit
-def forward_partial_kernel(
-    X, R, RES_OUT, PART_A, PART_B,
+def _spread(c, d, e_mean):
+    # per element 2|c|·e_c + e_c² + u·c², e_c = 1.01u(|c| + |d|) + e_mean: bounds
+    # |fl(c²) - v²| (v the exact centred value; zero where c = d = 0 and e_mean = 0)
+    e_c = _C1_01 * _U * (tl.abs(c) + tl.abs(d)) + e_mean
+    return 2.0 * tl.abs(c) * e_c + e_c * e_c + _U * c * c
+
+
+@triton.jit
+def _square_above(big_d, delta):
+    # >= every fl(c)², c = fl(d - delta), |d| <= big_d
+    top = big_d + tl.abs(delta)
+    return top * top * (1.0 + 2.0**-20)
+
+
+@triton.jit
+def _precise_mean(q_total, r_total, rounding, absolute, sigma, n, g):
+    # (delta, e_mean) of stage 2: Σd by extraction plus the exact roundings of d = z - m1
+    # (|rounding_i| <= u|d_i|, summed plainly: error <= γ·u·Σ|d|)
+    sum_d, e_sum = _accurate(q_total, r_total, sigma, n, g)
+    s1 = sum_d + rounding
+    e_s1 = e_sum + _C1_01 * (g * _U * absolute * (1.0 + 2.0 * g) + _U * tl.abs(s1))
+    delta = s1 / n
+    return delta, _C1_01 * (e_s1 / n + _U * tl.abs(delta))
+
+
+@triton.jit
+def _precise_variance(q_total, r_total, spread, sigma, n, g):
+    # (var, e_var) of stage 2: Σfl(c²) by extraction, the spread summed plainly
+    s2, e_s2 = _accurate(q_total, r_total, sigma, n, g)
+    var = s2 / n
+    return var, _C1_01 * ((e_s2 + spread * (1.0 + 2.0 * g)) / n + _U * var)
+
+
+# Wide rows: grid (rows, chunks) over passes that each read a chunk, with per-chunk
+# partial sums in float64 added in a fixed order (_row_total), and stage 2 in one
+# program per row launched for every row (it returns at once for a row none of whose
+# chunks is open).
+
+
+@triton.jit
+def _row_total(PART, row, num_chunks, CHUNKS_P2: tl.constexpr):
+    # the sum of a row's chunk partials (float64), in a fixed order
+    index = tl.arange(0, CHUNKS_P2)
+    return tl.sum(tl.load(PART + row * num_chunks + index, mask=index < num_chunks, other=0.0), 0)
+
+
+@triton.jit
+def _load_row(Z, row, stride_z, cols, mask):
+    return tl.load(Z + row * stride_z + cols, mask=mask, other=0.0).to(tl.float64)
+
+
+@triton.jit(do_not_specialize=["N"])
+def forward_sums_kernel(
+    X, R, RES_OUT, PART_A,
     stride_x, stride_r, stride_res_out,
     N, num_chunks,
-    HAS_RESIDUAL: tl.constexpr, RMS: tl.constexpr, CHUNK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, RMS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
 ):  # fmt: skip
-    """Wide rows, stage 1: per-chunk statistics, grid (M, num_chunks).
-
-    RMS: PART_A = Σ z². Layer norm: with d = z - z[0], PART_A = mean_c(d) (corrected
-    two-pass within the chunk) and PART_B = M2_c = Σ (d - mean_c)².
-    """
+    """Wide rows, pass 1, grid (M, chunks): a chunk's Σz (RMSNorm: Σz²) into PART_A, and
+    its residual_out."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    cols = chunk * (ROWS * COLS) + _tile(ROWS, COLS)
     mask = cols < N
     z = _load_z(X, R, RES_OUT, row, stride_x, stride_r, stride_res_out, cols, mask,
-                HAS_RESIDUAL)  # fmt: skip
-    slot = row * num_chunks + chunk
+                HAS_RESIDUAL).to(tl.float64)  # fmt: skip
     if RMS:
-        tl.store(PART_A + slot, tl.sum(z * z, 0))
+        total = _sum2d(z * z)
     else:
-        shift = _load_shift(X, R, RES_OUT, row, stride_x, stride_r, HAS_RESIDUAL)
-        mean_c, m2_c = _chunk_stats(tl.where(mask, z - shift, 0.0), mask)
-        tl.store(PART_A + slot, mean_c)
-        tl.store(PART_B + slot, m2_c)
+        total = _sum2d(z)
+    tl.store(PART_A + row * num_chunks + chunk, total)
 
 
-@triton.jit
-def forward_wide_kernel(
-    Z, W, B, Y, MEAN, RSTD, PART_A, PART_B,
-    stride_z, stride_y,
-    N, n_f, eps, num_chunks,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr,
-    CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr,
+@triton.jit(do_not_specialize=["N"])
+def forward_centered_kernel(
+    Z, PART_A, PART_B, PART_C,
+    stride_z,
+    N, num_chunks,
+    CHUNKS_P2: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
 ):  # fmt: skip
-    """Wide rows, stage 2: combine the row's chunk statistics in a fixed order, normalize
-    this program's chunk; grid (M, num_chunks). Z is x, or residual_out (already rounded)."""
+    """Wide rows, pass 2 (layer norm), grid (M, chunks): with m1 = Σz/N, a chunk's Σd
+    and Σd², d = z - m1, into PART_B and PART_C."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    cols = chunk * (ROWS * COLS) + _tile(ROWS, COLS)
     mask = cols < N
-    z = tl.load(Z + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
-    index = tl.arange(0, CHUNKS_P2)
-    valid = index < num_chunks
-    slots = row * num_chunks + index
+    m1 = _row_total(PART_A, row, num_chunks, CHUNKS_P2) / N.to(tl.float64)
+    d = tl.where(mask, _load_row(Z, row, stride_z, cols, mask) - m1, 0.0)
+    slot = row * num_chunks + chunk
+    tl.store(PART_B + slot, _sum2d(d))
+    tl.store(PART_C + slot, _sum2d(d * d))
+
+
+@triton.jit(do_not_specialize=["N", "eps_bits", "depth"])
+def forward_output_kernel(
+    Z, W, B, Y, MEAN, RSTD, PART_A, PART_B, PART_C, CHUNK_FLAGS,
+    stride_z, stride_y,
+    N, eps_bits, depth, num_chunks,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr,
+    CHUNKS_P2: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+):  # fmt: skip
+    """Wide rows, pass 3, grid (M, chunks): the row's statistics from its partials (every
+    program of a row the same bits), then stage 1's output and test for one chunk;
+    ``CHUNK_FLAGS[row, chunk]`` is 1 where the chunk or the row's bound is open."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * (ROWS * COLS) + _tile(ROWS, COLS)
+    mask = cols < N
+    n = N.to(tl.float64)
+    g = _gamma(depth)
     if RMS:
-        rstd = _rstd(_mean(_total(tl.load(PART_A + slots, mask=valid, other=0.0)), n_f), eps)
-        u = z * rstd
+        m1 = tl.full([], 0.0, tl.float64)
+        delta, var, e_mean, e_var, k_c = _stage_one_rms(
+            _row_total(PART_A, row, num_chunks, CHUNKS_P2), n, g
+        )
     else:
-        shift = tl.load(Z + row * stride_z).to(tl.float32)
-        mean_c = tl.load(PART_A + slots, mask=valid, other=0.0)
-        m2_c = tl.load(PART_B + slots, mask=valid, other=0.0)
-        mean_d, var = _combine(mean_c, m2_c, N, n_f, num_chunks, CHUNK, CHUNKS_P2)
-        rstd = _rstd(var, eps)
-        u = tl.where(mask, (z - shift) - mean_d, 0.0) * rstd
-        tl.store(MEAN + row, shift + mean_d, mask=chunk == 0)
-    tl.store(RSTD + row, rstd, mask=chunk == 0)
-    y = _affine(u, W, B, cols, mask, HAS_WEIGHT, HAS_BIAS)
-    tl.store(Y + row * stride_y + cols, _cast(y, Y.dtype.element_ty), mask=mask)
+        m1 = _row_total(PART_A, row, num_chunks, CHUNKS_P2) / n
+        delta, var, e_mean, e_var, k_c = _stage_one(
+            _row_total(PART_B, row, num_chunks, CHUNKS_P2),
+            _row_total(PART_C, row, num_chunks, CHUNKS_P2),
+            n,
+            g,
+        )
+        tl.store(MEAN + row, (m1 + delta).to(tl.float32), mask=chunk == 0)
+    rstd, k_p, k_w, loose = _row_constants(var, e_var, _eps(eps_bits))
+    tl.store(RSTD + row, rstd.to(tl.float32), mask=chunk == 0)
+    a, b = _folded(delta, rstd, e_mean, k_c, k_p, k_w)
+    z = _load_row(Z, row, stride_z, cols, mask)
+    gamma, beta = _load_params(W, B, cols, mask, HAS_WEIGHT, HAS_BIAS)
+    y, open_ = _output(z, gamma, beta, mask, m1, delta, rstd, a, b, _C2_1 * _U * _SLACK,
+                       Y.dtype.element_ty, HAS_WEIGHT, HAS_BIAS)  # fmt: skip
+    tl.store(Y + row * stride_y + cols, y, mask=mask)
+    tl.store(CHUNK_FLAGS + row * num_chunks + chunk, open_ | loose)
+
+
+@triton.jit(do_not_specialize=["N", "eps_bits", "depth"])
+def forward_precise_kernel(
+    Z, W, B, Y, PART_A, CHUNK_FLAGS, FLAGS,
+    stride_z, stride_y,
+    N, eps_bits, depth, num_chunks,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr,
+    CHUNKS_P2: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+):  # fmt: skip
+    """Wide rows, stage 2, grid (M,): launched for every row, it returns at once for a
+    row none of whose chunks is open; for an open row it computes the statistics again
+    by accurate sums (four passes over the row) and rewrites the row's output.
+    ``FLAGS[row]`` as in :func:`forward_fused_kernel`."""
+    row = tl.program_id(0).to(tl.int64)
+    index = tl.arange(0, CHUNKS_P2)
+    chunk_flags = tl.load(CHUNK_FLAGS + row * num_chunks + index, mask=index < num_chunks, other=0)
+    flag = tl.max(chunk_flags, 0)
+    if flag != 0:
+        n = N.to(tl.float64)
+        g = _gamma(depth)
+        tile = _tile(ROWS, COLS)
+        zero = tl.full([], 0.0, tl.float64)
+        big = zero
+        if RMS:
+            m1 = zero
+        else:
+            m1 = _row_total(PART_A, row, num_chunks, CHUNKS_P2) / n
+        for chunk in range(0, num_chunks):  # the largest |d| (RMSNorm: z²)
+            cols = chunk * (ROWS * COLS) + tile
+            mask = cols < N
+            z = _load_row(Z, row, stride_z, cols, mask)
+            if RMS:
+                big = tl.maximum(big, _max2d(z * z))
+            else:
+                big = tl.maximum(big, _max2d(tl.where(mask, tl.abs(z - m1), 0.0)))
+        sigma = _pow2_above(4.0 * n * big)
+        q_total = zero
+        r_total = zero
+        rounding = zero
+        absolute = zero
+        for chunk in range(0, num_chunks):  # Σd (RMSNorm: Σz²) by extraction
+            cols = chunk * (ROWS * COLS) + tile
+            mask = cols < N
+            z = _load_row(Z, row, stride_z, cols, mask)
+            if RMS:
+                q, r = _split(z * z, sigma)
+            else:
+                d = tl.where(mask, z - m1, 0.0)
+                q, r = _split(d, sigma)
+                rounding += _sum2d(tl.where(mask, _two_sum_error(z, -m1, d), 0.0))
+                absolute += _sum2d(tl.abs(d))
+            q_total += _sum2d(q)
+            r_total += _sum2d(r)
+        if RMS:
+            s2, e_s2 = _accurate(q_total, r_total, sigma, n, g)
+            var = s2 / n
+            e_var = _C1_01 * (e_s2 / n + _U * var)
+            delta = zero
+            e_mean = zero
+            k_c = zero
+        else:
+            delta, e_mean = _precise_mean(q_total, r_total, rounding, absolute, sigma, n, g)
+            sigma = _pow2_above(4.0 * n * _square_above(big, delta))
+            q_total = zero
+            r_total = zero
+            spread = zero
+            for chunk in range(0, num_chunks):  # Σfl(c²) by extraction, and the spread
+                cols = chunk * (ROWS * COLS) + tile
+                mask = cols < N
+                d = tl.where(mask, _load_row(Z, row, stride_z, cols, mask) - m1, 0.0)
+                c = tl.where(mask, d - delta, 0.0)
+                spread += _sum2d(tl.where(mask, _spread(c, d, e_mean), 0.0))
+                q, r = _split(c * c, sigma)
+                q_total += _sum2d(q)
+                r_total += _sum2d(r)
+            var, e_var = _precise_variance(q_total, r_total, spread, sigma, n, g)
+            k_c = _C1_01 * _U
+        rstd, k_p, k_w, loose = _row_constants(var, e_var, _eps(eps_bits))
+        a, b = _folded(delta, rstd, e_mean, k_c, k_p, k_w)
+        flag = loose
+        for chunk in range(0, num_chunks):  # the output again, with stage 2's bound
+            cols = chunk * (ROWS * COLS) + tile
+            mask = cols < N
+            z = _load_row(Z, row, stride_z, cols, mask)
+            gamma, beta = _load_params(W, B, cols, mask, HAS_WEIGHT, HAS_BIAS)
+            y, open_ = _output(z, gamma, beta, mask, m1, delta, rstd, a, b,
+                               _C2_1 * _U * _SLACK, Y.dtype.element_ty, HAS_WEIGHT,
+                               HAS_BIAS)  # fmt: skip
+            tl.store(Y + row * stride_y + cols, y, mask=mask)
+            flag = flag | open_
+        flag = 2 - flag  # 2: settled by stage 2, 1: still open
+    tl.store(FLAGS + row, flag)
 
 
 @triton.jit
