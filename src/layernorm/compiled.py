@@ -249,22 +249,74 @@ def _use(module: ModuleType) -> None:
     from . import _op, backends
     from .backends import _kernel_abi, numba_
 
+    # Everything the C++ part needs to know is handed over here, from its one home.
     # Inputs of numba_.STREAM_BYTES or more go through Python: the numba backend streams
     # their outputs or takes them from its host cache, and Python's cost is lost in the
     # kernel's there.
     module.set_up(
-        torch.Tensor,
-        torch.nn.Parameter,
-        _resolve,
-        numba_.SERIAL_NUMEL,
-        numba_.STREAM_BYTES,
-        _kernel_abi.signature("forward"),
-        [_op.default_eps(dtype) for dtype in DTYPES],
+        {
+            "tensor_type": torch.Tensor,
+            "parameter_type": torch.nn.Parameter,
+            "resolve": _resolve,
+            "python_forward": _op._forward_impl,
+            "python_backward": _op._backward_impl,
+            "fix_forward": _fix_forward_rows,
+            "fix_backward": _fix_backward_rows,
+            "composite_backward": _op.composite_backward,
+            "kernel_rows": _op.kernel_rows,
+            "backend_named": backends.named_by_environment,
+            "constant": _constant,
+            "serial_numel": numba_.SERIAL_NUMEL,
+            "max_bytes": numba_.STREAM_BYTES,
+            "forward_signature": _kernel_abi.signature("forward"),
+            "backward_signature": _kernel_abi.signature("backward"),
+            "default_eps": [_op.default_eps(dtype) for dtype in DTYPES],
+        }
     )
     if _extension is None:
         backends.on_forget(_forget)
     _extension, _reason = module, None
     norm = module.norm
+
+
+def _constant(n: int, index: int, value: float) -> torch.Tensor:
+    """``numba_._constant`` for ``DTYPES[index]``."""
+    from .backends import numba_
+
+    return numba_._constant(n, DTYPES[index], value)
+
+
+def _fix_forward_rows(
+    y: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    rms: bool,
+    flags: torch.Tensor,
+) -> None:
+    """The numba backend's exact fallback for the rows of ``y`` that ``flags`` (m + 1
+    bytes, as the kernel wrote them) marks: those rows only."""
+    from .backends import numba_
+
+    numba_._fix_rows(y, z, weight, bias, eps, rms, flags.numpy()[:-1])
+
+
+def _fix_backward_rows(
+    dx: torch.Tensor,
+    dy: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    dresidual_out: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+    flags: torch.Tensor,
+) -> None:
+    """The numba backend's exact fallback for the rows of ``dx`` that ``flags`` marks."""
+    from .backends import numba_
+
+    # (numba_._fix_backward_rows comes with the correctly rounded backward)
+    numba_._fix_backward_rows(dx, dy, z, weight, dresidual_out, eps, rms, flags.numpy()[:-1])  # type: ignore[attr-defined]
 
 
 def _resolve(index: int, name: str) -> int | None:

@@ -1,17 +1,18 @@
 """The four public functions: validation, flattening to rows, and the choice of entry point.
 
-Data flows down once: validate → rows → one entry point of the op (:mod:`layernorm._op`,
-which says which mechanism takes which) → the input's shape. Two shortcuts skip work a
-call does not need, and decline every call they were not built for
-(``docs/contract.md`` §6):
+Data flows down once: validate → rows → the op ``layernorm::forward`` (:mod:`layernorm._op`;
+:func:`_enter` names the few calls that do not go through it, and why) → the input's
+shape. Two shortcuts skip work a call does not need, and decline every call they were not
+built for (``docs/contract.md`` §6):
 
-- the compiled dispatch (:mod:`layernorm.compiled`) answers plain eager inference on CPU
-  (checks, allocation and the numba kernel in C++);
+- the compiled front door (:mod:`layernorm.compiled`) takes the common eager call on CPU
+  in C++: with a gradient it calls the op through the dispatcher, without one the op's
+  CPU kernel (checks, allocation and the numba kernel in C++);
 - a common call (:func:`_common_call`) skips the full checks, which it would pass
   unchanged.
 
-``FAST_PATHS = False`` switches both off, and with them the direct kernel calls inside
-the op: every call then goes through the custom op ``layernorm::forward`` (same bits).
+``FAST_PATHS = False`` switches both off, and with them the direct kernel calls of plain
+inference: every call then goes through the op (same bits).
 """
 
 from __future__ import annotations
@@ -256,8 +257,8 @@ def _custom_op(
     rms: bool,
     backend: str,
 ) -> tuple[Tensor, Tensor | None]:
-    """The custom op, on (M, N) rows: torch.compile traces it, and DTensor dispatches on
-    it, both with shape rules for rows; its autograd and autocast policy are registered."""
+    """The op ``layernorm::forward`` on (M, N) rows (the shape its DTensor rules and
+    torch.compile's traces are written for), with the outputs in ``x``'s shape."""
     n = x.shape[-1]
     rows = _op.rows(x, n)
     residual_rows = None if residual is None else _op.rows(residual, n)
@@ -275,8 +276,17 @@ def _enter(
     backend: str,
     fast: bool,
 ) -> tuple[Tensor, Tensor | None]:
-    """Kernel arguments handed to the op's entry point for what the call meets (the
-    table in :mod:`layernorm._op`)."""
+    """Kernel arguments handed to the op (``docs/contract.md`` §6). Every call goes
+    through ``layernorm::forward`` and torch's dispatcher, which runs its kernel,
+    autograd, vmap rule, fake kernel or autocast policy, except:
+
+    - what records torch operations (torch.export, jit tracing): the decomposition, which
+      they record op by op (an opaque op would not export);
+    - forward-mode AD (a dual level, a torch.func transform, which may hold a jvp):
+      :class:`layernorm._op.TransformNorm`, since a custom op cannot carry a JVP;
+    - plain inference with the fast paths on: the kernel directly, which skips the
+      custom op's Python cost (tens of µs where the C++ part is not built).
+    """
     if torch.compiler.is_compiling():  # (true under torch.export too)
         if torch.compiler.is_exporting():
             return _op.decomposition(x, residual, weight, bias, eps, rms)
@@ -285,36 +295,29 @@ def _enter(
         x, residual, weight, bias = _op.autocast(x, residual, weight, bias)
     if torch._C._is_tracing():
         return _op.decomposition(x, residual, weight, bias, eps, rms)
-    if not (
-        type(x) in _op.PLAIN
-        and type(residual) in _op.PLAIN_OR_NONE
-        and type(weight) in _op.PLAIN_OR_NONE
-        and type(bias) in _op.PLAIN_OR_NONE
-    ):
-        return _custom_op(x, residual, weight, bias, eps, rms, backend)
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    if _forward_ad._current_level >= 0 or torch._C._functorch.peek_interpreter_stack() is not None:
         y, residual_out, _, _ = _op.TransformNorm.apply(
             x, residual, weight, bias, eps, rms, backend, fast
         )
         return y, residual_out
-    if _forward_ad._current_level >= 0 or (
-        torch.is_grad_enabled()
-        and (
-            x.requires_grad
-            or _requires_grad(residual)
-            or _requires_grad(weight)
-            or _requires_grad(bias)
+    if (
+        fast
+        and not (
+            torch.is_grad_enabled()
+            and (
+                x.requires_grad
+                or _requires_grad(residual)
+                or _requires_grad(weight)
+                or _requires_grad(bias)
+            )
         )
+        and _op.direct_call(x, residual, weight, bias)
     ):
-        y, residual_out, _, _ = _op.Norm.apply(x, residual, weight, bias, eps, rms, backend, fast)
-        return y, residual_out
-    if fast and _op.direct_call(x, residual, weight, bias):
         y, residual_out, _, _ = _op.forward(
             x, residual, weight, bias, eps, rms, backend, stats=False
         )
         return y, residual_out
-    y, residual_out, _, _ = _op.forward_op(x, residual, weight, bias, eps, rms, backend)
-    return y, None if residual is None else residual_out
+    return _custom_op(x, residual, weight, bias, eps, rms, backend)
 
 
 def _shaped(
