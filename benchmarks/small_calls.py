@@ -13,8 +13,7 @@ such calls in ~1 ms batches, whose medians move more.)
 ``--dtype`` picks the inputs' and parameters' dtype (float32 by default; bfloat16 and
 float16 work the same); ``--rounds`` the rounds per median (31 by default).
 ``--breakdown`` also times, interleaved with those, the parts of an inference call
-through Python: the argument checks (``ops._common_call``), the numba backend's
-``forward`` alone, and the allocation plus the kernel call alone; and single tensor
+through Python: the numba backend's ``forward`` alone, and the allocation plus the kernel call alone; and single tensor
 attribute reads, which is what the checks are made of.
 """
 
@@ -106,7 +105,6 @@ def measure(
 
 
 def breakdown(shape: tuple[int, ...]) -> str:
-    from layernorm import ops
     from layernorm.backends import numba_
 
     n = shape[-1]
@@ -128,7 +126,6 @@ def breakdown(shape: tuple[int, ...]) -> str:
                 "torch": lambda: F.layer_norm(x, (n,), w, b),
                 "ours": lambda: layernorm.layer_norm(x, (n,), w, b),
                 "ours via Python": lambda: layernorm.layer_norm(x, (n,), w, b),
-                "checks": lambda: ops._common_call(x, None, (n,), w, b, 1e-5, None),
                 "backend": lambda: numba_.forward(x, None, w, b, 1e-5, False, stats=False),
                 "kernel call": kernel_call,
             }

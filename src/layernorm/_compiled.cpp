@@ -353,11 +353,12 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
         const bool need_residual = has_residual && ctx->needs_input_grad(edge++);
         const bool need_dweight = has_weight && ctx->needs_input_grad(edge++);
         const bool need_dbias = bias_dtype >= 0 && ctx->needs_input_grad(edge);
-        const int64_t n = z.size(-1);
+        // (symbolic sizes: torch.compile traces this backward with fake tensors)
+        const c10::SymInt n = z.sym_size(-1);
         Tensor dy = grads[0], dres;
-        if (has_residual && grads[1].defined() && grads[1].numel() != 0) dres = grads[1];
-        auto rows = [n](const Tensor& t) {
-            if (!t.defined() || (t.is_contiguous() && t.size(-1) == n)) return t;
+        if (has_residual && grads[1].defined() && grads[1].sym_numel() != 0) dres = grads[1];
+        auto rows = [&n](const Tensor& t) {
+            if (!t.defined() || (t.is_contiguous() && t.sym_size(-1) == n)) return t;
             return call_python<Tensor>(state.kernel_rows, t, n);
         };
         dy = rows(dy);
@@ -368,9 +369,12 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
         if (torch::GradMode::is_enabled())  // a graph of the backward: differentiable ops
             g = call_python<Gradients>(state.composite_backward, dy, z, weight_arg, eps, rms,
                                        dres_arg);
-        else
+        else {
+            // (below autograd: nothing differentiates it; a batched gradient's keys remain)
+            at::AutoDispatchBelowADInplaceOrView guard;
             g = backward_op().call(dy, z, weight_arg, mean, rstd, dres_arg, rms, need_dweight,
                                    need_dbias, ctx->saved_data["backend"].toStringRef(), eps);
+        }
         auto& [dz, dweight, dbias] = g;
         const bool need_z = need_x || need_residual;
         variable_list out(7);

@@ -8,11 +8,10 @@ built for (``docs/contract.md`` §6):
 - the compiled front door (:mod:`layernorm.compiled`) takes the common eager call on CPU
   in C++: with a gradient it calls the op through the dispatcher, without one the op's
   CPU kernel (checks, allocation and the numba kernel in C++);
-- a common call (:func:`_common_call`) skips the full checks, which it would pass
-  unchanged.
+- plain inference calls the backend's kernel directly, without the op.
 
-``FAST_PATHS = False`` switches both off, and with them the direct kernel calls of plain
-inference: every call then goes through the op (same bits).
+``FAST_PATHS = False`` switches both off: every call then goes through the op (same
+bits).
 """
 
 from __future__ import annotations
@@ -131,59 +130,6 @@ def _requires_grad(t: Tensor | None) -> bool:
     return t is not None and t.requires_grad
 
 
-def _plain_param(p: Tensor | None, n: int) -> bool:
-    return p is None or (
-        type(p) in _op.PLAIN
-        and p.is_cpu
-        and p.shape == (n,)
-        and p.is_floating_point()
-        and p.is_contiguous()
-    )
-
-
-def _common_call(
-    x: Tensor,
-    residual: Tensor | None,
-    normalized_shape: ShapeLike,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    eps: float | None,
-    backend: str | None,
-) -> int:
-    """N when the call is the common one, which the full checks would pass without
-    changing anything: a plain contiguous floating CPU tensor; ``normalized_shape`` its
-    last dim, as an int or a 1-tuple; a residual like ``x`` or None; plain contiguous
-    (N,) floating CPU parameters or None; a non-negative float ``eps``; the automatic
-    backend. 0 for any other call (the full checks take it)."""
-    one = type(normalized_shape) is tuple and len(normalized_shape) == 1
-    n = normalized_shape[0] if one else normalized_shape  # type: ignore[index]
-    if not (
-        type(n) is int
-        and n > 0
-        and type(x) is Tensor
-        and x.is_cpu
-        and x.is_floating_point()
-        and x.is_contiguous()
-        and x.dim() > 0
-        and x.shape[-1] == n
-        and type(eps) is float
-        and eps >= 0
-        and backend is None
-        and _plain_param(weight, n)
-        and _plain_param(bias, n)
-    ):
-        return 0
-    if residual is not None and not (
-        type(residual) is Tensor
-        and residual.is_cpu
-        and residual.dtype == x.dtype
-        and residual.shape == x.shape
-        and residual.is_contiguous()
-    ):
-        return 0
-    return n
-
-
 def _norm(
     op: str,
     x: Tensor,
@@ -217,34 +163,31 @@ def _call(
 ) -> tuple[Tensor, Tensor | None]:
     fast = FAST_PATHS
     if fast and not torch.compiler.is_compiling():
+        # the common call, when no mechanism would see it: checked and run in C++
         out = _compiled.norm(x, residual, normalized_shape, weight, bias, eps, rms, backend)
-        if out is not None:  # plain eager inference, run by the compiled dispatch
+        if out is not None:
             return out
-    n = _common_call(x, residual, normalized_shape, weight, bias, eps, backend) if fast else 0
-    if n:  # the checks below would pass and change nothing
-        rows, residual_rows, name = x, residual, ""
-    else:
-        shape = _normalized_shape(normalized_shape)
-        _check_input("input", x, shape, op)
-        if residual is not None:
-            _check_input("residual", residual, shape, op)
-            if residual.shape != x.shape or residual.dtype != x.dtype:
-                raise NormalizedShapeError(
-                    f"{op}: residual must match input in shape and dtype, but got input "
-                    f"{list(x.shape)} {x.dtype} and residual {list(residual.shape)} "
-                    f"{residual.dtype}"
-                )
-            _check_device("residual", residual, x)
-        if weight is not None:
-            weight = _param("weight", weight, shape, x, op)
-        if bias is not None:
-            bias = _param("bias", bias, shape, x, op)
-        eps = _check_eps(_op.default_eps(x.dtype) if eps is None else eps)
-        name = "" if backend is None else _check_backend(backend)
-        n = shape[0] if len(shape) == 1 else math.prod(shape)
-        rows = _op.kernel_rows(x, n)
-        residual_rows = None if residual is None else _op.kernel_rows(residual, n)
-    y, residual_out = _enter(rows, residual_rows, weight, bias, eps, rms, name, fast)  # type: ignore[arg-type]
+    shape = _normalized_shape(normalized_shape)
+    _check_input("input", x, shape, op)
+    if residual is not None:
+        _check_input("residual", residual, shape, op)
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise NormalizedShapeError(
+                f"{op}: residual must match input in shape and dtype, but got input "
+                f"{list(x.shape)} {x.dtype} and residual {list(residual.shape)} "
+                f"{residual.dtype}"
+            )
+        _check_device("residual", residual, x)
+    if weight is not None:
+        weight = _param("weight", weight, shape, x, op)
+    if bias is not None:
+        bias = _param("bias", bias, shape, x, op)
+    eps = _check_eps(_op.default_eps(x.dtype) if eps is None else eps)
+    name = "" if backend is None else _check_backend(backend)
+    n = shape[0] if len(shape) == 1 else math.prod(shape)
+    rows = _op.kernel_rows(x, n)
+    residual_rows = None if residual is None else _op.kernel_rows(residual, n)
+    y, residual_out = _enter(rows, residual_rows, weight, bias, eps, rms, name, fast)
     return _shaped(y, residual_out, rows, x)
 
 
