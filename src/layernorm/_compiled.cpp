@@ -3,8 +3,8 @@
 // loads this file and says why).
 //
 // Python defines the ops (layernorm._op: schemas, fake kernels, vmap rules, autocast,
-// a Python autograd and Python kernels for every device). Loading this library adds, for
-// CPU tensors, kernels that torch's dispatcher prefers to those:
+// a Python autograd and Python kernels for every device). set_up registers, for CPU
+// tensors, kernels that torch's dispatcher prefers to those:
 //
 //   CPU          forward_cpu / backward_cpu: the numba backend's compiled entries called
 //                through their C addresses (a row flagged for the exact fallback is
@@ -27,6 +27,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -39,6 +40,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -80,7 +82,7 @@ const char* const BACKWARD_SIGNATURE =
 enum Entry { FORWARD_SERIAL, FORWARD_PARALLEL, BACKWARD_SERIAL, BACKWARD_PARALLEL, ENTRIES };
 const char* const ENTRY_NAMES[] = {"forward_serial", "forward_parallel", "backward_serial",
                                    "backward_parallel"};
-constexpr int DTYPES = 4;  // float16, bfloat16, float32, float64: compiled.DTYPES' order
+constexpr int DTYPES = 4;  // the kernels' input dtypes, in compiled.DTYPES' order
 
 // What Python hands over at set_up (compiled._use): the rules live there, not here.
 struct State {
@@ -98,20 +100,18 @@ struct State {
     int64_t max_bytes = 0;     // numba_.STREAM_BYTES: larger inputs go through Python
     int64_t kernels[DTYPES][ENTRIES] = {};  // C addresses: 0 not asked yet, -1 none
     double default_eps[DTYPES] = {};        // eps=None per dtype: _op.default_eps's values
+    at::ScalarType dtypes[DTYPES] = {};      // compiled.DTYPES
+    at::ScalarType acc_dtypes[DTYPES] = {};  // their accumulation dtypes (torch_'s rule)
 };
 State state;
 
 int dtype_index(at::ScalarType t) {
-    switch (t) {
-        case at::kHalf: return 0;
-        case at::kBFloat16: return 1;
-        case at::kFloat: return 2;
-        case at::kDouble: return 3;
-        default: return -1;
-    }
+    for (int d = 0; d < DTYPES; ++d)
+        if (state.dtypes[d] == t) return d;
+    return -1;
 }
 
-at::ScalarType acc_dtype(int d) { return d == 3 ? at::kDouble : at::kFloat; }
+at::ScalarType acc_dtype(int d) { return state.acc_dtypes[d]; }
 
 int64_t address(const Tensor& t) { return reinterpret_cast<int64_t>(t.data_ptr()); }
 
@@ -510,6 +510,22 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     END_HANDLE_TH_ERRORS
 }
 
+// The kernels, registered in torch's dispatcher by the first set_up that succeeds (not
+// when the library loads: a build that refuses the kernels' signatures registers none).
+void register_kernels() {
+    static std::unique_ptr<torch::Library> cpu, autograd;
+    if (cpu) return;
+    cpu = std::make_unique<torch::Library>(torch::Library::IMPL, "layernorm",
+                                           c10::DispatchKey::CPU, __FILE__, __LINE__);
+    cpu->impl("forward", forward_cpu);
+    cpu->impl("backward", backward_cpu);
+    autograd = std::make_unique<torch::Library>(torch::Library::IMPL, "layernorm",
+                                                c10::DispatchKey::AutogradCPU, __FILE__, __LINE__);
+    autograd->impl("forward", forward_autograd);
+    // the backward is not differentiated (a graph of it is composite_backward's)
+    autograd->impl("backward", torch::autograd::autogradNotImplementedFallback());
+}
+
 void replace(PyObject** slot, pybind11::object value) {
     Py_XDECREF(*slot);
     *slot = value.release().ptr();
@@ -525,8 +541,18 @@ void set_up(pybind11::dict rules) {
                 FORWARD_SIGNATURE, " and ", BACKWARD_SIGNATURE, " but the numba kernels have ",
                 forward_signature, " and ", backward_signature, ": rebuild it (layernorm build)");
     const auto default_eps = rules["default_eps"].cast<std::vector<double>>();
-    TORCH_CHECK(default_eps.size() == DTYPES, "set_up: one default eps per dtype");
+    const auto dtypes = rules["dtypes"].cast<std::vector<pybind11::object>>();
+    const auto acc_dtypes = rules["acc_dtypes"].cast<std::vector<pybind11::object>>();
+    TORCH_CHECK(default_eps.size() == DTYPES && dtypes.size() == DTYPES &&
+                    acc_dtypes.size() == DTYPES,
+                "set_up: ", DTYPES, " dtypes, their accumulation dtypes and default eps");
     std::copy(default_eps.begin(), default_eps.end(), state.default_eps);
+    for (int d = 0; d < DTYPES; ++d) {
+        TORCH_CHECK(THPDtype_Check(dtypes[d].ptr()) && THPDtype_Check(acc_dtypes[d].ptr()),
+                    "set_up: dtypes must be torch.dtype");
+        state.dtypes[d] = reinterpret_cast<THPDtype*>(dtypes[d].ptr())->scalar_type;
+        state.acc_dtypes[d] = reinterpret_cast<THPDtype*>(acc_dtypes[d].ptr())->scalar_type;
+    }
     replace(&state.tensor_type, rules["tensor_type"]);
     replace(&state.parameter_type, rules["parameter_type"]);
     replace(&state.resolve, rules["resolve"]);
@@ -541,6 +567,7 @@ void set_up(pybind11::dict rules) {
     state.serial_numel = rules["serial_numel"].cast<int64_t>();
     state.max_bytes = rules["max_bytes"].cast<int64_t>();
     std::fill(&state.kernels[0][0], &state.kernels[0][0] + DTYPES * ENTRIES, 0);
+    register_kernels();
 }
 
 // Forgets the kernel addresses, so the next call asks again (backends.forget).
@@ -551,17 +578,6 @@ PyMethodDef NORM_DEF = {"norm", reinterpret_cast<PyCFunction>(reinterpret_cast<v
                         "norm(x, residual, normalized_shape, weight, bias, eps, rms, backend)"};
 
 }  // namespace
-
-TORCH_LIBRARY_IMPL(layernorm, CPU, m) {
-    m.impl("forward", forward_cpu);
-    m.impl("backward", backward_cpu);
-}
-
-TORCH_LIBRARY_IMPL(layernorm, AutogradCPU, m) {
-    m.impl("forward", forward_autograd);
-    // the backward is not differentiated (a graph of it is composite_backward's)
-    m.impl("backward", torch::autograd::autogradNotImplementedFallback());
-}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_up", &set_up);

@@ -261,6 +261,7 @@ def _use(module: ModuleType) -> None:
     global _extension, _reason, norm
     from . import _op, backends
     from .backends import _kernel_abi, numba_
+    from .backends.torch_ import accumulation_dtype
 
     # Everything the C++ part needs to know is handed over here, from its one home.
     # Inputs of numba_.STREAM_BYTES or more go through Python: the numba backend streams
@@ -284,6 +285,8 @@ def _use(module: ModuleType) -> None:
             "forward_signature": _kernel_abi.signature("forward"),
             "backward_signature": _kernel_abi.signature("backward"),
             "default_eps": [_op.default_eps(dtype) for dtype in DTYPES],
+            "dtypes": list(DTYPES),
+            "acc_dtypes": [accumulation_dtype(dtype) for dtype in DTYPES],
         }
     )
     if _extension is None:
