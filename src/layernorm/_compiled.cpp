@@ -11,7 +11,7 @@
 //                rewritten by Python, that row only); any call they were not built for
 //                (another backend, zero-size, large, strided) goes to the Python kernel
 //                (_op._forward_impl / _op._backward_impl), so every backend keeps working
-//   AutogradCPU  forward_autograd: NormFunction, a C++ autograd node whose backward
+//   AutogradCPU  forward_autograd: NormBackward, a C++ autograd node whose backward
 //                calls layernorm::backward through the dispatcher (a batched gradient
 //                meets the vmap rule there); a backward that builds a graph
 //                (create_graph) runs Python's differentiable composite_backward
@@ -19,7 +19,7 @@
 // norm(x, residual, normalized_shape, weight, bias, eps, rms, backend) is the front door
 // of ops._call: for the call that ops._common_call accepts, when no PyTorch mechanism
 // would see it (mechanism_active), it answers (y, residual_out) itself: with a gradient
-// through the dispatcher (so autograd records NormFunction), without one by the CPU
+// through the dispatcher (so autograd records NormBackward), without one by the CPU
 // kernel's own function, without statistics. Any other call gets None before any work.
 
 #include <ATen/PythonTorchFunctionTLS.h>
@@ -30,7 +30,7 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/extension.h>
@@ -51,7 +51,6 @@
 namespace {
 
 using torch::Tensor;
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using OptionalTensor = std::optional<Tensor>;
 using Outputs = std::tuple<Tensor, Tensor, Tensor, Tensor>;
@@ -183,6 +182,18 @@ int64_t entry_for(const Tensor& x, c10::string_view backend, Entry serial, Entry
     return kernel(d, numel < state.serial_numel ? serial : parallel);
 }
 
+// Room for m + 1 fallback flags (the kernels' flags argument), reused by the thread's
+// calls; a tensor over it only when a row is flagged.
+uint8_t* flag_buffer(int64_t m) {
+    thread_local std::vector<uint8_t> buffer;
+    if (buffer.size() < static_cast<size_t>(m + 1)) buffer.resize(m + 1);
+    return buffer.data();
+}
+
+Tensor flag_tensor(uint8_t* flags, int64_t m) {
+    return at::from_blob(flags, {m + 1}, at::TensorOptions().dtype(at::kByte));
+}
+
 struct Forward {
     Tensor y, residual_out, mean, rstd;
 };
@@ -208,16 +219,16 @@ Forward run_forward(const Tensor& x, const Tensor& residual, const Tensor& weigh
             mean_address = address(out.mean);
         }
     }
-    const Tensor flags = at::empty({m + 1}, at::TensorOptions().dtype(at::kByte));
+    uint8_t* flags = flag_buffer(m);
     reinterpret_cast<ForwardKernel>(kernel_address)(
         x_address, n, has_residual ? address(residual) : x_address, has_residual ? n : 0,
         has_residual, has_residual ? address(out.residual_out) : x_address, address(w),
         address(b), address(out.y), mean_address, rstd_address, m, n, eps, rms,
         false /* stream: inputs of max_bytes or more are Python's */, store_stats,
-        address(flags));
-    if (flags.data_ptr<uint8_t>()[m] != 0)  // rare: rewrite the flagged rows exactly
+        reinterpret_cast<int64_t>(flags));
+    if (flags[m] != 0)  // rare: rewrite the flagged rows exactly
         call_python(state.fix_forward, out.y, has_residual ? out.residual_out : x, w, b, eps,
-                    rms, flags);
+                    rms, flag_tensor(flags, m));
     return out;
 }
 
@@ -274,14 +285,15 @@ Gradients backward_cpu(const Tensor& dy, const Tensor& x, const OptionalTensor& 
     const Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
     const Tensor dweight = at::empty({need_dweight ? n : 0}, rstd.options());
     const Tensor dbias = at::empty({need_dbias ? n : 0}, rstd.options());
-    const Tensor flags = at::empty({m + 1}, at::TensorOptions().dtype(at::kByte));
+    uint8_t* flags = flag_buffer(m);
     reinterpret_cast<BackwardKernel>(kernel_address)(
         address(dy), row_stride(dy, n), address(x), n, address(dres_k),
         dres.defined() ? row_stride(dres, n) : 0, address(wk), address(rms ? rstd : mean),
         address(rstd), address(dx), need_dweight ? address(dweight) : 0,
-        need_dbias ? address(dbias) : 0, m, n, rms, false, eps, address(flags));
-    if (flags.data_ptr<uint8_t>()[m] != 0)  // rare: rewrite the flagged rows exactly
-        call_python(state.fix_backward, dx, dy, x, wk, dresidual_out, eps, rms, flags);
+        need_dbias ? address(dbias) : 0, m, n, rms, false, eps, reinterpret_cast<int64_t>(flags));
+    if (flags[m] != 0)  // rare: rewrite the flagged rows exactly
+        call_python(state.fix_backward, dx, dy, x, wk, dresidual_out, eps, rms,
+                    flag_tensor(flags, m));
     return {dx, dweight, dbias};
 }
 
@@ -314,75 +326,66 @@ Tensor as_dtype(const Tensor& t, at::ScalarType dtype) {
 }
 
 // The autograd of layernorm::forward on CPU: Python's _op._setup_context and _op._backward
-// (which the Python autograd of the op runs), with the same saved tensors and outputs.
-struct NormFunction : public torch::autograd::Function<NormFunction> {
-    static variable_list forward(AutogradContext* ctx, const Tensor& x,
-                                 const OptionalTensor& residual, const OptionalTensor& weight,
-                                 const OptionalTensor& bias, double eps, bool rms,
-                                 const std::string& backend) {
-        Outputs out;
-        {
-            at::AutoDispatchBelowADInplaceOrView guard;
-            out = forward_op().call(x, residual, weight, bias, eps, rms, backend);
-        }
-        const auto& [y, residual_out, mean, rstd] = out;
-        const bool has_residual = residual.has_value() && residual->defined();
-        const Tensor w = value(weight), b = value(bias);
-        ctx->save_for_backward({has_residual ? residual_out : x, w, mean, rstd});
-        ctx->saved_data["residual"] = has_residual;
-        ctx->saved_data["weight"] = w.defined();
-        ctx->saved_data["bias"] = b.defined() ? static_cast<int64_t>(b.scalar_type()) : -1;
-        ctx->saved_data["eps"] = eps;
-        ctx->saved_data["rms"] = rms;
-        ctx->saved_data["backend"] = backend;
-        ctx->mark_non_differentiable({mean, rstd});
-        return {y, residual_out, mean, rstd};
+// (which the Python autograd of the op runs), with the same saved tensors and outputs,
+// as a node of torch's own kind (a torch::autograd::Function costs a small call more).
+// Its inputs are (x, residual, weight, bias), an absent one without an edge; its
+// outputs y and, with a residual, residual_out (mean and rstd are not differentiable).
+struct NormBackward : public torch::autograd::Node {
+    torch::autograd::SavedVariable z, weight, mean, rstd;
+    bool has_residual = false, rms = false;
+    at::ScalarType weight_dtype = at::kFloat;
+    std::optional<at::ScalarType> bias_dtype;
+    double eps = 0;
+    std::string backend;
+
+    std::string name() const override { return "layernorm::NormBackward"; }
+
+    void release_variables() override {
+        z.reset_data();
+        weight.reset_data();
+        mean.reset_data();
+        rstd.reset_data();
     }
 
-    static variable_list backward(AutogradContext* ctx, variable_list grads) {
-        const auto saved = ctx->get_saved_variables();
-        const Tensor &z = saved[0], &weight = saved[1], &mean = saved[2], &rstd = saved[3];
-        const bool has_residual = ctx->saved_data["residual"].toBool();
-        const bool has_weight = ctx->saved_data["weight"].toBool();
-        const int64_t bias_dtype = ctx->saved_data["bias"].toInt();
-        const double eps = ctx->saved_data["eps"].toDouble();
-        const bool rms = ctx->saved_data["rms"].toBool();
-        // needs_input_grad counts the tensors given: x, then the present ones
-        size_t edge = 0;
-        const bool need_x = ctx->needs_input_grad(edge++);
-        const bool need_residual = has_residual && ctx->needs_input_grad(edge++);
-        const bool need_dweight = has_weight && ctx->needs_input_grad(edge++);
-        const bool need_dbias = bias_dtype >= 0 && ctx->needs_input_grad(edge);
+    variable_list apply(variable_list&& grads) override {
+        const Tensor zt = z.unpack(getptr()), w = weight.unpack(), m = mean.unpack(),
+                     r = rstd.unpack();
+        const bool need_x = task_should_compute_output(0);
+        const bool need_residual = has_residual && task_should_compute_output(1);
+        const bool need_dweight = w.defined() && task_should_compute_output(2);
+        const bool need_dbias = bias_dtype.has_value() && task_should_compute_output(3);
+        variable_list out(4);
+        if (!(need_x || need_residual || need_dweight || need_dbias)) return out;
         // (symbolic sizes: torch.compile traces this backward with fake tensors)
-        const c10::SymInt n = z.sym_size(-1);
-        Tensor dy = grads[0], dres;
-        if (has_residual && grads[1].defined() && grads[1].sym_numel() != 0) dres = grads[1];
+        const c10::SymInt n = zt.sym_size(-1);
         auto rows = [&n](const Tensor& t) {
             if (!t.defined() || (t.is_contiguous() && t.sym_size(-1) == n)) return t;
             return call_python<Tensor>(state.kernel_rows, t, n);
         };
+        // an unused output's gradient is undefined: zeros for y, nothing for residual_out
+        Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(zt);
+        Tensor dres;
+        if (has_residual && grads.size() > 1 && grads[1].defined()) dres = grads[1];
         dy = rows(dy);
         dres = rows(dres);
         const OptionalTensor dres_arg = dres.defined() ? OptionalTensor(dres) : std::nullopt;
-        const OptionalTensor weight_arg = has_weight ? OptionalTensor(weight) : std::nullopt;
+        const OptionalTensor weight_arg = w.defined() ? OptionalTensor(w) : std::nullopt;
         Gradients g;
-        if (torch::GradMode::is_enabled())  // a graph of the backward: differentiable ops
-            g = call_python<Gradients>(state.composite_backward, dy, z, weight_arg, eps, rms,
+        if (torch::GradMode::is_enabled()) {  // a graph of the backward: differentiable ops
+            g = call_python<Gradients>(state.composite_backward, dy, zt, weight_arg, eps, rms,
                                        dres_arg);
-        else {
+        } else {
             // (below autograd: nothing differentiates it; a batched gradient's keys remain)
             at::AutoDispatchBelowADInplaceOrView guard;
-            g = backward_op().call(dy, z, weight_arg, mean, rstd, dres_arg, rms, need_dweight,
-                                   need_dbias, ctx->saved_data["backend"].toStringRef(), eps);
+            g = backward_op().call(dy, zt, weight_arg, m, r, dres_arg, rms, need_dweight,
+                                   need_dbias, backend, eps);
         }
         auto& [dz, dweight, dbias] = g;
-        const bool need_z = need_x || need_residual;
-        variable_list out(7);
-        if (need_z && need_x) out[0] = dz;
+        if (need_x) out[0] = dz;
         // x and residual get the same gradient; never hand one tensor to two leaves
-        if (need_z && need_residual) out[1] = need_x ? dz.clone() : dz;
-        if (need_dweight) out[2] = as_dtype(dweight, weight.scalar_type());
-        if (need_dbias) out[3] = as_dtype(dbias, static_cast<at::ScalarType>(bias_dtype));
+        if (need_residual) out[1] = need_x ? dz.clone() : dz;
+        if (need_dweight) out[2] = as_dtype(dweight, weight_dtype);
+        if (need_dbias) out[3] = as_dtype(dbias, *bias_dtype);
         return out;
     }
 };
@@ -390,8 +393,37 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
 Outputs forward_autograd(const Tensor& x, const OptionalTensor& residual,
                          const OptionalTensor& weight, const OptionalTensor& bias, double eps,
                          bool rms, c10::string_view backend) {
-    auto out = NormFunction::apply(x, residual, weight, bias, eps, rms, std::string(backend));
-    return {out[0], out[1], out[2], out[3]};
+    using namespace torch::autograd;
+    // (inside an autograd.Function's forward, grad mode is off: its own jvp runs)
+    TORCH_CHECK(!(GradMode::is_enabled() &&
+                  (isFwGradDefined(x) || isFwGradDefined(residual) ||
+                   isFwGradDefined(weight) || isFwGradDefined(bias))),
+                "layernorm::forward has no forward-mode derivative (a custom op cannot carry "
+                "one): call layernorm's functions, which use their own (docs/contract.md §6)");
+    const bool grad = compute_requires_grad(x, residual, weight, bias);
+    Outputs out;
+    {
+        at::AutoDispatchBelowADInplaceOrView guard;
+        out = forward_op().call(x, residual, weight, bias, eps, rms, backend);
+    }
+    if (!grad) return out;
+    auto& [y, residual_out, mean, rstd] = out;
+    const Tensor w = value(weight), b = value(bias);
+    auto node = c10::make_intrusive<NormBackward>();
+    node->set_next_edges(collect_next_edges(x, residual, weight, bias));
+    node->has_residual = residual.has_value() && residual->defined();
+    node->rms = rms;
+    node->eps = eps;
+    node->backend = std::string(backend);
+    if (w.defined()) node->weight_dtype = w.scalar_type();
+    if (b.defined()) node->bias_dtype = b.scalar_type();
+    set_history(y, node);
+    if (node->has_residual) set_history(residual_out, node);
+    node->z = SavedVariable(node->has_residual ? residual_out : x, node->has_residual);
+    if (w.defined()) node->weight = SavedVariable(w, false);
+    node->mean = SavedVariable(mean, false);
+    node->rstd = SavedVariable(rstd, false);
+    return out;
 }
 
 // n when normalized_shape is an int or a 1-tuple of one (exactly: not bool, not Size).
@@ -486,7 +518,7 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     Tensor y, residual_out;
     if (torch::GradMode::is_enabled() && (x.requires_grad() || requires_grad(residual) ||
                                           requires_grad(weight) || requires_grad(bias))) {
-        // the op through the dispatcher: autograd records NormFunction
+        // the op through the dispatcher: autograd records NormBackward
         auto optional = [](const Tensor& t) {
             return t.defined() ? OptionalTensor(t) : OptionalTensor();
         };

@@ -141,7 +141,13 @@ def _norm(
     rms: bool,
     backend: str | None,
 ) -> tuple[Tensor, Tensor | None]:
-    if not torch.compiler.is_compiling() and torch._C._is_tracing():
+    compiling = torch.compiler.is_compiling()
+    if FAST_PATHS and not compiling:
+        # the common call, when no mechanism would see it: checked and run in C++
+        out = _compiled.norm(x, residual, normalized_shape, weight, bias, eps, rms, backend)
+        if out is not None:
+            return out
+    if not compiling and torch._C._is_tracing():
         # The checks and the decomposition branch on sizes that normalized_shape fixes,
         # which is what jit.trace warns about: the graph it records is right for them.
         with warnings.catch_warnings():
@@ -161,12 +167,7 @@ def _call(
     rms: bool,
     backend: str | None,
 ) -> tuple[Tensor, Tensor | None]:
-    fast = FAST_PATHS
-    if fast and not torch.compiler.is_compiling():
-        # the common call, when no mechanism would see it: checked and run in C++
-        out = _compiled.norm(x, residual, normalized_shape, weight, bias, eps, rms, backend)
-        if out is not None:
-            return out
+    """The full checks, then :func:`_enter` on kernel arguments."""
     shape = _normalized_shape(normalized_shape)
     _check_input("input", x, shape, op)
     if residual is not None:
@@ -187,7 +188,7 @@ def _call(
     n = shape[0] if len(shape) == 1 else math.prod(shape)
     rows = _op.kernel_rows(x, n)
     residual_rows = None if residual is None else _op.kernel_rows(residual, n)
-    y, residual_out = _enter(rows, residual_rows, weight, bias, eps, rms, name, fast)
+    y, residual_out = _enter(rows, residual_rows, weight, bias, eps, rms, name, FAST_PATHS)
     return _shaped(y, residual_out, rows, x)
 
 
