@@ -131,20 +131,28 @@ def test_same_bits_as_the_python_path(in_use, python_path, dtype, op, shape):
 
 def _parameters_case():
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 40, generator=g).to(torch.bfloat16)
-    w = torch.nn.Parameter(torch.rand(40, generator=g) + 0.5)
-    b = torch.nn.Parameter(torch.randn(40, generator=g))
-    xs = x.clone().requires_grad_()
-    y = layernorm.layer_norm(xs, 40, w, b)
-    gx, gw, gb = torch.autograd.grad(y, (xs, w, b), torch.ones_like(y))
-    return [[y.detach(), gx, gw, gb]]
+    results = []
+    for dtype, param_dtype in [
+        (torch.bfloat16, torch.float32),
+        (torch.float64, torch.float16),
+        (torch.float32, torch.bfloat16),
+    ]:
+        x = torch.randn(3, 40, generator=g).to(dtype)
+        w = torch.nn.Parameter((torch.rand(40, generator=g) + 0.5).to(param_dtype))
+        b = torch.nn.Parameter(torch.randn(40, generator=g).to(param_dtype))
+        xs = x.clone().requires_grad_()
+        y = layernorm.layer_norm(xs, 40, w, b)
+        gx, gw, gb = torch.autograd.grad(y, (xs, w, b), torch.ones_like(y))
+        results.append([y.detach(), gx, gw, gb])
+    return results
 
 
 def test_parameters_of_another_dtype_and_parameter_leaves(in_use, python_path):
-    """bfloat16 input with float32 parameters (converted in C++) and nn.Parameter leaves:
-    gradients in each leaf's own dtype, as the Python path gives them."""
+    """Parameters of another dtype than the input (converted in C++) and nn.Parameter
+    leaves: gradients in each leaf's own dtype, as the Python path gives them."""
     ours = _parameters_case()
     assert [t.dtype for t in ours[0]] == [torch.bfloat16] * 2 + [torch.float32] * 2
+    assert [t.dtype for t in ours[2]] == [torch.float32] * 2 + [torch.bfloat16] * 2
     _equal_lists(ours, python_path["parameters"])
 
 

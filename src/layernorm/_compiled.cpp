@@ -155,10 +155,55 @@ Tensor constant(int64_t n, at::ScalarType dtype, double value) {
     return cache[key] = t;
 }
 
+template <typename From, typename To>
+void convert(const Tensor& from, const Tensor& to) {
+    const From* source = from.const_data_ptr<From>();
+    To* target = to.mutable_data_ptr<To>();
+    for (int64_t i = 0, n = from.numel(); i < n; ++i)
+        target[i] = static_cast<To>(static_cast<float>(source[i]));
+}
+
+template <typename From>
+bool convert_to(const Tensor& from, const Tensor& to) {
+    switch (to.scalar_type()) {
+        case at::kHalf: convert<From, at::Half>(from, to); return true;
+        case at::kBFloat16: convert<From, at::BFloat16>(from, to); return true;
+        case at::kFloat: convert<From, float>(from, to); return true;
+        case at::kDouble: convert<From, double>(from, to); return true;
+        default: return false;
+    }
+}
+
+// t in dtype, as t.to(dtype) gives it, never recorded by autograd: for the 16- and
+// 32-bit float sources, c10's conversions (those .to runs on CPU: exact widening,
+// round-to-nearest-even narrowing) in a plain loop, without the dispatcher's cost.
+Tensor converted(const Tensor& t, at::ScalarType dtype) {
+    if (t.scalar_type() == dtype) return t;
+    if (t.is_cpu() && t.is_contiguous()) {
+        Tensor out = at::empty(t.sizes(), t.options().dtype(dtype));
+        bool done = false;
+        switch (t.scalar_type()) {
+            case at::kHalf: done = convert_to<at::Half>(t, out); break;
+            case at::kBFloat16: done = convert_to<at::BFloat16>(t, out); break;
+            case at::kFloat: done = convert_to<float>(t, out); break;
+            default: break;
+        }
+        if (done) return out;
+    }
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return t.to(dtype);
+}
+
+// A gradient in its leaf's dtype (recorded by autograd when a graph is being built).
+Tensor as_dtype(const Tensor& t, at::ScalarType dtype) {
+    if (t.scalar_type() == dtype) return t;
+    return torch::GradMode::is_enabled() && t.requires_grad() ? t.to(dtype) : converted(t, dtype);
+}
+
 // A parameter as the kernels take it: in the accumulation dtype, or the default row.
 Tensor kernel_param(const Tensor& p, int64_t n, at::ScalarType acc, double missing) {
     if (!p.defined()) return constant(n, acc, missing);
-    return p.scalar_type() == acc ? p : p.to(acc).contiguous();
+    return p.scalar_type() == acc ? p : converted(p, acc).contiguous();
 }
 
 Tensor value(const OptionalTensor& t) { return t.has_value() ? *t : Tensor(); }
@@ -321,9 +366,6 @@ backward_op() {
     return op;
 }
 
-Tensor as_dtype(const Tensor& t, at::ScalarType dtype) {
-    return t.scalar_type() == dtype ? t : t.to(dtype);
-}
 
 // The autograd of layernorm::forward on CPU: Python's _op._setup_context and _op._backward
 // (which the Python autograd of the op runs), with the same saved tensors and outputs,
