@@ -185,6 +185,24 @@ def test_grad_calls_go_through_the_op_and_its_cpp_autograd(in_use):
     assert node is not None, names
 
 
+def test_the_op_itself_refuses_a_tangent_it_cannot_carry(in_use):
+    """Forward AD goes through TransformNorm (its JVP); the op called directly with a
+    dual input and grad mode on raises instead of dropping the tangent."""
+    from torch.autograd import forward_ad
+
+    x = torch.randn(2, 8)
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(x, torch.ones_like(x))
+        with pytest.raises(RuntimeError, match="no forward-mode derivative"):
+            torch.ops.layernorm.forward(dual, None, None, None, 1e-5, False, "")
+        y = layernorm.layer_norm(dual, 8)  # the functions carry the tangent
+        tangent = forward_ad.unpack_dual(y).tangent
+    _, expected = torch.func.jvp(
+        lambda t: torch.nn.functional.layer_norm(t, (8,)), (x,), (torch.ones_like(x),)
+    )
+    torch.testing.assert_close(tangent, expected)
+
+
 def test_the_kernels_leave_other_backends_to_python(monkeypatch, in_use):
     """The op's CPU kernels run what the numba backend runs and hand any other call to
     the op's Python kernel: a named backend, LAYERNORM_BACKEND, zero-size work, a large
