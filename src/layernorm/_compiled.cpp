@@ -214,13 +214,22 @@ bool kernel_ready_param(const Tensor& p, int64_t n) {
                             p.is_floating_point() && p.is_cpu());
 }
 
+// Whether t is a kernel argument of m rows of n (contiguous, or 2-D with contiguous rows).
+bool kernel_rows_of(const Tensor& t, int64_t m, int64_t n) {
+    if (t.is_contiguous()) return t.numel() == m * n && t.size(-1) == n;
+    return t.dim() == 2 && t.size(0) == m && t.size(1) == n && t.stride(1) == 1;
+}
+
+int64_t row_stride(const Tensor& t, int64_t n) { return t.is_contiguous() ? n : t.stride(0); }
+
 // The numba entry for x when the forward or backward kernel below runs the call (the
-// automatic backend is numba, the tensors are non-empty and contiguous, and small enough
-// that Python's cost would count), else -1 (the Python kernel runs it).
+// automatic backend is numba, x is non-empty kernel rows, and small enough that Python's
+// cost would count), else -1 (the Python kernel runs it).
 int64_t entry_for(const Tensor& x, c10::string_view backend, Entry serial, Entry parallel) {
     const int d = dtype_index(x.scalar_type());
     const int64_t numel = x.numel();
-    if (!backend.empty() || d < 0 || numel == 0 || x.dim() == 0 || !x.is_contiguous() ||
+    if (!backend.empty() || d < 0 || numel == 0 || x.dim() == 0 ||
+        !kernel_rows_of(x, numel / x.size(-1), x.size(-1)) ||
         numel * static_cast<int64_t>(x.element_size()) >= state.max_bytes ||
         environment_chooses())
         return -1;
@@ -266,7 +275,8 @@ Forward run_forward(const Tensor& x, const Tensor& residual, const Tensor& weigh
     }
     uint8_t* flags = flag_buffer(m);
     reinterpret_cast<ForwardKernel>(kernel_address)(
-        x_address, n, has_residual ? address(residual) : x_address, has_residual ? n : 0,
+        x_address, row_stride(x, n), has_residual ? address(residual) : x_address,
+        has_residual ? row_stride(residual, n) : 0,
         has_residual, has_residual ? address(out.residual_out) : x_address, address(w),
         address(b), address(out.y), mean_address, rstd_address, m, n, eps, rms,
         false /* stream: inputs of max_bytes or more are Python's */, store_stats,
@@ -283,8 +293,8 @@ Outputs forward_cpu(const Tensor& x, const OptionalTensor& residual, const Optio
     const Tensor r = value(residual), w = value(weight), b = value(bias);
     const int64_t n = x.dim() > 0 ? x.size(-1) : 0;
     int64_t kernel_address = -1;
-    if ((!r.defined() || (r.is_contiguous() && r.sizes() == x.sizes() &&
-                          r.scalar_type() == x.scalar_type())) &&
+    if ((!r.defined() || (r.sizes() == x.sizes() && r.scalar_type() == x.scalar_type() &&
+                          kernel_rows_of(r, n > 0 ? r.numel() / n : 0, n))) &&
         kernel_ready_param(w, n) && kernel_ready_param(b, n))
         kernel_address = entry_for(x, backend, FORWARD_SERIAL, FORWARD_PARALLEL);
     if (kernel_address < 0)
@@ -295,14 +305,6 @@ Outputs forward_cpu(const Tensor& x, const OptionalTensor& residual, const Optio
     return {out.y, r.defined() ? out.residual_out : at::empty({0}, x.options()),
             rms ? at::empty({0}, out.rstd.options()) : out.mean, out.rstd};
 }
-
-// Whether t is a kernel argument of m rows of n (contiguous, or 2-D with contiguous rows).
-bool kernel_rows_of(const Tensor& t, int64_t m, int64_t n) {
-    if (t.is_contiguous()) return t.numel() == m * n && t.size(-1) == n;
-    return t.dim() == 2 && t.size(0) == m && t.size(1) == n && t.stride(1) == 1;
-}
-
-int64_t row_stride(const Tensor& t, int64_t n) { return t.is_contiguous() ? n : t.stride(0); }
 
 // layernorm::backward on CPU.
 Gradients backward_cpu(const Tensor& dy, const Tensor& x, const OptionalTensor& weight,
@@ -332,7 +334,7 @@ Gradients backward_cpu(const Tensor& dy, const Tensor& x, const OptionalTensor& 
     const Tensor dbias = at::empty({need_dbias ? n : 0}, rstd.options());
     uint8_t* flags = flag_buffer(m);
     reinterpret_cast<BackwardKernel>(kernel_address)(
-        address(dy), row_stride(dy, n), address(x), n, address(dres_k),
+        address(dy), row_stride(dy, n), address(x), row_stride(x, n), address(dres_k),
         dres.defined() ? row_stride(dres, n) : 0, address(wk), address(rms ? rstd : mean),
         address(rstd), address(dx), need_dweight ? address(dweight) : 0,
         need_dbias ? address(dbias) : 0, m, n, rms, false, eps, reinterpret_cast<int64_t>(flags));

@@ -47,12 +47,14 @@ __all__ = [
     "PLAIN_OR_NONE",
     "TransformNorm",
     "autocast",
+    "backward_call",
     "backward_op",
     "composite_backward",
     "decomposition",
     "default_eps",
     "direct_call",
     "forward",
+    "forward_call",
     "forward_op",
     "kernel_rows",
     "matrix",
@@ -165,6 +167,10 @@ def _backward_impl(
 
 forward_op = torch.library.custom_op("layernorm::forward", mutates_args=())(_forward_impl)
 backward_op = torch.library.custom_op("layernorm::backward", mutates_args=())(_backward_impl)
+#: the ops' overloads, called directly: what calling :data:`forward_op` /
+#: :data:`backward_op` does, without their Python wrappers' cost
+forward_call = torch.ops.layernorm.forward.default
+backward_call = torch.ops.layernorm.backward.default
 
 
 @forward_op.register_fake
@@ -274,7 +280,7 @@ def _backward(ctx, dy, dresidual_out, _dmean=None, _drstd=None):
         # a batched gradient (is_grads_batched, a vmapped vjp) is a functorch wrapper: it
         # goes through the op, whose vmap rule takes it
         direct = ctx.direct and direct_call(dy, dresidual_out)
-        run = _backward_impl if direct else backward_op
+        run = _backward_impl if direct else backward_call
         dz, dweight, dbias = run(
             dy, z, weight, mean, rstd, dresidual_out, ctx.rms, need_dweight, need_dbias,
             ctx.backend, ctx.eps,
@@ -432,7 +438,7 @@ def _vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct):
 
 def _forward_op_outputs(x, residual, weight, bias, eps, rms, backend) -> Outputs:
     """:data:`forward_op` with None for the absent outputs (its schema has none)."""
-    y, residual_out, mean, rstd = forward_op(x, residual, weight, bias, eps, rms, backend)
+    y, residual_out, mean, rstd = forward_call(x, residual, weight, bias, eps, rms, backend)
     return y, residual_out if residual is not None else None, None if rms else mean, rstd
 
 

@@ -206,7 +206,7 @@ def _custom_op(
     n = x.shape[-1]
     rows = _op.rows(x, n)
     residual_rows = None if residual is None else _op.rows(residual, n)
-    y, residual_out, _, _ = _op.forward_op(rows, residual_rows, weight, bias, eps, rms, backend)
+    y, residual_out, _, _ = _op.forward_call(rows, residual_rows, weight, bias, eps, rms, backend)
     return y.view_as(x), None if residual is None else residual_out.view_as(x)
 
 
