@@ -1,7 +1,7 @@
 """Per-call cost of small calls against torch's, in one process.
 
     PYTHONPATH=src python benchmarks/small_calls.py [--breakdown] [--dtype bfloat16] [--rounds R]
-        [--ops layer_norm,rms_norm,add_layer_norm,add_rms_norm]
+        [--ops layer_norm,rms_norm,add_layer_norm,add_rms_norm] [--threads T]
 
 For each op on a few small shapes: inference (no grad), the forward with grad (inputs
 require grad), and forward plus backward (``torch.autograd.grad`` of every leaf). Torch's
@@ -14,7 +14,8 @@ torch's time over ours. (A process with ``LAYERNORM_COMPILED=0`` measures the op
 Python kernels and autograd instead.)
 
 ``--dtype`` picks the inputs' and parameters' dtype (float32 by default; bfloat16 and
-float16 work the same); ``--rounds`` the rounds per median (31 by default).
+float16 work the same); ``--rounds`` the rounds per median (31 by default); ``--threads``
+torch's (and so the kernels') thread count (2 by default).
 ``--breakdown`` also times, interleaved with those, the parts of an inference call
 through Python: the numba backend's ``forward`` alone, and the allocation plus the kernel
 call alone; and single tensor attribute reads.
@@ -178,8 +179,9 @@ def _option(name: str, default: str) -> str:
 if __name__ == "__main__":
     dtype = getattr(torch, _option("--dtype", "float32"))
     rounds = int(_option("--rounds", "31"))
-    torch.set_num_threads(2)
-    numba.set_num_threads(2)
+    threads = int(_option("--threads", "2"))
+    torch.set_num_threads(threads)
+    numba.set_num_threads(threads)
     print(f"compiled dispatch: {compiled.unavailable_reason() or 'in use'}")
     layernorm.layer_norm(torch.ones(1, 2), 2)  # (loads the compiled dispatch if built)
     print(f"compiled dispatch: {compiled.unavailable_reason() or 'in use'}; dtype {dtype}")

@@ -17,8 +17,10 @@
 //                (create_graph) runs Python's differentiable composite_backward
 //
 // norm(x, residual, normalized_shape, weight, bias, eps, rms, backend) is the front door
-// of ops._call: for the call that ops._common_call accepts, when no PyTorch mechanism
-// would see it (mechanism_active), it answers (y, residual_out) itself: with a gradient
+// of ops._norm: for the common call (plain contiguous CPU tensors, an int or 1-tuple
+// normalized_shape, a float or None eps, the automatic backend; the Python checks would
+// pass it unchanged), when no PyTorch mechanism would see it (mechanism_active), it
+// answers (y, residual_out) itself: with a gradient
 // through the dispatcher (so autograd records NormBackward), without one by the CPU
 // kernel's own function, without statistics. Any other call gets None before any work.
 
@@ -146,12 +148,16 @@ PyObject* constant_python = nullptr;
 Tensor constant(int64_t n, at::ScalarType dtype, double value) {
     static std::mutex mutex;
     static std::map<std::tuple<int64_t, int, bool, double>, Tensor> cache;
-    std::lock_guard<std::mutex> lock(mutex);
-    auto key = std::make_tuple(n, static_cast<int>(dtype), std::signbit(value), value);
-    auto found = cache.find(key);
-    if (found != cache.end()) return found->second;
-    if (cache.size() > 64) cache.clear();
+    const auto key = std::make_tuple(n, static_cast<int>(dtype), std::signbit(value), value);
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        auto found = cache.find(key);
+        if (found != cache.end()) return found->second;
+    }
+    // (asked without the lock: a thread holding the GIL may be waiting for it)
     Tensor t = call_python<Tensor>(constant_python, n, dtype_index(dtype), value);
+    std::lock_guard<std::mutex> lock(mutex);
+    if (cache.size() > 64) cache.clear();
     return cache[key] = t;
 }
 
