@@ -578,3 +578,32 @@ def test_a_kernel_signature_mismatch_raises(monkeypatch, in_use, direction):
     monkeypatch.undo()
     compiled._use(extension)  # (set up again, as it was)
     assert in_use(torch.randn(2, 8), None, 8, None, None, 1e-5, False, None) is not None
+
+
+def test_threads_training_at_once_agree(in_use):
+    """Python threads running forward and backward at once (the backward on autograd's
+    threads, without the GIL; absent parameters take the shared constants): each gets
+    the bits of a call alone, and none waits on another forever."""
+    import threading
+
+    x, r = torch.randn(4, 48), torch.randn(4, 48)
+
+    def run():
+        xs, rs = x.clone().requires_grad_(), r.clone().requires_grad_()
+        y, h = layernorm.add_layer_norm(xs, rs, 48)
+        return [y.detach(), *torch.autograd.grad((y, h), (xs, rs), (y.detach(), x))]
+
+    alone = run()
+    failures = []
+
+    def worker():
+        for _ in range(40):
+            if not all(torch.equal(p, q) for p, q in zip(run(), alone, strict=True)):
+                failures.append("differs")
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and failures == []
