@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python benchmarks/small_calls.py [--breakdown] [--dtype bfloat16] [--rounds R]
         [--ops layer_norm,rms_norm,add_layer_norm,add_rms_norm] [--threads T]
+        [--shapes 4x64,1x1x768,8x128x64,64x1024]
 
 For each op on a few small shapes: inference (no grad), the forward with grad (inputs
 require grad), and forward plus backward (``torch.autograd.grad`` of every leaf). Torch's
@@ -15,7 +16,7 @@ Python kernels and autograd instead.)
 
 ``--dtype`` picks the inputs' and parameters' dtype (float32 by default; bfloat16 and
 float16 work the same); ``--rounds`` the rounds per median (31 by default); ``--threads``
-torch's (and so the kernels') thread count (2 by default).
+torch's (and so the kernels') thread count (2 by default); ``--shapes`` the input shapes.
 ``--breakdown`` also times, interleaved with those, the parts of an inference call
 through Python: the numba backend's ``forward`` alone, and the allocation plus the kernel
 call alone; and single tensor attribute reads.
@@ -186,8 +187,12 @@ if __name__ == "__main__":
     layernorm.layer_norm(torch.ones(1, 2), 2)  # (loads the compiled dispatch if built)
     print(f"compiled dispatch: {compiled.unavailable_reason() or 'in use'}; dtype {dtype}")
     ops = _option("--ops", "layer_norm,rms_norm,add_layer_norm,add_rms_norm").split(",")
+    shapes = [
+        tuple(int(size) for size in shape.split("x"))
+        for shape in _option("--shapes", "4x64,1x1x768,8x128x64,64x1024").split(",")
+    ]
     for op in ops:
-        for shape in [(4, 64), (1, 1, 768), (8, 128, 64), (64, 1024)]:
+        for shape in shapes:
             print(measure(shape, op, rounds, dtype), flush=True)
     if "--breakdown" in sys.argv[1:]:
         for shape in [(4, 64), (1, 1, 768)]:

@@ -607,3 +607,13 @@ def test_threads_training_at_once_agree(in_use):
     for t in threads:
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads) and failures == []
+
+
+def test_a_profiler_sees_the_op(in_use):
+    """Under torch.profiler the front door's call with grad goes through the dispatcher,
+    so the op and its backward appear as events."""
+    x = torch.randn(4, 64, requires_grad=True)
+    with torch.profiler.profile() as profile:
+        layernorm.layer_norm(x, 64).sum().backward()
+    names = {event.name for event in profile.events()}
+    assert {"layernorm::forward", "layernorm::NormBackward", "layernorm::backward"} <= names

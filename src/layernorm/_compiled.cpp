@@ -21,12 +21,13 @@
 // normalized_shape, a float or None eps, the automatic backend; the Python checks would
 // pass it unchanged), when no PyTorch mechanism would see it (mechanism_active), it
 // answers (y, residual_out) itself: with a gradient
-// through the dispatcher (so autograd records NormBackward), without one by the CPU
+// by the op's autograd kernel (so autograd records NormBackward), without one by the CPU
 // kernel's own function, without statistics. Any other call gets None before any work.
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Dtype.h>
@@ -440,21 +441,19 @@ struct NormBackward : public torch::autograd::Node {
     }
 };
 
-Outputs forward_autograd(const Tensor& x, const OptionalTensor& residual,
-                         const OptionalTensor& weight, const OptionalTensor& bias, double eps,
-                         bool rms, c10::string_view backend) {
+// The forward recorded by autograd (when an input requires grad), its kernel run below
+// autograd by the dispatcher or, for the front door's call that no mechanism would see,
+// called directly (the CPU kernel the dispatcher would pick, without the lookups).
+Outputs record_forward(const Tensor& x, const OptionalTensor& residual,
+                       const OptionalTensor& weight, const OptionalTensor& bias, double eps,
+                       bool rms, c10::string_view backend, bool dispatch) {
     using namespace torch::autograd;
-    // (inside an autograd.Function's forward, grad mode is off: its own jvp runs)
-    TORCH_CHECK(!(GradMode::is_enabled() &&
-                  (isFwGradDefined(x) || isFwGradDefined(residual) ||
-                   isFwGradDefined(weight) || isFwGradDefined(bias))),
-                "layernorm::forward has no forward-mode derivative (a custom op cannot carry "
-                "one): call layernorm's functions, which use their own (docs/contract.md §6)");
     const bool grad = compute_requires_grad(x, residual, weight, bias);
     Outputs out;
     {
-        at::AutoDispatchBelowADInplaceOrView guard;
-        out = forward_op().call(x, residual, weight, bias, eps, rms, backend);
+        at::AutoDispatchBelowADInplaceOrView guard;  // (the kernel is below autograd)
+        out = dispatch ? forward_op().call(x, residual, weight, bias, eps, rms, backend)
+                       : forward_cpu(x, residual, weight, bias, eps, rms, backend);
     }
     if (!grad) return out;
     auto& [y, residual_out, mean, rstd] = out;
@@ -474,6 +473,20 @@ Outputs forward_autograd(const Tensor& x, const OptionalTensor& residual,
     node->mean = SavedVariable(mean, false);
     node->rstd = SavedVariable(rstd, false);
     return out;
+}
+
+// layernorm::forward's AutogradCPU kernel.
+Outputs forward_autograd(const Tensor& x, const OptionalTensor& residual,
+                         const OptionalTensor& weight, const OptionalTensor& bias, double eps,
+                         bool rms, c10::string_view backend) {
+    using torch::autograd::isFwGradDefined;
+    // (inside an autograd.Function's forward, grad mode is off: its own jvp runs)
+    TORCH_CHECK(!(torch::GradMode::is_enabled() &&
+                  (isFwGradDefined(x) || isFwGradDefined(residual) ||
+                   isFwGradDefined(weight) || isFwGradDefined(bias))),
+                "layernorm::forward has no forward-mode derivative (a custom op cannot carry "
+                "one): call layernorm's functions, which use their own (docs/contract.md §6)");
+    return record_forward(x, residual, weight, bias, eps, rms, backend, true);
 }
 
 // n when normalized_shape is an int or a 1-tuple of one (exactly: not bool, not Size).
@@ -568,12 +581,14 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     Tensor y, residual_out;
     if (torch::GradMode::is_enabled() && (x.requires_grad() || requires_grad(residual) ||
                                           requires_grad(weight) || requires_grad(bias))) {
-        // the op through the dispatcher: autograd records NormBackward
+        // the op's autograd kernel and CPU kernel, which the dispatcher would pick here
+        // (no mechanism is active): autograd records NormBackward
         auto optional = [](const Tensor& t) {
             return t.defined() ? OptionalTensor(t) : OptionalTensor();
         };
-        Outputs out = forward_op().call(x, optional(residual), optional(weight), optional(bias),
-                                        eps, rms, "");
+        // (through the dispatcher when a profiler listens, so it sees layernorm::forward)
+        Outputs out = record_forward(x, optional(residual), optional(weight), optional(bias),
+                                     eps, rms, "", at::hasCallbacks());
         y = std::get<0>(out);
         if (residual.defined()) residual_out = std::get<1>(out);
     } else {
