@@ -617,3 +617,27 @@ def test_a_profiler_sees_the_op(in_use):
         layernorm.layer_norm(x, 64).sum().backward()
     names = {event.name for event in profile.events()}
     assert {"layernorm::forward", "layernorm::NormBackward", "layernorm::backward"} <= names
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_one_thread_runs_the_serial_entry_to_the_same_bits(in_use, dtype):
+    """With one torch thread a large call runs the serial entry in C++, not the threaded
+    one through Python: the same bits, outputs and gradients."""
+    x = torch.randn(64, 1024).to(dtype)
+    w = (torch.rand(1024) + 0.5).to(dtype)
+    assert x.numel() >= numba_.SERIAL_NUMEL
+
+    def run():
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = layernorm.layer_norm(xs, 1024, ws)
+        return [y.detach(), *torch.autograd.grad(y, (xs, ws), torch.ones_like(y))]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        many = run()
+        torch.set_num_threads(1)
+        one = run()
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(p, q) for p, q in zip(one, many, strict=True))

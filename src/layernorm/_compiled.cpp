@@ -24,6 +24,7 @@
 // by the op's autograd kernel (so autograd records NormBackward), without one by the CPU
 // kernel's own function, without statistics. Any other call gets None before any work.
 
+#include <ATen/Parallel.h>
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -240,7 +241,10 @@ int64_t entry_for(const Tensor& x, c10::string_view backend, Entry serial, Entry
         numel * static_cast<int64_t>(x.element_size()) >= state.max_bytes ||
         environment_chooses())
         return -1;
-    return kernel(d, numel < state.serial_numel ? serial : parallel);
+    // the parallel entries split the rows over torch's threads (through Python): with one
+    // thread allowed, the serial entry runs the same rows to the same bits, without that
+    const bool one_thread = numel < state.serial_numel || at::get_num_threads() == 1;
+    return kernel(d, one_thread ? serial : parallel);
 }
 
 // Room for m + 1 fallback flags (the kernels' flags argument), reused by the thread's
