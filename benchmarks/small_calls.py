@@ -1,21 +1,25 @@
 """Per-call cost of small calls against torch's, in one process.
 
     PYTHONPATH=src python benchmarks/small_calls.py [--breakdown] [--dtype bfloat16] [--rounds R]
+        [--ops layer_norm,rms_norm,add_layer_norm,add_rms_norm] [--threads T]
+        [--shapes 4x64,1x1x768,8x128x64,64x1024]
 
-For layer_norm and rms_norm on a few small shapes: inference (no grad), the forward
-with grad (inputs require grad), and forward plus backward (``torch.autograd.grad``).
-Each is the median over 31 rounds of the mean of a batch of calls, the providers
-interleaved round by round: torch, ours (through the compiled dispatch when it is built:
-``layernorm build``), and ours through Python (the compiled dispatch switched off for
-the batch). Prints microseconds a call and torch's time over ours. (The harness times
-such calls in ~1 ms batches, whose medians move more.)
+For each op on a few small shapes: inference (no grad), the forward with grad (inputs
+require grad), and forward plus backward (``torch.autograd.grad`` of every leaf). Torch's
+side of ``add_*`` is ``h = x + r`` then its norm. Each is the median over 31 rounds of the
+mean of a batch of calls, the providers interleaved round by round: torch, ours (through
+the C++ front door when the C++ part is built: ``layernorm build``), and ours "via the
+op" (the front door switched off for the batch: Python's checks, then the op through
+torch's dispatcher, whose C++ kernels run it where built). Prints microseconds a call and
+torch's time over ours. (A process with ``LAYERNORM_COMPILED=0`` measures the op's
+Python kernels and autograd instead.)
 
 ``--dtype`` picks the inputs' and parameters' dtype (float32 by default; bfloat16 and
-float16 work the same); ``--rounds`` the rounds per median (31 by default).
+float16 work the same); ``--rounds`` the rounds per median (31 by default); ``--threads``
+torch's (and so the kernels') thread count (2 by default); ``--shapes`` the input shapes.
 ``--breakdown`` also times, interleaved with those, the parts of an inference call
-through Python: the argument checks (``ops._common_call``), the numba backend's
-``forward`` alone, and the allocation plus the kernel call alone; and single tensor
-attribute reads, which is what the checks are made of.
+through Python: the numba backend's ``forward`` alone, and the allocation plus the kernel
+call alone; and single tensor attribute reads.
 """
 
 import contextlib
@@ -33,17 +37,17 @@ from layernorm import compiled
 
 def rr(fs, rounds=31, inner=2000):
     """Median microseconds a call of each callable, round-robin over ``rounds`` rounds.
-    A name ending in "via Python" runs with the compiled dispatch switched off."""
+    A name ending in "via the op" runs with the C++ front door switched off."""
     names = list(fs)
     res = {k: [] for k in names}
     for k in names:
-        with _python_only(k.endswith("via Python")):
+        with _python_only(k.endswith("via the op")):
             for _ in range(300):
                 fs[k]()
     for _ in range(rounds):
         for k in names:
             f = fs[k]
-            with _python_only(k.endswith("via Python")):
+            with _python_only(k.endswith("via the op")):
                 t = time.perf_counter_ns()
                 for _ in range(inner):
                     f()
@@ -62,63 +66,78 @@ def _python_only(python: bool):
         compiled.norm = saved
 
 
+def _calls(op: str, n: int, x, r, w, b):
+    """(torch's call, ours, the leaves a gradient is asked of) for ``op`` on these
+    tensors; torch's fused add is ``x + r`` then its norm."""
+    if op == "layer_norm":
+        return (
+            (lambda: F.layer_norm(x, (n,), w, b)),
+            (lambda: layernorm.layer_norm(x, (n,), w, b)),
+            (x, w, b),
+        )
+    if op == "rms_norm":
+        return (lambda: F.rms_norm(x, (n,), w)), (lambda: layernorm.rms_norm(x, (n,), w)), (x, w)
+    if op == "add_layer_norm":
+
+        def theirs():
+            h = x + r
+            return F.layer_norm(h, (n,), w, b), h
+
+        return theirs, (lambda: layernorm.add_layer_norm(x, r, (n,), w, b)), (x, r, w, b)
+
+    def theirs_rms():
+        h = x + r
+        return F.rms_norm(h, (n,), w), h
+
+    return theirs_rms, (lambda: layernorm.add_rms_norm(x, r, (n,), w)), (x, r, w)
+
+
 def measure(
     shape: tuple[int, ...], op: str, rounds: int = 31, dtype: torch.dtype = torch.float32
 ) -> str:
     n = shape[-1]
-    x, w, b = (torch.randn(*s).to(dtype) for s in (shape, (n,), (n,)))
-    xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
-    dy = torch.randn_like(x)
-    if op == "layer_norm":
-        theirs, ours = (
-            (lambda: F.layer_norm(x, (n,), w, b)),
-            (lambda: layernorm.layer_norm(x, (n,), w, b)),
-        )
-        theirs_g, ours_g = (
-            (lambda: F.layer_norm(xg, (n,), wg, bg)),
-            (lambda: layernorm.layer_norm(xg, (n,), wg, bg)),
-        )
-        leaves = (xg, wg, bg)
-    else:
-        theirs, ours = (lambda: F.rms_norm(x, (n,), w)), (lambda: layernorm.rms_norm(x, (n,), w))
-        theirs_g, ours_g = (
-            (lambda: F.rms_norm(xg, (n,), wg)),
-            (lambda: layernorm.rms_norm(xg, (n,), wg)),
-        )
-        leaves = (xg, wg)
+    x, r, w, b = (torch.randn(*s).to(dtype) for s in (shape, shape, (n,), (n,)))
+    xg, rg, wg, bg = (t.clone().requires_grad_() for t in (x, r, w, b))
+    theirs, ours, _ = _calls(op, n, x, r, w, b)
+    theirs_g, ours_g, leaves = _calls(op, n, xg, rg, wg, bg)
     with torch.no_grad():
-        r = rr({"torch": theirs, "ours": ours, "ours via Python": ours}, rounds)
-    g = rr({"torch": theirs_g, "ours": ours_g, "ours via Python": ours_g}, rounds, inner=1000)
+        t_inf = rr({"torch": theirs, "ours": ours, "ours via the op": ours}, rounds)
+    t_grad = rr({"torch": theirs_g, "ours": ours_g, "ours via the op": ours_g}, rounds, inner=1000)
 
     def both(f):
-        return lambda: torch.autograd.grad(f(), leaves, dy)
+        def run():
+            out = f()
+            outputs = out if isinstance(out, tuple) else (out,)
+            return torch.autograd.grad(outputs, leaves, [torch.ones_like(o) for o in outputs])
+
+        return run
 
     fb = rr(
-        {"torch": both(theirs_g), "ours": both(ours_g), "ours via Python": both(ours_g)},
+        {"torch": both(theirs_g), "ours": both(ours_g), "ours via the op": both(ours_g)},
         rounds,
         inner=300,
     )
     return f"{op} {shape}: " + " | ".join(
         f"{part} torch {t['torch']:.1f}, ours {t['ours']:.1f} ({t['torch'] / t['ours']:.2f}x), "
-        f"via Python {t['ours via Python']:.1f} ({t['torch'] / t['ours via Python']:.2f}x) us"
-        for part, t in (("inference", r), ("with grad", g), ("forward+backward", fb))
+        f"via the op {t['ours via the op']:.1f} ({t['torch'] / t['ours via the op']:.2f}x) us"
+        for part, t in (("inference", t_inf), ("with grad", t_grad), ("forward+backward", fb))
     )  # fmt: skip
 
 
 def breakdown(shape: tuple[int, ...]) -> str:
-    from layernorm import ops
     from layernorm.backends import numba_
 
     n = shape[-1]
     x, w, b = torch.randn(*shape), torch.randn(n), torch.randn(n)
     m, kernel = x.numel() // n, numba_.entry(torch.float32, "forward_serial")
+    flags = torch.empty(m + 1, dtype=torch.uint8)
 
     def kernel_call():  # the allocation and the kernel on addresses, nothing else
         y = torch.empty_like(x)
         a = x.data_ptr()
         kernel(
             a, n, a, 0, False, a, w.data_ptr(), b.data_ptr(), y.data_ptr(), a, a, m, n, 1e-5,
-            False, False, False,
+            False, False, False, flags.data_ptr(),
         )  # fmt: skip
         return y
 
@@ -127,8 +146,7 @@ def breakdown(shape: tuple[int, ...]) -> str:
             {
                 "torch": lambda: F.layer_norm(x, (n,), w, b),
                 "ours": lambda: layernorm.layer_norm(x, (n,), w, b),
-                "ours via Python": lambda: layernorm.layer_norm(x, (n,), w, b),
-                "checks": lambda: ops._common_call(x, None, (n,), w, b, 1e-5, None),
+                "ours via the op": lambda: layernorm.layer_norm(x, (n,), w, b),
                 "backend": lambda: numba_.forward(x, None, w, b, 1e-5, False, stats=False),
                 "kernel call": kernel_call,
             }
@@ -162,13 +180,19 @@ def _option(name: str, default: str) -> str:
 if __name__ == "__main__":
     dtype = getattr(torch, _option("--dtype", "float32"))
     rounds = int(_option("--rounds", "31"))
-    torch.set_num_threads(2)
-    numba.set_num_threads(2)
+    threads = int(_option("--threads", "2"))
+    torch.set_num_threads(threads)
+    numba.set_num_threads(threads)
     print(f"compiled dispatch: {compiled.unavailable_reason() or 'in use'}")
     layernorm.layer_norm(torch.ones(1, 2), 2)  # (loads the compiled dispatch if built)
     print(f"compiled dispatch: {compiled.unavailable_reason() or 'in use'}; dtype {dtype}")
-    for op in ("layer_norm", "rms_norm"):
-        for shape in [(4, 64), (1, 1, 768), (8, 128, 64), (64, 1024)]:
+    ops = _option("--ops", "layer_norm,rms_norm,add_layer_norm,add_rms_norm").split(",")
+    shapes = [
+        tuple(int(size) for size in shape.split("x"))
+        for shape in _option("--shapes", "4x64,1x1x768,8x128x64,64x1024").split(",")
+    ]
+    for op in ops:
+        for shape in shapes:
             print(measure(shape, op, rounds, dtype), flush=True)
     if "--breakdown" in sys.argv[1:]:
         for shape in [(4, 64), (1, 1, 768)]:

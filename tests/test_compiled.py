@@ -1,17 +1,24 @@
-"""The compiled dispatch (layernorm.compiled): plain eager inference through C++, with the
-bits of the Python path, and every other call (gradients, every PyTorch mechanism, the
-uncommon calls) left to Python."""
+"""The C++ part (layernorm.compiled): the op's CPU and autograd kernels and the front
+door for the common call, with the bits of the Python path (the op's Python kernels and
+Python autograd, in a process with LAYERNORM_COMPILED=0), and every other call (every
+PyTorch mechanism, the uncommon calls) left to the dispatcher or to Python."""
 
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import layernorm
-from layernorm import backends, compiled, ops
+from layernorm import backends, compiled
 from layernorm.backends import numba_
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+OPS = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"]
+SHAPES = [(8,), (4, 64), (2, 3, 50), (2, 2, 2, 33), (1, 1, 768), (64, 1024)]
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None, reason="no C++ compiler to build the compiled dispatch"
@@ -28,8 +35,41 @@ def in_use(monkeypatch):
     return compiled.norm
 
 
-def _python_path(monkeypatch):
-    monkeypatch.setattr(compiled, "norm", lambda *args: None)
+def _python_results():
+    """Every case of the tests below that compare with the Python path, computed here
+    (the C++ part in use) or in a process with LAYERNORM_COMPILED=0 (:func:`python_path`)."""
+    results = {}
+    for dtype in DTYPES:
+        for op in OPS:
+            for shape in SHAPES:
+                results[str(dtype), op, shape] = _same_bits_case(dtype, op, shape)
+    for op in OPS:
+        results["double backward", op] = _second_order(op)
+    results["parameters"] = _parameters_case()
+    return results
+
+
+@pytest.fixture(scope="module")
+def python_path(tmp_path_factory):
+    """:func:`_python_results` from a process where the C++ part is switched off."""
+    path = tmp_path_factory.mktemp("python_path") / "results.pt"
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import torch; "
+        "import test_compiled as t; from layernorm import compiled; "
+        "assert compiled.status().startswith('not in use: switched off'); "
+        f"torch.save(t._python_results(), {str(path)!r})"
+    )
+    env = {**os.environ, "LAYERNORM_COMPILED": "0"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
+    return torch.load(path)
+
+
+def _equal_lists(ours, theirs):
+    assert len(ours) == len(theirs)
+    for a, c in zip(ours, theirs, strict=True):
+        assert len(a) == len(c)
+        for p, q in zip(a, c, strict=True):
+            assert p.dtype == q.dtype and p.shape == q.shape and torch.equal(p, q)
 
 
 def _call(op, x, r, w, b, eps):
@@ -56,15 +96,13 @@ def _run(op, tensors, grad, eps):
     return results
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"])
-@pytest.mark.parametrize("shape", [(4, 64), (2, 3, 50), (1, 1, 768), (64, 1024)])
-def test_same_bits_as_the_python_path(monkeypatch, in_use, dtype, op, shape):
-    """Outputs and all gradients, with and without weight and bias, inference and with
-    grad, serial and parallel kernels ((64, 1024) is past numba_.SERIAL_NUMEL)."""
+def _same_bits_case(dtype, op, shape):
     n = shape[-1]
-    x, r = torch.randn(shape, dtype=dtype) * 3 + 1, torch.randn(shape, dtype=dtype)
-    w, b = torch.rand(n, dtype=dtype) + 0.5, torch.randn(n, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g).to(dtype) * 3 + 1
+    r = torch.randn(shape, generator=g).to(dtype)
+    w = torch.rand(n, generator=g).to(dtype) + 0.5
+    b = torch.randn(n, generator=g).to(dtype)
     residual = r if op.startswith("add") else None
     b = None if op.endswith("rms_norm") else b
     cases = [
@@ -74,46 +112,144 @@ def test_same_bits_as_the_python_path(monkeypatch, in_use, dtype, op, shape):
         for eps in (1e-5, None)
         if eps is not None or op.endswith("rms_norm")
     ]
-    assert in_use(x, residual, n, w, b, 1e-5, op.endswith("rms_norm"), None) is not None
-    ours = [_run(op, *case) for case in cases]
-    _python_path(monkeypatch)
-    theirs = [_run(op, *case) for case in cases]
-    for a, c in zip(ours, theirs, strict=True):
-        assert len(a) == len(c)
-        for p, q in zip(a, c, strict=True):
-            assert p.dtype == q.dtype and p.shape == q.shape and torch.equal(p, q)
+    return [_run(op, *case) for case in cases]
 
 
-def test_parameters_of_another_dtype_and_parameter_leaves(monkeypatch, in_use):
-    """bfloat16 input with float32 parameters (converted in C++) and nn.Parameter leaves:
-    gradients in each leaf's own dtype, as the Python path gives them."""
-    x = torch.randn(3, 40, dtype=torch.bfloat16)
-    w = torch.nn.Parameter(torch.rand(40) + 0.5)
-    b = torch.nn.Parameter(torch.randn(40))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_same_bits_as_the_python_path(in_use, python_path, dtype, op, shape):
+    """Outputs and all gradients, with and without weight and bias, inference and with
+    grad, serial and parallel kernels ((64, 1024) is past numba_.SERIAL_NUMEL), as the
+    Python path computes them."""
+    n = shape[-1]
+    x = torch.randn(shape, dtype=dtype)
+    residual = x if op.startswith("add") else None
+    assert in_use(x, residual, n, None, None, 1e-5, op.endswith("rms_norm"), None) is not None
+    _equal_lists(_same_bits_case(dtype, op, shape), python_path[str(dtype), op, shape])
 
-    def run():
+
+def _parameters_case():
+    g = torch.Generator().manual_seed(0)
+    results = []
+    for dtype, param_dtype in [
+        (torch.bfloat16, torch.float32),
+        (torch.float64, torch.float16),
+        (torch.float32, torch.bfloat16),
+    ]:
+        x = torch.randn(3, 40, generator=g).to(dtype)
+        w = torch.nn.Parameter((torch.rand(40, generator=g) + 0.5).to(param_dtype))
+        b = torch.nn.Parameter(torch.randn(40, generator=g).to(param_dtype))
         xs = x.clone().requires_grad_()
         y = layernorm.layer_norm(xs, 40, w, b)
         gx, gw, gb = torch.autograd.grad(y, (xs, w, b), torch.ones_like(y))
-        return y, gx, gw, gb
-
-    ours = run()
-    assert [t.dtype for t in ours] == [torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]
-    _python_path(monkeypatch)
-    for p, q in zip(ours, run(), strict=True):
-        assert torch.equal(p, q)
+        results.append([y.detach(), gx, gw, gb])
+    return results
 
 
-def test_inference_goes_through_the_extension_and_autograd_does_not(in_use):
+def test_parameters_of_another_dtype_and_parameter_leaves(in_use, python_path):
+    """Parameters of another dtype than the input (converted in C++) and nn.Parameter
+    leaves: gradients in each leaf's own dtype, as the Python path gives them."""
+    ours = _parameters_case()
+    assert [t.dtype for t in ours[0]] == [torch.bfloat16] * 2 + [torch.float32] * 2
+    assert [t.dtype for t in ours[2]] == [torch.float32] * 2 + [torch.bfloat16] * 2
+    _equal_lists(ours, python_path["parameters"])
+
+
+def test_grad_calls_go_through_the_op_and_its_cpp_autograd(in_use):
+    """With a gradient, the front door calls layernorm::forward through the dispatcher:
+    autograd records the C++ node; so do the calls it declines (a strided input), which
+    reach the same op from Python."""
     x = torch.randn(2, 8)
     y, h = in_use(x, torch.randn(2, 8), 8, None, None, 1e-5, False, None)
     assert y.grad_fn is None and h.shape == (2, 8)
+    xs = x.clone().requires_grad_()
     with torch.no_grad():
-        assert in_use(x.requires_grad_(), None, (8,), None, None, 1e-5, True, None) is not None
-    assert in_use(x, None, 8, None, None, 1e-5, False, None) is None  # x requires grad
+        assert in_use(xs, None, (8,), None, None, 1e-5, True, None)[0].grad_fn is None
+    y, h = in_use(xs, None, 8, None, None, 1e-5, False, None)
+    assert y.grad_fn.name() == "layernorm::NormBackward" and h is None
     w = torch.nn.Parameter(torch.randn(8))
-    assert in_use(torch.randn(2, 8), None, 8, w, None, 1e-5, False, None) is None
-    assert layernorm.LayerNorm(8)(x).grad_fn.name() == "NormBackward"
+    assert (
+        in_use(x, None, 8, w, None, 1e-5, False, None)[0].grad_fn.name()
+        == "layernorm::NormBackward"
+    )
+    assert layernorm.LayerNorm(8)(x).grad_fn.name() == "layernorm::NormBackward"
+    strided = torch.randn(2, 16)[:, :8].requires_grad_()
+    assert in_use(strided, None, 8, None, None, 1e-5, False, None) is None
+    y = layernorm.layer_norm(strided, 8)
+    names = []
+    node = y.grad_fn
+    while node is not None and node.name() != "layernorm::NormBackward":
+        names.append(node.name())
+        node = node.next_functions[0][0]
+    assert node is not None, names
+
+
+def test_the_op_itself_refuses_a_tangent_it_cannot_carry(in_use):
+    """Forward AD goes through TransformNorm (its JVP); the op called directly with a
+    dual input and grad mode on raises instead of dropping the tangent."""
+    from torch.autograd import forward_ad
+
+    x = torch.randn(2, 8)
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(x, torch.ones_like(x))
+        with pytest.raises(RuntimeError, match="no forward-mode derivative"):
+            torch.ops.layernorm.forward(dual, None, None, None, 1e-5, False, "")
+        y = layernorm.layer_norm(dual, 8)  # the functions carry the tangent
+        tangent = forward_ad.unpack_dual(y).tangent
+    _, expected = torch.func.jvp(
+        lambda t: torch.nn.functional.layer_norm(t, (8,)), (x,), (torch.ones_like(x),)
+    )
+    torch.testing.assert_close(tangent, expected)
+
+
+def test_the_kernels_leave_other_backends_to_python(monkeypatch, in_use):
+    """The op's CPU kernels run what the numba backend runs and hand any other call to
+    the op's Python kernel: a named backend, LAYERNORM_BACKEND, zero-size work, a large
+    input; the results are that backend's."""
+    from layernorm import _op
+
+    x, w = torch.randn(3, 8, dtype=torch.float64), torch.rand(8, dtype=torch.float64)
+    torch_ = backends.get("torch")
+    for backend in ("torch", "numba"):
+        got = torch.ops.layernorm.forward(x, None, w, None, 1e-5, False, backend)
+        expected = _op._forward_impl(x, None, w, None, 1e-5, False, backend)
+        assert all(torch.equal(p, q) for p, q in zip(got, expected, strict=True))
+    empty = torch.ops.layernorm.forward(x[:0], None, w, None, 1e-5, False, "")
+    assert empty[0].shape == (0, 8)
+    monkeypatch.setenv("LAYERNORM_BACKEND", "torch")
+    xs = x.clone().requires_grad_()
+    y = layernorm.layer_norm(xs, 8, w)
+    (dx,) = torch.autograd.grad(y, xs, torch.ones_like(y))
+    ref_y, _, mean, rstd = torch_.forward(x, None, w, None, 1e-5, False)
+    assert y.grad_fn.name() == "layernorm::NormBackward" and torch.equal(y, ref_y)
+    (ref_dx, _, _) = torch_.backward(
+        torch.ones_like(x), x, w, mean, rstd, None, False, False, False, 1e-5
+    )
+    assert torch.equal(dx, ref_dx)
+
+
+def test_only_flagged_rows_go_back_to_python(monkeypatch, in_use):
+    """A row whose rounding the kernel's float64 bound leaves open (an exact tie) is
+    rewritten by the exact fallback, that row alone, in the front door's inference and in
+    the op's kernel with a gradient (docs/contract.md §3)."""
+    n, ulp = 64, float(torch.finfo(torch.float32).eps)
+    x = torch.randn(6, n)
+    x[[1, 4]] = torch.tensor([0.0, 1.0] * (n // 2))  # with these: exact ties
+    w, b = torch.full((n,), ulp), torch.ones(n)
+    fixed = []
+    fix_rows = numba_._fix_rows
+
+    def spy(y, z, w, b, eps, rms, flags):
+        fixed.append(flags.nonzero()[0].tolist())
+        return fix_rows(y, z, w, b, eps, rms, flags)
+
+    monkeypatch.setattr(numba_, "_fix_rows", spy)
+    for grad in (False, True):
+        y, _ = in_use(x.clone().requires_grad_(grad), None, n, w, b, 0.75, False, None)
+        assert y[1].tolist() == y[4].tolist() == [1.0 - ulp / 2, 1.0] * (n // 2)
+        assert torch.equal(y[0], layernorm.layer_norm(x[:1], n, w, b, eps=0.75)[0])
+    assert fixed == [[1, 4], [1, 4]]
 
 
 def _declines(in_use, x, w=None):
@@ -177,6 +313,7 @@ def test_every_other_call_is_left_to_python(monkeypatch, in_use):
         "torch.Size": answer(shape=torch.Size([8])),
         "list": answer(shape=[8]),
         "empty tuple": answer(shape=()),
+        "nested tuple": answer(shape=((8,),)),
         "bool shape": answer(x=torch.randn(2, 1), shape=True, weight=None, bias=None),
         "huge shape": answer(shape=1 << 70),
         "wrong N": answer(shape=(4,)),
@@ -239,8 +376,25 @@ def test_only_when_numba_is_the_automatic_choice(monkeypatch, in_use):
     assert in_use(x, None, 8, None, None, 1e-5, False, None) is not None
 
 
-@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"])
-def test_double_backward(monkeypatch, in_use, op):
+def _second_order(op):
+    """Gradients of a function of the first gradients (create_graph=True)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 6, generator=g, dtype=torch.float64)
+    r = torch.randn(3, 6, generator=g, dtype=torch.float64)
+    w = torch.rand(6, generator=g, dtype=torch.float64) + 0.5
+    b = torch.randn(6, generator=g, dtype=torch.float64)
+    residual = r if op.startswith("add") else None
+    b = None if op.endswith("rms_norm") else b
+    ls = [t.clone().requires_grad_() if t is not None else None for t in (x, residual, w, b)]
+    outputs = _call(op, *ls, 1e-5)
+    gs = [t for t in ls if t is not None]
+    first = torch.autograd.grad([o.sum() for o in outputs], gs, create_graph=True)
+    loss = sum((g * g).sum() for g in first)
+    return [torch.autograd.grad(loss, gs, allow_unused=True, materialize_grads=True)]
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_double_backward(in_use, python_path, op):
     """create_graph=True: the node's backward goes through the differentiable formula
     (gradgradcheck), with the Python path's bits."""
     x, r = torch.randn(3, 6, dtype=torch.float64), torch.randn(3, 6, dtype=torch.float64)
@@ -254,20 +408,9 @@ def test_double_backward(monkeypatch, in_use, op):
     leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, residual, w, b)]
     given = tuple(t for t in leaves if t is not None)
     present = [t is not None for t in leaves]
+    assert f(*leaves)[0].grad_fn.name() == "layernorm::NormBackward"
     assert torch.autograd.gradgradcheck(lambda *t: f(*_fill(t, present)), given)
-
-    def second_order():
-        ls = [t.clone().requires_grad_() if t is not None else None for t in (x, residual, w, b)]
-        outputs = f(*ls)
-        gs = [t for t in ls if t is not None]
-        first = torch.autograd.grad([o.sum() for o in outputs], gs, create_graph=True)
-        loss = sum((g * g).sum() for g in first)
-        return torch.autograd.grad(loss, gs, allow_unused=True, materialize_grads=True)
-
-    ours = second_order()
-    _python_path(monkeypatch)
-    for p, q in zip(ours, second_order(), strict=True):
-        assert torch.equal(p, q)
+    _equal_lists(_second_order(op), python_path["double backward", op])
 
 
 def _fill(tensors, present):
@@ -352,7 +495,6 @@ def test_under_torch_compile_the_custom_op_is_traced(in_use):
         return layernorm.layer_norm(x, 8) * 2
 
     assert torch.equal(f(x), layernorm.layer_norm(x, 8) * 2)
-    assert ops._common_call(x, None, 8, None, None, 1e-5, None) == 8
 
 
 def test_status_and_ensure(monkeypatch, in_use):
@@ -397,11 +539,11 @@ def test_kernel_addresses_are_distinct_and_survive_forget(in_use):
     """Regression: entries were found by a symbol name that closures of one name could
     share once loaded from numba's cache, so after ``backends.forget`` the extension
     called another dtype's kernel (wrong values, then heap corruption)."""
-    names = ("forward_serial", "forward_parallel")
+    names = numba_.ENTRIES
     before = [compiled._resolve(d, name) for d in range(4) for name in names]
     backends.forget("numba")
     after = [compiled._resolve(d, name) for d in range(4) for name in names]
-    assert before == after and len(set(before)) == 8
+    assert before == after and len(set(before)) == 16
     for dtype in compiled.DTYPES:
         x, w = torch.randn(4, 64).to(dtype), torch.rand(64).to(dtype) + 0.5
         y, _ = in_use(x, None, 64, w, None, 1e-5, False, None)
@@ -420,17 +562,82 @@ def test_eps_none_is_the_ops_default(in_use):
         assert torch.equal(y, expected)
 
 
-def test_a_kernel_signature_mismatch_raises(in_use):
-    """The extension compares the numba forward kernel's signature (_kernel_abi) with the
-    one it was built for, so a mismatch raises instead of calling with wrong arguments."""
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_a_kernel_signature_mismatch_raises(monkeypatch, in_use, direction):
+    """The extension compares the numba kernels' signatures (_kernel_abi) with the ones it
+    was built for, so a mismatch raises instead of calling with wrong arguments."""
     from layernorm.backends import _kernel_abi
 
     extension = compiled._extension
     assert extension is not None
-    wrong = _kernel_abi.signature("forward").replace("x_stride", "stride")
+    signature = _kernel_abi.signature
+    wrong = {direction: signature(direction).replace("x_stride", "stride")}
+    monkeypatch.setattr(_kernel_abi, "signature", lambda d: wrong.get(d) or signature(d))
     with pytest.raises(RuntimeError, match="rebuild it"):
-        extension.set_up(
-            torch.Tensor, torch.nn.Parameter, compiled._resolve, 1, 1, wrong, [0.0] * 4
-        )
+        compiled._use(extension)
+    monkeypatch.undo()
     compiled._use(extension)  # (set up again, as it was)
     assert in_use(torch.randn(2, 8), None, 8, None, None, 1e-5, False, None) is not None
+
+
+def test_threads_training_at_once_agree(in_use):
+    """Python threads running forward and backward at once (the backward on autograd's
+    threads, without the GIL; absent parameters take the shared constants): each gets
+    the bits of a call alone, and none waits on another forever."""
+    import threading
+
+    x, r = torch.randn(4, 48), torch.randn(4, 48)
+
+    def run():
+        xs, rs = x.clone().requires_grad_(), r.clone().requires_grad_()
+        y, h = layernorm.add_layer_norm(xs, rs, 48)
+        return [y.detach(), *torch.autograd.grad((y, h), (xs, rs), (y.detach(), x))]
+
+    alone = run()
+    failures = []
+
+    def worker():
+        for _ in range(40):
+            if not all(torch.equal(p, q) for p, q in zip(run(), alone, strict=True)):
+                failures.append("differs")
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and failures == []
+
+
+def test_a_profiler_sees_the_op(in_use):
+    """Under torch.profiler the front door's call with grad goes through the dispatcher,
+    so the op and its backward appear as events."""
+    x = torch.randn(4, 64, requires_grad=True)
+    with torch.profiler.profile() as profile:
+        layernorm.layer_norm(x, 64).sum().backward()
+    names = {event.name for event in profile.events()}
+    assert {"layernorm::forward", "layernorm::NormBackward", "layernorm::backward"} <= names
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_one_thread_runs_the_serial_entry_to_the_same_bits(in_use, dtype):
+    """With one torch thread a large call runs the serial entry in C++, not the threaded
+    one through Python: the same bits, outputs and gradients."""
+    x = torch.randn(64, 1024).to(dtype)
+    w = (torch.rand(1024) + 0.5).to(dtype)
+    assert x.numel() >= numba_.SERIAL_NUMEL
+
+    def run():
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = layernorm.layer_norm(xs, 1024, ws)
+        return [y.detach(), *torch.autograd.grad(y, (xs, ws), torch.ones_like(y))]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        many = run()
+        torch.set_num_threads(1)
+        one = run()
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(p, q) for p, q in zip(one, many, strict=True))

@@ -1,40 +1,68 @@
-// Compiled dispatch: plain eager inference of layernorm's four functions, from Python
-// straight to the numba backend's compiled forward kernel, with the checks and the
-// allocations in C++ (layernorm/compiled.py builds and loads it and says why).
+// The op's C++ kernels: layernorm::forward and layernorm::backward on CPU, their
+// autograd, and a front door for the common eager call (layernorm/compiled.py builds and
+// loads this file and says why).
 //
-// norm(x, residual, normalized_shape, weight, bias, eps, rms, backend) answers the call
-// that ops._common_call accepts, that needs no gradient, that no PyTorch mechanism would
-// intercept (see mechanism_active) and that the automatic backend runs on numba:
-// (y, residual_out) with the bits of the Python path, which calls the same compiled
-// kernel. For any other call it answers None, before doing any work, and ops takes the
-// call through Python.
+// Python defines the ops (layernorm._op: schemas, fake kernels, vmap rules, autocast,
+// a Python autograd and Python kernels for every device). set_up registers, for CPU
+// tensors, kernels that torch's dispatcher prefers to those:
+//
+//   CPU          forward_cpu / backward_cpu: the numba backend's compiled entries called
+//                through their C addresses (a row flagged for the exact fallback is
+//                rewritten by Python, that row only); any call they were not built for
+//                (another backend, zero-size, large, strided) goes to the Python kernel
+//                (_op._forward_impl / _op._backward_impl), so every backend keeps working
+//   AutogradCPU  forward_autograd: NormBackward, a C++ autograd node whose backward
+//                calls layernorm::backward through the dispatcher (a batched gradient
+//                meets the vmap rule there); a backward that builds a graph
+//                (create_graph) runs Python's differentiable composite_backward
+//
+// norm(x, residual, normalized_shape, weight, bias, eps, rms, backend) is the front door
+// of ops._norm: for the common call (plain contiguous CPU tensors, an int or 1-tuple
+// normalized_shape, a float or None eps, the automatic backend; the Python checks would
+// pass it unchanged), when no PyTorch mechanism would see it (mechanism_active), it
+// answers (y, residual_out) itself: with a gradient
+// by the op's autograd kernel (so autograd records NormBackward), without one by the CPU
+// kernel's own function, without statistics. Any other call gets None before any work.
 
+#include <ATen/Parallel.h>
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/extension.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 using torch::Tensor;
 using torch::autograd::variable_list;
+using OptionalTensor = std::optional<Tensor>;
+using Outputs = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+using Gradients = std::tuple<Tensor, Tensor, Tensor>;
 
-// The forward kernel entry (layernorm.backends._numba_kernels.entry): a void function of
-// addresses, sizes and flags. FORWARD_SIGNATURE spells its parameters in the form of
-// layernorm.backends._kernel_abi; set_up compares the two, so a mismatch raises.
+// The kernel entries (layernorm.backends._numba_kernels.entry): void functions of
+// addresses, sizes and flags. *_SIGNATURE spell their parameters in the form of
+// layernorm.backends._kernel_abi; set_up compares them, so a mismatch raises.
 using ForwardKernel = void (*)(int64_t x, int64_t x_stride, int64_t residual,
                                int64_t residual_stride, bool has_residual, int64_t residual_out,
                                int64_t weight, int64_t bias, int64_t y, int64_t mean,
@@ -44,93 +72,425 @@ const char* const FORWARD_SIGNATURE =
     "x:i64,x_stride:i64,residual:i64,residual_stride:i64,has_residual:bool,"
     "residual_out:i64,weight:i64,bias:i64,y:i64,mean:i64,rstd:i64,m:i64,n:i64,eps:f64,"
     "rms:bool,stream:bool,store_stats:bool,flags:i64";
+using BackwardKernel = void (*)(int64_t dy, int64_t dy_stride, int64_t x, int64_t x_stride,
+                                int64_t dresidual_out, int64_t dresidual_out_stride,
+                                int64_t weight, int64_t mean, int64_t rstd, int64_t dx,
+                                int64_t dweight, int64_t dbias, int64_t m, int64_t n, bool rms,
+                                bool stream, double eps, int64_t flags);
+const char* const BACKWARD_SIGNATURE =
+    "dy:i64,dy_stride:i64,x:i64,x_stride:i64,dresidual_out:i64,dresidual_out_stride:i64,"
+    "weight:i64,mean:i64,rstd:i64,dx:i64,dweight:i64,dbias:i64,m:i64,n:i64,rms:bool,"
+    "stream:bool,eps:f64,flags:i64";
 
-enum Entry { FORWARD_SERIAL, FORWARD_PARALLEL };
-const char* const ENTRY_NAMES[] = {"forward_serial", "forward_parallel"};
-constexpr int DTYPES = 4;  // float16, bfloat16, float32, float64: compiled.DTYPES' order
+enum Entry { FORWARD_SERIAL, FORWARD_PARALLEL, BACKWARD_SERIAL, BACKWARD_PARALLEL, ENTRIES };
+const char* const ENTRY_NAMES[] = {"forward_serial", "forward_parallel", "backward_serial",
+                                   "backward_parallel"};
+constexpr int DTYPES = 4;  // the kernels' input dtypes, in compiled.DTYPES' order
 
+// What Python hands over at set_up (compiled._use): the rules live there, not here.
 struct State {
     PyObject* tensor_type = nullptr;     // torch.Tensor
     PyObject* parameter_type = nullptr;  // torch.nn.Parameter
     PyObject* resolve = nullptr;  // (dtype index, entry name) -> C address, or None
-    int64_t serial_numel = 0;     // numba_.SERIAL_NUMEL
-    int64_t max_bytes = 0;        // larger inputs go through Python (streaming, host cache)
-    int64_t kernels[DTYPES][2] = {};  // C addresses: 0 not asked yet, -1 none
-    double default_eps[DTYPES] = {};  // eps=None per dtype: _op.default_eps's values
+    PyObject* python_forward = nullptr;   // _op._forward_impl: the op's Python kernel
+    PyObject* python_backward = nullptr;  // _op._backward_impl
+    PyObject* fix_forward = nullptr;   // compiled._fix_forward_rows: the exact fallback
+    PyObject* fix_backward = nullptr;  // compiled._fix_backward_rows
+    PyObject* composite_backward = nullptr;  // _op.composite_backward
+    PyObject* kernel_rows = nullptr;         // _op.kernel_rows
+    PyObject* backend_named = nullptr;  // whether LAYERNORM_BACKEND names a backend now
+    int64_t serial_numel = 0;  // numba_.SERIAL_NUMEL
+    int64_t max_bytes = 0;     // numba_.STREAM_BYTES: larger inputs go through Python
+    int64_t kernels[DTYPES][ENTRIES] = {};  // C addresses: 0 not asked yet, -1 none
+    double default_eps[DTYPES] = {};        // eps=None per dtype: _op.default_eps's values
+    at::ScalarType dtypes[DTYPES] = {};      // compiled.DTYPES
+    at::ScalarType acc_dtypes[DTYPES] = {};  // their accumulation dtypes (torch_'s rule)
 };
 State state;
 
 int dtype_index(at::ScalarType t) {
-    switch (t) {
-        case at::kHalf: return 0;
-        case at::kBFloat16: return 1;
-        case at::kFloat: return 2;
-        case at::kDouble: return 3;
-        default: return -1;
-    }
+    for (int d = 0; d < DTYPES; ++d)
+        if (state.dtypes[d] == t) return d;
+    return -1;
 }
 
-at::ScalarType acc_dtype(int d) { return d == 3 ? at::kDouble : at::kFloat; }
+at::ScalarType acc_dtype(int d) { return state.acc_dtypes[d]; }
 
 int64_t address(const Tensor& t) { return reinterpret_cast<int64_t>(t.data_ptr()); }
 
-// The kernel's C address, asked of Python the first time (the GIL must be held).
+// Calls a Python function with the GIL (kernels may run without it: the autograd engine
+// releases it) and returns its result as an R, or throws its exception.
+template <typename R = void, typename... Args>
+R call_python(PyObject* function, Args&&... args) {
+    pybind11::gil_scoped_acquire gil;
+    pybind11::object result = pybind11::handle(function)(std::forward<Args>(args)...);
+    if constexpr (!std::is_void_v<R>) return result.template cast<R>();
+}
+
+// The kernel's C address, asked of Python the first time.
 int64_t kernel(int d, Entry e) {
     int64_t& a = state.kernels[d][e];
     if (a == 0) {
-        PyObject* r = PyObject_CallFunction(state.resolve, "is", d, ENTRY_NAMES[e]);
-        if (r == nullptr) throw python_error();
-        a = r == Py_None ? -1 : PyLong_AsLongLong(r);
-        Py_DECREF(r);
-        if (a == -1 && PyErr_Occurred()) throw python_error();
+        a = call_python<std::optional<int64_t>>(state.resolve, d, ENTRY_NAMES[e]).value_or(-1);
     }
     return a;
 }
 
-// A cached (N,) tensor full of value: ones for a missing weight, -0.0 for a missing bias
-// (as numba_._constant).
+// Whether LAYERNORM_BACKEND names a backend now (Python's rule, asked per call as
+// Python's pick reads it per call; C++ only reads the variable's presence to skip asking).
+bool environment_chooses() {
+    const char* name = std::getenv("LAYERNORM_BACKEND");
+    if (name == nullptr) return false;
+    return call_python<bool>(state.backend_named);
+}
+
+// The cached (N,) tensor full of value that Python's numba_._constant gives (ones for a
+// missing weight, -0.0 for a missing bias or residual gradient), kept here once asked.
+PyObject* constant_python = nullptr;
 Tensor constant(int64_t n, at::ScalarType dtype, double value) {
     static std::mutex mutex;
     static std::map<std::tuple<int64_t, int, bool, double>, Tensor> cache;
+    const auto key = std::make_tuple(n, static_cast<int>(dtype), std::signbit(value), value);
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        auto found = cache.find(key);
+        if (found != cache.end()) return found->second;
+    }
+    // (asked without the lock: a thread holding the GIL may be waiting for it)
+    Tensor t = call_python<Tensor>(constant_python, n, dtype_index(dtype), value);
     std::lock_guard<std::mutex> lock(mutex);
-    auto key = std::make_tuple(n, static_cast<int>(dtype), std::signbit(value), value);
-    auto found = cache.find(key);
-    if (found != cache.end()) return found->second;
     if (cache.size() > 64) cache.clear();
-    return cache[key] = at::full({n}, value, at::TensorOptions().dtype(dtype));
+    return cache[key] = t;
+}
+
+template <typename From, typename To>
+void convert(const Tensor& from, const Tensor& to) {
+    const From* source = from.const_data_ptr<From>();
+    To* target = to.mutable_data_ptr<To>();
+    for (int64_t i = 0, n = from.numel(); i < n; ++i)
+        target[i] = static_cast<To>(static_cast<float>(source[i]));
+}
+
+template <typename From>
+bool convert_to(const Tensor& from, const Tensor& to) {
+    switch (to.scalar_type()) {
+        case at::kHalf: convert<From, at::Half>(from, to); return true;
+        case at::kBFloat16: convert<From, at::BFloat16>(from, to); return true;
+        case at::kFloat: convert<From, float>(from, to); return true;
+        case at::kDouble: convert<From, double>(from, to); return true;
+        default: return false;
+    }
+}
+
+// t in dtype, as t.to(dtype) gives it, never recorded by autograd: for the 16- and
+// 32-bit float sources, c10's conversions (those .to runs on CPU: exact widening,
+// round-to-nearest-even narrowing) in a plain loop, without the dispatcher's cost.
+Tensor converted(const Tensor& t, at::ScalarType dtype) {
+    if (t.scalar_type() == dtype) return t;
+    if (t.is_cpu() && t.is_contiguous()) {
+        Tensor out = at::empty(t.sizes(), t.options().dtype(dtype));
+        bool done = false;
+        switch (t.scalar_type()) {
+            case at::kHalf: done = convert_to<at::Half>(t, out); break;
+            case at::kBFloat16: done = convert_to<at::BFloat16>(t, out); break;
+            case at::kFloat: done = convert_to<float>(t, out); break;
+            default: break;
+        }
+        if (done) return out;
+    }
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return t.to(dtype);
+}
+
+// A gradient in its leaf's dtype (recorded by autograd when a graph is being built).
+Tensor as_dtype(const Tensor& t, at::ScalarType dtype) {
+    if (t.scalar_type() == dtype) return t;
+    return torch::GradMode::is_enabled() && t.requires_grad() ? t.to(dtype) : converted(t, dtype);
 }
 
 // A parameter as the kernels take it: in the accumulation dtype, or the default row.
 Tensor kernel_param(const Tensor& p, int64_t n, at::ScalarType acc, double missing) {
     if (!p.defined()) return constant(n, acc, missing);
-    return p.scalar_type() == acc ? p : p.to(acc).contiguous();
+    return p.scalar_type() == acc ? p : converted(p, acc).contiguous();
+}
+
+Tensor value(const OptionalTensor& t) { return t.has_value() ? *t : Tensor(); }
+
+// A plain contiguous (N,) floating parameter, or absent.
+bool kernel_ready_param(const Tensor& p, int64_t n) {
+    return !p.defined() || (p.dim() == 1 && p.size(0) == n && p.is_contiguous() &&
+                            p.is_floating_point() && p.is_cpu());
+}
+
+// Whether t is a kernel argument of m rows of n (contiguous, or 2-D with contiguous rows).
+bool kernel_rows_of(const Tensor& t, int64_t m, int64_t n) {
+    if (t.is_contiguous()) return t.numel() == m * n && t.size(-1) == n;
+    return t.dim() == 2 && t.size(0) == m && t.size(1) == n && t.stride(1) == 1;
+}
+
+int64_t row_stride(const Tensor& t, int64_t n) { return t.is_contiguous() ? n : t.stride(0); }
+
+// The numba entry for x when the forward or backward kernel below runs the call (the
+// automatic backend is numba, x is non-empty kernel rows, and small enough that Python's
+// cost would count), else -1 (the Python kernel runs it).
+int64_t entry_for(const Tensor& x, c10::string_view backend, Entry serial, Entry parallel) {
+    const int d = dtype_index(x.scalar_type());
+    const int64_t numel = x.numel();
+    if (!backend.empty() || d < 0 || numel == 0 || x.dim() == 0 ||
+        !kernel_rows_of(x, numel / x.size(-1), x.size(-1)) ||
+        numel * static_cast<int64_t>(x.element_size()) >= state.max_bytes ||
+        environment_chooses())
+        return -1;
+    // the parallel entries split the rows over torch's threads (through Python): with one
+    // thread allowed, the serial entry runs the same rows to the same bits, without that
+    const bool one_thread = numel < state.serial_numel || at::get_num_threads() == 1;
+    return kernel(d, one_thread ? serial : parallel);
+}
+
+// Room for m + 1 fallback flags (the kernels' flags argument), reused by the thread's
+// calls; a tensor over it only when a row is flagged.
+uint8_t* flag_buffer(int64_t m) {
+    thread_local std::vector<uint8_t> buffer;
+    if (buffer.size() < static_cast<size_t>(m + 1)) buffer.resize(m + 1);
+    return buffer.data();
+}
+
+Tensor flag_tensor(uint8_t* flags, int64_t m) {
+    return at::from_blob(flags, {m + 1}, at::TensorOptions().dtype(at::kByte));
 }
 
 struct Forward {
-    Tensor y, residual_out;
-    bool flagged = false;  // a row needs the exact fallback: Python's path does it
+    Tensor y, residual_out, mean, rstd;
 };
 
-// The kernel's outputs; it computes no statistics (nothing will differentiate them).
-Forward forward(const Tensor& x, const Tensor& residual, const Tensor& weight,
-                const Tensor& bias, double eps, bool rms, int d, int64_t kernel_address) {
-    const int64_t n = x.size(-1), numel = x.numel(), m = numel / n;
-    const auto acc = acc_dtype(d);
+// The forward kernel on kernel-ready tensors; statistics only when store_stats.
+Forward run_forward(const Tensor& x, const Tensor& residual, const Tensor& weight,
+                    const Tensor& bias, double eps, bool rms, bool store_stats,
+                    int64_t kernel_address) {
+    const int64_t n = x.size(-1), m = x.numel() / n;
+    const auto acc = acc_dtype(dtype_index(x.scalar_type()));
     Forward out;
-    out.y = at::empty_like(x);
+    out.y = at::empty_like(x, at::MemoryFormat::Contiguous);
     const Tensor w = kernel_param(weight, n, acc, 1.0), b = kernel_param(bias, n, acc, -0.0);
     const int64_t x_address = address(x);
     const bool has_residual = residual.defined();
-    if (has_residual) out.residual_out = at::empty_like(x);
-    // the statistics' addresses are never written (store_stats false): any valid one will do
-    const Tensor flags = at::empty({m + 1}, at::TensorOptions().dtype(at::kByte));
+    if (has_residual) out.residual_out = at::empty_like(x, at::MemoryFormat::Contiguous);
+    int64_t mean_address = x_address, rstd_address = x_address;  // unused: any valid one
+    if (store_stats) {
+        out.rstd = at::empty({m}, x.options().dtype(acc));
+        rstd_address = address(out.rstd);
+        if (!rms) {
+            out.mean = at::empty({m}, x.options().dtype(acc));
+            mean_address = address(out.mean);
+        }
+    }
+    uint8_t* flags = flag_buffer(m);
     reinterpret_cast<ForwardKernel>(kernel_address)(
-        x_address, n, has_residual ? address(residual) : x_address, has_residual ? n : 0,
+        x_address, row_stride(x, n), has_residual ? address(residual) : x_address,
+        has_residual ? row_stride(residual, n) : 0,
         has_residual, has_residual ? address(out.residual_out) : x_address, address(w),
-        address(b), address(out.y), x_address, x_address, m, n, eps, rms, false, false,
-        address(flags));
-    out.flagged = flags.data_ptr<uint8_t>()[m] != 0;
+        address(b), address(out.y), mean_address, rstd_address, m, n, eps, rms,
+        false /* stream: inputs of max_bytes or more are Python's */, store_stats,
+        reinterpret_cast<int64_t>(flags));
+    if (flags[m] != 0)  // rare: rewrite the flagged rows exactly
+        call_python(state.fix_forward, out.y, has_residual ? out.residual_out : x, w, b, eps,
+                    rms, flag_tensor(flags, m));
     return out;
+}
+
+// layernorm::forward on CPU.
+Outputs forward_cpu(const Tensor& x, const OptionalTensor& residual, const OptionalTensor& weight,
+                    const OptionalTensor& bias, double eps, bool rms, c10::string_view backend) {
+    const Tensor r = value(residual), w = value(weight), b = value(bias);
+    const int64_t n = x.dim() > 0 ? x.size(-1) : 0;
+    int64_t kernel_address = -1;
+    if ((!r.defined() || (r.sizes() == x.sizes() && r.scalar_type() == x.scalar_type() &&
+                          kernel_rows_of(r, n > 0 ? r.numel() / n : 0, n))) &&
+        kernel_ready_param(w, n) && kernel_ready_param(b, n))
+        kernel_address = entry_for(x, backend, FORWARD_SERIAL, FORWARD_PARALLEL);
+    if (kernel_address < 0)
+        return call_python<Outputs>(state.python_forward, x, residual, weight, bias, eps, rms,
+                                    std::string(backend));
+    Forward out = run_forward(x, r, w, b, eps, rms, true, kernel_address);
+    // the schema has no optional outputs: an absent one is empty
+    return {out.y, r.defined() ? out.residual_out : at::empty({0}, x.options()),
+            rms ? at::empty({0}, out.rstd.options()) : out.mean, out.rstd};
+}
+
+// layernorm::backward on CPU.
+Gradients backward_cpu(const Tensor& dy, const Tensor& x, const OptionalTensor& weight,
+                       const Tensor& mean, const Tensor& rstd, const OptionalTensor& dresidual_out,
+                       bool rms, bool need_dweight, bool need_dbias, c10::string_view backend,
+                       double eps) {
+    const Tensor w = value(weight), dres = value(dresidual_out);
+    const int64_t n = x.dim() > 0 ? x.size(-1) : 0, m = n > 0 ? x.numel() / n : 0;
+    const int d = dtype_index(x.scalar_type());
+    int64_t kernel_address = -1;
+    if (d >= 0 && kernel_ready_param(w, n) && dy.scalar_type() == x.scalar_type() &&
+        kernel_rows_of(dy, m, n) &&
+        (!dres.defined() || (dres.scalar_type() == x.scalar_type() && kernel_rows_of(dres, m, n))) &&
+        rstd.is_contiguous() && rstd.numel() == m && rstd.scalar_type() == acc_dtype(d) &&
+        (rms || (mean.is_contiguous() && mean.numel() == m && mean.scalar_type() == acc_dtype(d))))
+        kernel_address = entry_for(x, backend, BACKWARD_SERIAL, BACKWARD_PARALLEL);
+    if (kernel_address < 0)
+        return call_python<Gradients>(state.python_backward, dy, x, weight, mean, rstd,
+                                      dresidual_out, rms, need_dweight, need_dbias,
+                                      std::string(backend), eps);
+    const auto acc = acc_dtype(d);
+    const Tensor wk = kernel_param(w, n, acc, 1.0);
+    // no residual gradient: one row of -0.0 with a stride of 0 (v + -0.0 == v bitwise)
+    const Tensor dres_k = dres.defined() ? dres : constant(n, x.scalar_type(), -0.0);
+    const Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
+    const Tensor dweight = at::empty({need_dweight ? n : 0}, rstd.options());
+    const Tensor dbias = at::empty({need_dbias ? n : 0}, rstd.options());
+    uint8_t* flags = flag_buffer(m);
+    reinterpret_cast<BackwardKernel>(kernel_address)(
+        address(dy), row_stride(dy, n), address(x), row_stride(x, n), address(dres_k),
+        dres.defined() ? row_stride(dres, n) : 0, address(wk), address(rms ? rstd : mean),
+        address(rstd), address(dx), need_dweight ? address(dweight) : 0,
+        need_dbias ? address(dbias) : 0, m, n, rms, false, eps, reinterpret_cast<int64_t>(flags));
+    if (flags[m] != 0)  // rare: rewrite the flagged rows exactly
+        call_python(state.fix_backward, dx, dy, x, wk, dresidual_out, eps, rms,
+                    flag_tensor(flags, m));
+    return {dx, dweight, dbias};
+}
+
+const c10::TypedOperatorHandle<Outputs(const Tensor&, const OptionalTensor&, const OptionalTensor&,
+                                       const OptionalTensor&, double, bool, c10::string_view)>&
+forward_op() {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("layernorm::forward", "")
+                               .typed<Outputs(const Tensor&, const OptionalTensor&,
+                                              const OptionalTensor&, const OptionalTensor&,
+                                              double, bool, c10::string_view)>();
+    return op;
+}
+
+const c10::TypedOperatorHandle<Gradients(const Tensor&, const Tensor&, const OptionalTensor&,
+                                         const Tensor&, const Tensor&, const OptionalTensor&,
+                                         bool, bool, bool, c10::string_view, double)>&
+backward_op() {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("layernorm::backward", "")
+                               .typed<Gradients(const Tensor&, const Tensor&,
+                                                const OptionalTensor&, const Tensor&,
+                                                const Tensor&, const OptionalTensor&, bool,
+                                                bool, bool, c10::string_view, double)>();
+    return op;
+}
+
+
+// The autograd of layernorm::forward on CPU: Python's _op._setup_context and _op._backward
+// (which the Python autograd of the op runs), with the same saved tensors and outputs,
+// as a node of torch's own kind (a torch::autograd::Function costs a small call more).
+// Its inputs are (x, residual, weight, bias), an absent one without an edge; its
+// outputs y and, with a residual, residual_out (mean and rstd are not differentiable).
+struct NormBackward : public torch::autograd::Node {
+    torch::autograd::SavedVariable z, weight, mean, rstd;
+    bool has_residual = false, rms = false;
+    at::ScalarType weight_dtype = at::kFloat;
+    std::optional<at::ScalarType> bias_dtype;
+    double eps = 0;
+    std::string backend;
+
+    std::string name() const override { return "layernorm::NormBackward"; }
+
+    void release_variables() override {
+        z.reset_data();
+        weight.reset_data();
+        mean.reset_data();
+        rstd.reset_data();
+    }
+
+    variable_list apply(variable_list&& grads) override {
+        const Tensor zt = z.unpack(getptr()), w = weight.unpack(), m = mean.unpack(),
+                     r = rstd.unpack();
+        const bool need_x = task_should_compute_output(0);
+        const bool need_residual = has_residual && task_should_compute_output(1);
+        const bool need_dweight = w.defined() && task_should_compute_output(2);
+        const bool need_dbias = bias_dtype.has_value() && task_should_compute_output(3);
+        variable_list out(4);
+        if (!(need_x || need_residual || need_dweight || need_dbias)) return out;
+        // (symbolic sizes: torch.compile traces this backward with fake tensors)
+        const c10::SymInt n = zt.sym_size(-1);
+        auto rows = [&n](const Tensor& t) {
+            if (!t.defined() || (t.is_contiguous() && t.sym_size(-1) == n)) return t;
+            return call_python<Tensor>(state.kernel_rows, t, n);
+        };
+        // an unused output's gradient is undefined: zeros for y, nothing for residual_out
+        Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(zt);
+        Tensor dres;
+        if (has_residual && grads.size() > 1 && grads[1].defined()) dres = grads[1];
+        dy = rows(dy);
+        dres = rows(dres);
+        const OptionalTensor dres_arg = dres.defined() ? OptionalTensor(dres) : std::nullopt;
+        const OptionalTensor weight_arg = w.defined() ? OptionalTensor(w) : std::nullopt;
+        Gradients g;
+        if (torch::GradMode::is_enabled()) {  // a graph of the backward: differentiable ops
+            g = call_python<Gradients>(state.composite_backward, dy, zt, weight_arg, eps, rms,
+                                       dres_arg);
+        } else {
+            // (below autograd: nothing differentiates it; a batched gradient's keys remain)
+            at::AutoDispatchBelowADInplaceOrView guard;
+            g = backward_op().call(dy, zt, weight_arg, m, r, dres_arg, rms, need_dweight,
+                                   need_dbias, backend, eps);
+        }
+        auto& [dz, dweight, dbias] = g;
+        if (need_x) out[0] = dz;
+        // x and residual get the same gradient; never hand one tensor to two leaves
+        if (need_residual) out[1] = need_x ? dz.clone() : dz;
+        if (need_dweight) out[2] = as_dtype(dweight, weight_dtype);
+        if (need_dbias) out[3] = as_dtype(dbias, *bias_dtype);
+        return out;
+    }
+};
+
+// The forward recorded by autograd (when an input requires grad), its kernel run below
+// autograd by the dispatcher or, for the front door's call that no mechanism would see,
+// called directly (the CPU kernel the dispatcher would pick, without the lookups).
+Outputs record_forward(const Tensor& x, const OptionalTensor& residual,
+                       const OptionalTensor& weight, const OptionalTensor& bias, double eps,
+                       bool rms, c10::string_view backend, bool dispatch) {
+    using namespace torch::autograd;
+    const bool grad = compute_requires_grad(x, residual, weight, bias);
+    Outputs out;
+    {
+        at::AutoDispatchBelowADInplaceOrView guard;  // (the kernel is below autograd)
+        out = dispatch ? forward_op().call(x, residual, weight, bias, eps, rms, backend)
+                       : forward_cpu(x, residual, weight, bias, eps, rms, backend);
+    }
+    if (!grad) return out;
+    auto& [y, residual_out, mean, rstd] = out;
+    const Tensor w = value(weight), b = value(bias);
+    auto node = c10::make_intrusive<NormBackward>();
+    node->set_next_edges(collect_next_edges(x, residual, weight, bias));
+    node->has_residual = residual.has_value() && residual->defined();
+    node->rms = rms;
+    node->eps = eps;
+    node->backend = std::string(backend);
+    if (w.defined()) node->weight_dtype = w.scalar_type();
+    if (b.defined()) node->bias_dtype = b.scalar_type();
+    set_history(y, node);
+    if (node->has_residual) set_history(residual_out, node);
+    node->z = SavedVariable(node->has_residual ? residual_out : x, node->has_residual);
+    if (w.defined()) node->weight = SavedVariable(w, false);
+    node->mean = SavedVariable(mean, false);
+    node->rstd = SavedVariable(rstd, false);
+    return out;
+}
+
+// layernorm::forward's AutogradCPU kernel.
+Outputs forward_autograd(const Tensor& x, const OptionalTensor& residual,
+                         const OptionalTensor& weight, const OptionalTensor& bias, double eps,
+                         bool rms, c10::string_view backend) {
+    using torch::autograd::isFwGradDefined;
+    // (inside an autograd.Function's forward, grad mode is off: its own jvp runs)
+    TORCH_CHECK(!(torch::GradMode::is_enabled() &&
+                  (isFwGradDefined(x) || isFwGradDefined(residual) ||
+                   isFwGradDefined(weight) || isFwGradDefined(bias))),
+                "layernorm::forward has no forward-mode derivative (a custom op cannot carry "
+                "one): call layernorm's functions, which use their own (docs/contract.md §6)");
+    return record_forward(x, residual, weight, bias, eps, rms, backend, true);
 }
 
 // n when normalized_shape is an int or a 1-tuple of one (exactly: not bool, not Size).
@@ -160,7 +520,7 @@ bool plain_param(PyObject* p, int64_t n, Tensor* out) {
 // Whether a PyTorch mechanism would see or change this call: a functorch transform, a
 // dispatch or function mode (FakeTensorMode, TorchDispatchMode, torch.device), jit
 // tracing, CPU autocast, or a tensor that is not a plain dense CPU one (functorch
-// wrappers, subclasses' Python key, dual tensors' tangents).
+// wrappers, subclasses' Python key, dual tensors' tangents: forward AD is Python's).
 bool mechanism_active(std::initializer_list<const Tensor*> tensors) {
     static const c10::DispatchKeySet plain_tls(
         {c10::DispatchKey::BackendSelect, c10::DispatchKey::ADInplaceOrView});
@@ -183,11 +543,6 @@ bool mechanism_active(std::initializer_list<const Tensor*> tensors) {
     return false;
 }
 
-bool environment_chooses() {
-    const char* name = std::getenv("LAYERNORM_BACKEND");
-    return name != nullptr && name[0] != '\0';
-}
-
 PyObject* wrap_or_none(const Tensor& t) {
     if (!t.defined()) Py_RETURN_NONE;
     return THPVariable_Wrap(t);
@@ -207,12 +562,9 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     const int64_t n = last_dim(args[2]);
     if (n <= 0) Py_RETURN_NONE;
     const Tensor& x = THPVariable_Unpack(x_object);
-    if (!(x.is_cpu() && x.dim() > 0 && x.size(-1) == n && x.is_contiguous()))
-        Py_RETURN_NONE;
+    if (!(x.is_cpu() && x.dim() > 0 && x.size(-1) == n && x.is_contiguous())) Py_RETURN_NONE;
     const int d = dtype_index(x.scalar_type());
-    const int64_t numel = x.numel();
-    if (d < 0 || numel == 0 || numel * static_cast<int64_t>(x.element_size()) >= state.max_bytes)
-        Py_RETURN_NONE;
+    if (d < 0) Py_RETURN_NONE;
     const double eps =
         eps_object != Py_None ? PyFloat_AS_DOUBLE(eps_object) : state.default_eps[d];
     if (!(eps >= 0)) Py_RETURN_NONE;
@@ -225,21 +577,32 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
               residual.sizes() == x.sizes() && residual.is_contiguous()))
             Py_RETURN_NONE;
     }
-    if (!plain_param(args[3], n, &weight) || !plain_param(args[4], n, &bias) ||
-        environment_chooses())
+    if (!plain_param(args[3], n, &weight) || !plain_param(args[4], n, &bias))
         Py_RETURN_NONE;
+    if (mechanism_active({&x, &residual, &weight, &bias})) Py_RETURN_NONE;
     const bool rms = args[6] == Py_True;
     auto requires_grad = [](const Tensor& t) { return t.defined() && t.requires_grad(); };
+    Tensor y, residual_out;
     if (torch::GradMode::is_enabled() && (x.requires_grad() || requires_grad(residual) ||
-                                          requires_grad(weight) || requires_grad(bias)))
-        Py_RETURN_NONE;  // autograd is Python's (layernorm._op.Norm)
-    if (mechanism_active({&x, &residual, &weight, &bias})) Py_RETURN_NONE;
-    const int64_t kernel_address =
-        kernel(d, numel < state.serial_numel ? FORWARD_SERIAL : FORWARD_PARALLEL);
-    if (kernel_address < 0) Py_RETURN_NONE;  // the automatic backend is not numba
-    auto out = forward(x, residual, weight, bias, eps, rms, d, kernel_address);
-    if (out.flagged) Py_RETURN_NONE;  // rare: the Python path runs the exact fallback
-    const Tensor y = out.y, residual_out = out.residual_out;
+                                          requires_grad(weight) || requires_grad(bias))) {
+        // the op's autograd kernel and CPU kernel, which the dispatcher would pick here
+        // (no mechanism is active): autograd records NormBackward
+        auto optional = [](const Tensor& t) {
+            return t.defined() ? OptionalTensor(t) : OptionalTensor();
+        };
+        // (through the dispatcher when a profiler listens, so it sees layernorm::forward)
+        Outputs out = record_forward(x, optional(residual), optional(weight), optional(bias),
+                                     eps, rms, "", at::hasCallbacks());
+        y = std::get<0>(out);
+        if (residual.defined()) residual_out = std::get<1>(out);
+    } else {
+        // inference: the CPU kernel's own function, without statistics
+        const int64_t kernel_address = entry_for(x, "", FORWARD_SERIAL, FORWARD_PARALLEL);
+        if (kernel_address < 0) Py_RETURN_NONE;  // the Python kernel's call
+        Forward out = run_forward(x, residual, weight, bias, eps, rms, false, kernel_address);
+        y = out.y;
+        residual_out = out.residual_out;
+    }
     PyObject* result = PyTuple_New(2);
     if (result == nullptr) return nullptr;
     PyTuple_SET_ITEM(result, 0, THPVariable_Wrap(y));
@@ -248,30 +611,68 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     END_HANDLE_TH_ERRORS
 }
 
-// set_up(torch.Tensor, torch.nn.Parameter, resolve, serial_numel, max_bytes,
-// forward_signature, default_eps): forward_signature is _kernel_abi's spelling of the
-// forward kernel's parameters, which must be FORWARD_SIGNATURE; default_eps the eps of
-// eps=None for each dtype, in compiled.DTYPES' order.
-void set_up(pybind11::object tensor_type, pybind11::object parameter_type,
-            pybind11::object resolve, int64_t serial_numel, int64_t max_bytes,
-            const std::string& forward_signature, const std::vector<double>& default_eps) {
-    TORCH_CHECK(forward_signature == FORWARD_SIGNATURE,
-                "layernorm's compiled dispatch was built for the forward kernel signature ",
-                FORWARD_SIGNATURE, " but the numba kernels have ", forward_signature,
-                ": rebuild it (layernorm build)");
-    TORCH_CHECK(default_eps.size() == DTYPES, "set_up: one default eps per dtype");
+// The kernels, registered in torch's dispatcher by the first set_up that succeeds (not
+// when the library loads: a build that refuses the kernels' signatures registers none).
+void register_kernels() {
+    static std::unique_ptr<torch::Library> cpu, autograd;
+    if (cpu) return;
+    cpu = std::make_unique<torch::Library>(torch::Library::IMPL, "layernorm",
+                                           c10::DispatchKey::CPU, __FILE__, __LINE__);
+    cpu->impl("forward", forward_cpu);
+    cpu->impl("backward", backward_cpu);
+    autograd = std::make_unique<torch::Library>(torch::Library::IMPL, "layernorm",
+                                                c10::DispatchKey::AutogradCPU, __FILE__, __LINE__);
+    autograd->impl("forward", forward_autograd);
+    // the backward is not differentiated (a graph of it is composite_backward's)
+    autograd->impl("backward", torch::autograd::autogradNotImplementedFallback());
+}
+
+void replace(PyObject** slot, pybind11::object value) {
+    Py_XDECREF(*slot);
+    *slot = value.release().ptr();
+}
+
+// set_up(rules): a dict from compiled._use with everything C++ takes from Python (the
+// names are State's fields); the kernel signatures must be this file's.
+void set_up(pybind11::dict rules) {
+    const auto forward_signature = rules["forward_signature"].cast<std::string>();
+    const auto backward_signature = rules["backward_signature"].cast<std::string>();
+    TORCH_CHECK(forward_signature == FORWARD_SIGNATURE && backward_signature == BACKWARD_SIGNATURE,
+                "layernorm's compiled kernels were built for the kernel signatures ",
+                FORWARD_SIGNATURE, " and ", BACKWARD_SIGNATURE, " but the numba kernels have ",
+                forward_signature, " and ", backward_signature, ": rebuild it (layernorm build)");
+    const auto default_eps = rules["default_eps"].cast<std::vector<double>>();
+    const auto dtypes = rules["dtypes"].cast<std::vector<pybind11::object>>();
+    const auto acc_dtypes = rules["acc_dtypes"].cast<std::vector<pybind11::object>>();
+    TORCH_CHECK(default_eps.size() == DTYPES && dtypes.size() == DTYPES &&
+                    acc_dtypes.size() == DTYPES,
+                "set_up: ", DTYPES, " dtypes, their accumulation dtypes and default eps");
     std::copy(default_eps.begin(), default_eps.end(), state.default_eps);
-    for (PyObject* old : {state.tensor_type, state.parameter_type, state.resolve}) Py_XDECREF(old);
-    state.tensor_type = tensor_type.release().ptr();
-    state.parameter_type = parameter_type.release().ptr();
-    state.resolve = resolve.release().ptr();
-    state.serial_numel = serial_numel;
-    state.max_bytes = max_bytes;
-    std::fill(&state.kernels[0][0], &state.kernels[0][0] + DTYPES * 2, 0);
+    for (int d = 0; d < DTYPES; ++d) {
+        TORCH_CHECK(THPDtype_Check(dtypes[d].ptr()) && THPDtype_Check(acc_dtypes[d].ptr()),
+                    "set_up: dtypes must be torch.dtype");
+        state.dtypes[d] = reinterpret_cast<THPDtype*>(dtypes[d].ptr())->scalar_type;
+        state.acc_dtypes[d] = reinterpret_cast<THPDtype*>(acc_dtypes[d].ptr())->scalar_type;
+    }
+    replace(&state.tensor_type, rules["tensor_type"]);
+    replace(&state.parameter_type, rules["parameter_type"]);
+    replace(&state.resolve, rules["resolve"]);
+    replace(&state.python_forward, rules["python_forward"]);
+    replace(&state.python_backward, rules["python_backward"]);
+    replace(&state.fix_forward, rules["fix_forward"]);
+    replace(&state.fix_backward, rules["fix_backward"]);
+    replace(&state.composite_backward, rules["composite_backward"]);
+    replace(&state.kernel_rows, rules["kernel_rows"]);
+    replace(&state.backend_named, rules["backend_named"]);
+    replace(&constant_python, rules["constant"]);
+    state.serial_numel = rules["serial_numel"].cast<int64_t>();
+    state.max_bytes = rules["max_bytes"].cast<int64_t>();
+    std::fill(&state.kernels[0][0], &state.kernels[0][0] + DTYPES * ENTRIES, 0);
+    register_kernels();
 }
 
 // Forgets the kernel addresses, so the next call asks again (backends.forget).
-void forget() { std::fill(&state.kernels[0][0], &state.kernels[0][0] + DTYPES * 2, 0); }
+void forget() { std::fill(&state.kernels[0][0], &state.kernels[0][0] + DTYPES * ENTRIES, 0); }
 
 PyMethodDef NORM_DEF = {"norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(norm)),
                         METH_FASTCALL,

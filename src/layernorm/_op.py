@@ -2,26 +2,32 @@
 
 One forward (a backend's kernel), one backward formula, one analytic JVP, one vmap rule,
 one autocast policy, fake kernels and one decomposition into torch operations
-(``docs/contract.md`` §1 and §6). :mod:`layernorm.ops` validates a call and hands it to
-exactly one of the entry points below, by what the call meets:
+(``docs/contract.md`` §1 and §6). The op is ``layernorm::forward`` (with
+``layernorm::backward``): :data:`forward_op`, a ``torch.library`` custom op whose
+schema, fake kernels, vmap rules, autocast policy, Python autograd and Python kernel
+(:func:`_forward_impl`, any backend, any device) are registered here. Where the C++ part
+is built (:mod:`layernorm.compiled`), it adds CPU and AutogradCPU kernels of the same
+ops, which the dispatcher prefers for CPU tensors: the same kernels and formulas, without
+Python's cost. :mod:`layernorm.ops` validates a call and hands it to one entry point:
 
 ===============================  =========================================================
 the call meets                   entry point
 ===============================  =========================================================
 jit tracing, torch.export, ONNX  :func:`decomposition` (torch operations, recorded as such)
-torch.compile, tensor subclasses :data:`forward_op`, a ``torch.library`` custom op with
-(DTensor, FakeTensor)            fake kernels, autograd and autocast registered on it
-a torch.func transform           :class:`TransformNorm` (setup_context, vmap rule, JVP)
-eager autograd or forward AD     :class:`Norm` (the same context, backward and JVP)
-eager inference                  :func:`forward` (the backend's kernel)
+forward AD, a torch.func         :class:`TransformNorm` (the op's context, backward, vmap
+transform                        rule, and the JVP that a custom op cannot carry)
+plain eager inference            :func:`forward` (the backend's kernel, directly)
+anything else: autograd,         :data:`forward_op` through the dispatcher
+torch.compile, subclasses
 ===============================  =========================================================
 
-All of them compute the same thing; the kernel-calling ones the same bits. Inside the two
-autograd functions the kernel is called directly only when ``direct`` says the tensors are
-plain and no dispatch mode is active (:func:`direct_call`); otherwise they call the custom
-op, so that a mode sees ``layernorm::forward``. Statistics saved for the backward are
-``mean`` and ``rstd`` per row (the accumulation dtype), never ``u``; a second derivative
-goes through :func:`composite_backward`, the backward in differentiable torch operations.
+All of them compute the same thing; the kernel-calling ones the same bits. Inside
+:class:`TransformNorm` the kernel is called directly only when ``direct`` says the
+tensors are plain and no dispatch mode is active (:func:`direct_call`); otherwise it
+calls the op, so that a mode sees ``layernorm::forward``. Statistics saved for the
+backward are ``mean`` and ``rstd`` per row (the accumulation dtype), never ``u``; a
+second derivative goes through :func:`composite_backward`, the backward in
+differentiable torch operations.
 """
 
 from __future__ import annotations
@@ -29,7 +35,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
 
 from . import backends
@@ -40,15 +45,16 @@ __all__ = [
     "AUTOCAST_DTYPE",
     "PLAIN",
     "PLAIN_OR_NONE",
-    "Norm",
     "TransformNorm",
     "autocast",
+    "backward_call",
     "backward_op",
     "composite_backward",
     "decomposition",
     "default_eps",
     "direct_call",
     "forward",
+    "forward_call",
     "forward_op",
     "kernel_rows",
     "matrix",
@@ -161,6 +167,10 @@ def _backward_impl(
 
 forward_op = torch.library.custom_op("layernorm::forward", mutates_args=())(_forward_impl)
 backward_op = torch.library.custom_op("layernorm::backward", mutates_args=())(_backward_impl)
+#: the ops' overloads, called directly: what calling :data:`forward_op` /
+#: :data:`backward_op` does, without their Python wrappers' cost
+forward_call = torch.ops.layernorm.forward.default
+backward_call = torch.ops.layernorm.backward.default
 
 
 @forward_op.register_fake
@@ -225,7 +235,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.has_bias = bias is not None
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.eps, ctx.rms, ctx.backend = eps, rms, backend
-    ctx.direct = False  # the backward runs through layernorm::backward (Norm says otherwise)
+    ctx.direct = False  # the backward goes through the op (TransformNorm may say otherwise)
 
 
 def _as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -270,7 +280,7 @@ def _backward(ctx, dy, dresidual_out, _dmean=None, _drstd=None):
         # a batched gradient (is_grads_batched, a vmapped vjp) is a functorch wrapper: it
         # goes through the op, whose vmap rule takes it
         direct = ctx.direct and direct_call(dy, dresidual_out)
-        run = _backward_impl if direct else backward_op
+        run = _backward_impl if direct else backward_call
         dz, dweight, dbias = run(
             dy, z, weight, mean, rstd, dresidual_out, ctx.rms, need_dweight, need_dbias,
             ctx.backend, ctx.eps,
@@ -378,43 +388,20 @@ def _forward_outputs(x, residual, weight, bias, eps, rms, backend, direct) -> Ou
     return _forward_op_outputs(x, residual, weight, bias, eps, rms, backend)
 
 
-class Norm(torch.autograd.Function):
-    """Eager autograd and forward AD: outputs ``(y, residual_out, mean, rstd)`` (None for
-    an absent one); ``mean`` and ``rstd`` are not differentiable. ``direct``: the kernel
-    may be called without the custom op (:func:`direct_call` decides per call)."""
-
-    # forward(ctx, ...) rather than setup_context: the latter binds the signature with
-    # inspect on every call, which a small eager call cannot afford.
-    @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, rms, backend, direct):
-        direct = direct and direct_call(x, residual, weight, bias)
-        output = _forward_outputs(x, residual, weight, bias, eps, rms, backend, direct)
-        jvp = forward_ad._current_level >= 0  # a JVP is asked for during the forward only
-        _save(ctx, (x, residual, weight, bias, eps, rms, backend), output, jvp)
-        ctx.direct = direct
-        return output
-
-    @staticmethod
-    def backward(ctx, dy, dresidual_out, _dmean, _drstd):
-        return (*_backward(ctx, dy, dresidual_out), None)
-
-    @staticmethod
-    def jvp(ctx, x_t, residual_t, weight_t, bias_t, *_):
-        return _jvp(ctx, x_t, residual_t, weight_t, bias_t)
-
-
-def _save(ctx, inputs, output, jvp: bool = True) -> None:
-    """The context of the backward and, with ``jvp``, of the JVP (saving for it costs an
-    eager call as much as the kernel, so :class:`Norm` asks only under a dual level)."""
+def _save(ctx, inputs, output) -> None:
+    """The context of the backward and of the JVP."""
     _setup_context(ctx, inputs, output)
-    if jvp:
-        x, residual, weight = inputs[:3]
-        ctx.save_for_forward(x if residual is None else output[1], weight, output[2], output[3])
+    x, residual, weight = inputs[:3]
+    ctx.save_for_forward(x if residual is None else output[1], weight, output[2], output[3])
     ctx.mark_non_differentiable(*(t for t in output[2:] if t is not None))
 
 
 class TransformNorm(torch.autograd.Function):
-    """:class:`Norm` as torch.func needs it (``setup_context`` and a ``vmap`` rule)."""
+    """The op's autograd as an ``autograd.Function``, for forward AD (its ``jvp``) and
+    torch.func (``setup_context`` and a ``vmap`` rule): outputs ``(y, residual_out,
+    mean, rstd)`` (None for an absent one); ``mean`` and ``rstd`` are not
+    differentiable. ``direct``: the kernel may be called without the op
+    (:func:`direct_call` decides per call)."""
 
     @staticmethod
     def forward(x, residual, weight, bias, eps, rms, backend, direct):
@@ -451,7 +438,7 @@ def _vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct):
 
 def _forward_op_outputs(x, residual, weight, bias, eps, rms, backend) -> Outputs:
     """:data:`forward_op` with None for the absent outputs (its schema has none)."""
-    y, residual_out, mean, rstd = forward_op(x, residual, weight, bias, eps, rms, backend)
+    y, residual_out, mean, rstd = forward_call(x, residual, weight, bias, eps, rms, backend)
     return y, residual_out if residual is not None else None, None if rms else mean, rstd
 
 

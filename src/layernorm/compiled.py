@@ -1,25 +1,38 @@
-"""Compiled dispatch: plain eager inference without Python between the caller and the kernel.
+"""The C++ part: the op's CPU and autograd kernels, and a front door for the common call.
 
 On small inputs a call's time is Python's, not the kernel's (each tensor attribute read
-from Python costs a fraction of a microsecond and a call needs about twenty;
-``benchmarks/RESULTS.md`` has the numbers). So the four functions of :mod:`layernorm.ops`
-first offer each eager call to ``_compiled.cpp``, a small torch C++ extension. It answers
-the common call (the one ``ops._common_call`` accepts: plain contiguous CPU tensors of the
-four kernel dtypes, an int or 1-tuple ``normalized_shape``, a float ``eps``, the
-automatic backend) when no gradient is needed, no PyTorch mechanism is active (functorch,
-dispatch and function modes, jit tracing, autocast, forward AD: ``docs/contract.md`` §6)
-and the automatic backend is numba: it checks the arguments, allocates the outputs and
-calls numba's compiled forward kernel through its C address (``numba_.entry_address``).
-The kernel is the one the Python path calls, so the bits are the same either way. Any
-other call (and inputs of ``numba_.STREAM_BYTES`` or more, where Python's cost is lost in
-the kernel's) gets None and goes through Python. Autograd is never C++'s.
+from Python costs a fraction of a microsecond, a call needs about twenty, and a Python
+``autograd.Function`` or custom op costs tens of microseconds; ``benchmarks/RESULTS.md``
+has the numbers). So ``_compiled.cpp``, a small torch C++ extension, registers kernels of
+the op ``layernorm::forward`` / ``layernorm::backward`` (defined in :mod:`layernorm._op`)
+in torch's dispatcher for CPU tensors (``docs/contract.md`` §6):
+
+- a CPU kernel of each op, which calls the numba backend's compiled entries through their
+  C addresses (:func:`layernorm.backends.numba_.entry_address`), and hands what they were
+  not built for (another backend, zero-size work, strided rows, inputs of
+  ``numba_.STREAM_BYTES`` or more) to the op's Python kernel; rows the kernel flags for
+  the exact fallback are rewritten in Python, those rows only;
+- an AutogradCPU kernel of the forward: a C++ autograd node with the Python autograd's
+  saved tensors and backward, which calls ``layernorm::backward`` through the dispatcher.
+
+Its ``norm`` is the front door of :mod:`layernorm.ops`: it takes the common call (plain
+contiguous CPU tensors of the four kernel dtypes, an int or 1-tuple
+``normalized_shape``, a float or None ``eps``, the automatic backend) when no PyTorch
+mechanism would see it (functorch, dispatch and function modes, jit tracing, CPU
+autocast, forward AD); with a gradient it calls the op through the dispatcher, without
+one the CPU kernel's own function (without statistics). Any other call gets None and
+goes through Python. The kernels are the ones the Python path calls, so the bits are the
+same either way. Everything C++ needs to know (the Python kernels, the exact fallback,
+the eps default, the kernel signatures, ``LAYERNORM_BACKEND``) is handed to it by
+:func:`_use` from its one home here in Python.
 
 The extension is built once per machine and torch version by :func:`build` (``layernorm
 build``; needs a C++ compiler and ninja, the ``build`` extra) into :func:`cache_dir`, and
-loaded from there by every later process on its first call; a build whose forward kernel
-signature differs from the numba kernels' refuses to load. Until it is built (or where it
-cannot be built, or with ``LAYERNORM_COMPILED=0``, read once per process) everything runs
-through Python, only slower on small inputs; :func:`unavailable_reason` says why.
+loaded from there by every later process on its first call; a build whose kernel
+signatures differ from the numba kernels' refuses to load. Until it is built (or where it
+cannot be built, or with ``LAYERNORM_COMPILED=0``, read once per process) the op runs its
+Python kernels and autograd: the same bits, slower on small inputs;
+:func:`unavailable_reason` says why.
 """
 
 from __future__ import annotations
@@ -248,23 +261,78 @@ def _use(module: ModuleType) -> None:
     global _extension, _reason, norm
     from . import _op, backends
     from .backends import _kernel_abi, numba_
+    from .backends.torch_ import accumulation_dtype
 
+    # Everything the C++ part needs to know is handed over here, from its one home.
     # Inputs of numba_.STREAM_BYTES or more go through Python: the numba backend streams
     # their outputs or takes them from its host cache, and Python's cost is lost in the
     # kernel's there.
     module.set_up(
-        torch.Tensor,
-        torch.nn.Parameter,
-        _resolve,
-        numba_.SERIAL_NUMEL,
-        numba_.STREAM_BYTES,
-        _kernel_abi.signature("forward"),
-        [_op.default_eps(dtype) for dtype in DTYPES],
+        {
+            "tensor_type": torch.Tensor,
+            "parameter_type": torch.nn.Parameter,
+            "resolve": _resolve,
+            "python_forward": _op._forward_impl,
+            "python_backward": _op._backward_impl,
+            "fix_forward": _fix_forward_rows,
+            "fix_backward": _fix_backward_rows,
+            "composite_backward": _op.composite_backward,
+            "kernel_rows": _op.kernel_rows,
+            "backend_named": backends.named_by_environment,
+            "constant": _constant,
+            "serial_numel": numba_.SERIAL_NUMEL,
+            "max_bytes": numba_.STREAM_BYTES,
+            "forward_signature": _kernel_abi.signature("forward"),
+            "backward_signature": _kernel_abi.signature("backward"),
+            "default_eps": [_op.default_eps(dtype) for dtype in DTYPES],
+            "dtypes": list(DTYPES),
+            "acc_dtypes": [accumulation_dtype(dtype) for dtype in DTYPES],
+        }
     )
     if _extension is None:
         backends.on_forget(_forget)
     _extension, _reason = module, None
     norm = module.norm
+
+
+def _constant(n: int, index: int, value: float) -> torch.Tensor:
+    """``numba_._constant`` for ``DTYPES[index]``."""
+    from .backends import numba_
+
+    return numba_._constant(n, DTYPES[index], value)
+
+
+def _fix_forward_rows(
+    y: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    rms: bool,
+    flags: torch.Tensor,
+) -> None:
+    """The numba backend's exact fallback for the rows of ``y`` that ``flags`` (m + 1
+    bytes, as the kernel wrote them) marks: those rows only."""
+    from .backends import numba_
+
+    numba_._fix_rows(y, z, weight, bias, eps, rms, flags.numpy()[:-1])
+
+
+def _fix_backward_rows(
+    dx: torch.Tensor,
+    dy: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    dresidual_out: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+    flags: torch.Tensor,
+) -> None:
+    """The numba backend's exact fallback for the rows of ``dx`` that ``flags`` marks."""
+    from .backends import numba_
+
+    # (numba_._fix_backward_rows comes with the correctly rounded backward)
+    numba_._fix_backward_rows(dx, dy, z, weight, dresidual_out, eps, rms, flags.numpy()[:-1])  # type: ignore[attr-defined]
 
 
 def _resolve(index: int, name: str) -> int | None:

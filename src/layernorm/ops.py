@@ -1,17 +1,17 @@
 """The four public functions: validation, flattening to rows, and the choice of entry point.
 
-Data flows down once: validate → rows → one entry point of the op (:mod:`layernorm._op`,
-which says which mechanism takes which) → the input's shape. Two shortcuts skip work a
-call does not need, and decline every call they were not built for
-(``docs/contract.md`` §6):
+Data flows down once: validate → rows → the op ``layernorm::forward`` (:mod:`layernorm._op`;
+:func:`_enter` names the few calls that do not go through it, and why) → the input's
+shape. Two shortcuts skip work a call does not need, and decline every call they were not
+built for (``docs/contract.md`` §6):
 
-- the compiled dispatch (:mod:`layernorm.compiled`) answers plain eager inference on CPU
-  (checks, allocation and the numba kernel in C++);
-- a common call (:func:`_common_call`) skips the full checks, which it would pass
-  unchanged.
+- the compiled front door (:mod:`layernorm.compiled`) takes the common eager call on CPU
+  in C++: with a gradient it calls the op through the dispatcher, without one the op's
+  CPU kernel (checks, allocation and the numba kernel in C++);
+- plain inference calls the backend's kernel directly, without the op.
 
-``FAST_PATHS = False`` switches both off, and with them the direct kernel calls inside
-the op: every call then goes through the custom op ``layernorm::forward`` (same bits).
+``FAST_PATHS = False`` switches both off: every call then goes through the op (same
+bits).
 """
 
 from __future__ import annotations
@@ -130,59 +130,6 @@ def _requires_grad(t: Tensor | None) -> bool:
     return t is not None and t.requires_grad
 
 
-def _plain_param(p: Tensor | None, n: int) -> bool:
-    return p is None or (
-        type(p) in _op.PLAIN
-        and p.is_cpu
-        and p.shape == (n,)
-        and p.is_floating_point()
-        and p.is_contiguous()
-    )
-
-
-def _common_call(
-    x: Tensor,
-    residual: Tensor | None,
-    normalized_shape: ShapeLike,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    eps: float | None,
-    backend: str | None,
-) -> int:
-    """N when the call is the common one, which the full checks would pass without
-    changing anything: a plain contiguous floating CPU tensor; ``normalized_shape`` its
-    last dim, as an int or a 1-tuple; a residual like ``x`` or None; plain contiguous
-    (N,) floating CPU parameters or None; a non-negative float ``eps``; the automatic
-    backend. 0 for any other call (the full checks take it)."""
-    one = type(normalized_shape) is tuple and len(normalized_shape) == 1
-    n = normalized_shape[0] if one else normalized_shape  # type: ignore[index]
-    if not (
-        type(n) is int
-        and n > 0
-        and type(x) is Tensor
-        and x.is_cpu
-        and x.is_floating_point()
-        and x.is_contiguous()
-        and x.dim() > 0
-        and x.shape[-1] == n
-        and type(eps) is float
-        and eps >= 0
-        and backend is None
-        and _plain_param(weight, n)
-        and _plain_param(bias, n)
-    ):
-        return 0
-    if residual is not None and not (
-        type(residual) is Tensor
-        and residual.is_cpu
-        and residual.dtype == x.dtype
-        and residual.shape == x.shape
-        and residual.is_contiguous()
-    ):
-        return 0
-    return n
-
-
 def _norm(
     op: str,
     x: Tensor,
@@ -194,7 +141,13 @@ def _norm(
     rms: bool,
     backend: str | None,
 ) -> tuple[Tensor, Tensor | None]:
-    if not torch.compiler.is_compiling() and torch._C._is_tracing():
+    compiling = torch.compiler.is_compiling()
+    if FAST_PATHS and not compiling:
+        # the common call, when no mechanism would see it: checked and run in C++
+        out = _compiled.norm(x, residual, normalized_shape, weight, bias, eps, rms, backend)
+        if out is not None:
+            return out
+    if not compiling and torch._C._is_tracing():
         # The checks and the decomposition branch on sizes that normalized_shape fixes,
         # which is what jit.trace warns about: the graph it records is right for them.
         with warnings.catch_warnings():
@@ -214,36 +167,28 @@ def _call(
     rms: bool,
     backend: str | None,
 ) -> tuple[Tensor, Tensor | None]:
-    fast = FAST_PATHS
-    if fast and not torch.compiler.is_compiling():
-        out = _compiled.norm(x, residual, normalized_shape, weight, bias, eps, rms, backend)
-        if out is not None:  # plain eager inference, run by the compiled dispatch
-            return out
-    n = _common_call(x, residual, normalized_shape, weight, bias, eps, backend) if fast else 0
-    if n:  # the checks below would pass and change nothing
-        rows, residual_rows, name = x, residual, ""
-    else:
-        shape = _normalized_shape(normalized_shape)
-        _check_input("input", x, shape, op)
-        if residual is not None:
-            _check_input("residual", residual, shape, op)
-            if residual.shape != x.shape or residual.dtype != x.dtype:
-                raise NormalizedShapeError(
-                    f"{op}: residual must match input in shape and dtype, but got input "
-                    f"{list(x.shape)} {x.dtype} and residual {list(residual.shape)} "
-                    f"{residual.dtype}"
-                )
-            _check_device("residual", residual, x)
-        if weight is not None:
-            weight = _param("weight", weight, shape, x, op)
-        if bias is not None:
-            bias = _param("bias", bias, shape, x, op)
-        eps = _check_eps(_op.default_eps(x.dtype) if eps is None else eps)
-        name = "" if backend is None else _check_backend(backend)
-        n = shape[0] if len(shape) == 1 else math.prod(shape)
-        rows = _op.kernel_rows(x, n)
-        residual_rows = None if residual is None else _op.kernel_rows(residual, n)
-    y, residual_out = _enter(rows, residual_rows, weight, bias, eps, rms, name, fast)  # type: ignore[arg-type]
+    """The full checks, then :func:`_enter` on kernel arguments."""
+    shape = _normalized_shape(normalized_shape)
+    _check_input("input", x, shape, op)
+    if residual is not None:
+        _check_input("residual", residual, shape, op)
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise NormalizedShapeError(
+                f"{op}: residual must match input in shape and dtype, but got input "
+                f"{list(x.shape)} {x.dtype} and residual {list(residual.shape)} "
+                f"{residual.dtype}"
+            )
+        _check_device("residual", residual, x)
+    if weight is not None:
+        weight = _param("weight", weight, shape, x, op)
+    if bias is not None:
+        bias = _param("bias", bias, shape, x, op)
+    eps = _check_eps(_op.default_eps(x.dtype) if eps is None else eps)
+    name = "" if backend is None else _check_backend(backend)
+    n = shape[0] if len(shape) == 1 else math.prod(shape)
+    rows = _op.kernel_rows(x, n)
+    residual_rows = None if residual is None else _op.kernel_rows(residual, n)
+    y, residual_out = _enter(rows, residual_rows, weight, bias, eps, rms, name, FAST_PATHS)
     return _shaped(y, residual_out, rows, x)
 
 
@@ -256,12 +201,12 @@ def _custom_op(
     rms: bool,
     backend: str,
 ) -> tuple[Tensor, Tensor | None]:
-    """The custom op, on (M, N) rows: torch.compile traces it, and DTensor dispatches on
-    it, both with shape rules for rows; its autograd and autocast policy are registered."""
+    """The op ``layernorm::forward`` on (M, N) rows (the shape its DTensor rules and
+    torch.compile's traces are written for), with the outputs in ``x``'s shape."""
     n = x.shape[-1]
     rows = _op.rows(x, n)
     residual_rows = None if residual is None else _op.rows(residual, n)
-    y, residual_out, _, _ = _op.forward_op(rows, residual_rows, weight, bias, eps, rms, backend)
+    y, residual_out, _, _ = _op.forward_call(rows, residual_rows, weight, bias, eps, rms, backend)
     return y.view_as(x), None if residual is None else residual_out.view_as(x)
 
 
@@ -275,8 +220,17 @@ def _enter(
     backend: str,
     fast: bool,
 ) -> tuple[Tensor, Tensor | None]:
-    """Kernel arguments handed to the op's entry point for what the call meets (the
-    table in :mod:`layernorm._op`)."""
+    """Kernel arguments handed to the op (``docs/contract.md`` §6). Every call goes
+    through ``layernorm::forward`` and torch's dispatcher, which runs its kernel,
+    autograd, vmap rule, fake kernel or autocast policy, except:
+
+    - what records torch operations (torch.export, jit tracing): the decomposition, which
+      they record op by op (an opaque op would not export);
+    - forward-mode AD (a dual level, a torch.func transform, which may hold a jvp):
+      :class:`layernorm._op.TransformNorm`, since a custom op cannot carry a JVP;
+    - plain inference with the fast paths on: the kernel directly, which skips the
+      custom op's Python cost (tens of µs where the C++ part is not built).
+    """
     if torch.compiler.is_compiling():  # (true under torch.export too)
         if torch.compiler.is_exporting():
             return _op.decomposition(x, residual, weight, bias, eps, rms)
@@ -285,36 +239,29 @@ def _enter(
         x, residual, weight, bias = _op.autocast(x, residual, weight, bias)
     if torch._C._is_tracing():
         return _op.decomposition(x, residual, weight, bias, eps, rms)
-    if not (
-        type(x) in _op.PLAIN
-        and type(residual) in _op.PLAIN_OR_NONE
-        and type(weight) in _op.PLAIN_OR_NONE
-        and type(bias) in _op.PLAIN_OR_NONE
-    ):
-        return _custom_op(x, residual, weight, bias, eps, rms, backend)
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    if _forward_ad._current_level >= 0 or torch._C._functorch.peek_interpreter_stack() is not None:
         y, residual_out, _, _ = _op.TransformNorm.apply(
             x, residual, weight, bias, eps, rms, backend, fast
         )
         return y, residual_out
-    if _forward_ad._current_level >= 0 or (
-        torch.is_grad_enabled()
-        and (
-            x.requires_grad
-            or _requires_grad(residual)
-            or _requires_grad(weight)
-            or _requires_grad(bias)
+    if (
+        fast
+        and not (
+            torch.is_grad_enabled()
+            and (
+                x.requires_grad
+                or _requires_grad(residual)
+                or _requires_grad(weight)
+                or _requires_grad(bias)
+            )
         )
+        and _op.direct_call(x, residual, weight, bias)
     ):
-        y, residual_out, _, _ = _op.Norm.apply(x, residual, weight, bias, eps, rms, backend, fast)
-        return y, residual_out
-    if fast and _op.direct_call(x, residual, weight, bias):
         y, residual_out, _, _ = _op.forward(
             x, residual, weight, bias, eps, rms, backend, stats=False
         )
         return y, residual_out
-    y, residual_out, _, _ = _op.forward_op(x, residual, weight, bias, eps, rms, backend)
-    return y, None if residual is None else residual_out
+    return _custom_op(x, residual, weight, bias, eps, rms, backend)
 
 
 def _shaped(

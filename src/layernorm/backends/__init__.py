@@ -45,6 +45,7 @@ __all__ = [
     "choose",
     "forget",
     "get",
+    "named_by_environment",
     "on_forget",
     "pick",
 ]
@@ -118,6 +119,11 @@ def _environment_choice() -> str | None:
     """The ``LAYERNORM_BACKEND`` environment variable, read at every call (so setting it
     at run time works)."""
     return os.environ.get(_ENV)
+
+
+def named_by_environment() -> bool:
+    """Whether ``LAYERNORM_BACKEND`` names a backend now (then :func:`pick` takes it)."""
+    return bool(_environment_choice())
 
 
 def pick(x: torch.Tensor, backend: str | None = None) -> ModuleType:
