@@ -331,8 +331,7 @@ def _fix_backward_rows(
     """The numba backend's exact fallback for the rows of ``dx`` that ``flags`` marks."""
     from .backends import numba_
 
-    # (numba_._fix_backward_rows comes with the correctly rounded backward)
-    numba_._fix_backward_rows(dx, dy, z, weight, dresidual_out, eps, rms, flags.numpy()[:-1])  # type: ignore[attr-defined]
+    numba_._fix_backward_rows(dx, dy, z, weight, dresidual_out, eps, rms, flags.numpy()[:-1])
 
 
 def _resolve(index: int, name: str) -> int | None:
