@@ -112,7 +112,7 @@ def test_small_calls_script_measures_both_providers():
     assert set(timings) == {"a", "b"} and all(t > 0 for t in timings.values())
     assert len(calls) == 300 + 3 * 5  # warm-up, then every round
     line = small_calls.measure((2, 8), "rms_norm", rounds=3)  # the real thing, tiny
-    assert line.startswith("rms_norm (2, 8): inference torch") and "via Python" in line
+    assert line.startswith("rms_norm (2, 8): inference torch") and "via the op" in line
     assert "with grad" in line and "forward+backward" in line
 
 
