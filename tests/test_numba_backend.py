@@ -91,11 +91,11 @@ def test_streaming_stores_give_the_same_bits(dtype, monkeypatch):
     for stream_bytes in (1 << 62, 0):  # nothing streams, then every output streams
         monkeypatch.setattr(numba_, "STREAM_BYTES", stream_bytes)
         y, h, mean, rstd = numba_.forward(x, r, w, b, 1e-5, False)
-        grads = numba_.backward(dy, h, w, mean, rstd, dy, False, True, True)
+        grads = numba_.backward(dy, h, w, mean, rstd, dy, False, True, True, 1e-5)
         # one broadcast gradient row (stride 0), no residual gradient: the streaming
         # backward also loads each next row, here the same row again
         expanded = numba_.backward(
-            dy[:1].expand(37, 1001), h, w, mean, rstd, None, False, True, True
+            dy[:1].expand(37, 1001), h, w, mean, rstd, None, False, True, True, 1e-5
         )
         runs.append((y, h, mean, rstd, *grads, *expanded))
     assert all(torch.equal(a, c) for a, c in zip(*runs, strict=True))
@@ -115,7 +115,7 @@ def test_serial_and_parallel_kernels_give_the_same_bits(dtype, rms, shape, monke
     for serial_numel in (0, 1 << 62):  # everything parallel, then everything serial
         monkeypatch.setattr(numba_, "SERIAL_NUMEL", serial_numel)
         y, h, mean, rstd = numba_.forward(x, r, w, None if rms else b, 1e-5, rms)
-        grads = numba_.backward(dy, h, w, mean, rstd, dro, rms, True, not rms)
+        grads = numba_.backward(dy, h, w, mean, rstd, dro, rms, True, not rms, 1e-5)
         runs.append([t for t in (y, h, mean, rstd, *grads) if t is not None])
     assert all(torch.equal(a, c) for a, c in zip(*runs, strict=True))
 
@@ -134,7 +134,7 @@ def test_serial_and_parallel_entries_agree_on_random_shapes(m, n, dtype, rms):
         numba_.SERIAL_NUMEL = serial_numel
         try:
             y, _, mean, rstd = numba_.forward(x, None, w, None, 1e-5, rms)
-            grads = numba_.backward(dy, x, w, mean, rstd, None, rms, True, False)
+            grads = numba_.backward(dy, x, w, mean, rstd, None, rms, True, False, 1e-5)
         finally:
             numba_.SERIAL_NUMEL = saved
         runs.append([t for t in (y, rstd, *grads) if t is not None])
@@ -158,7 +158,7 @@ _DIGEST_CODE = textwrap.dedent(
     dy = torch.randn(333, 517, generator=g)
     w, b = torch.randn(517, generator=g), torch.randn(517, generator=g)
     y, _, mean, rstd = numba_.forward(x, None, w, b, 1e-5, False)
-    dx, dw, db = numba_.backward(dy, x, w, mean, rstd, None, False, True, True)
+    dx, dw, db = numba_.backward(dy, x, w, mean, rstd, None, False, True, True, 1e-5)
     h = hashlib.sha256()
     for t in (y, mean, rstd, dx, dw, db):
         h.update(t.numpy().tobytes())
@@ -322,12 +322,16 @@ def test_calls_pass_the_abi_arguments_in_order(monkeypatch):
         "rms": False, "stream": False, "store_stats": True,
     }  # fmt: skip
     dy, dresidual_out = torch.randn(m, 7)[:, :n], torch.randn(m, n)
-    dx, dweight, dbias = numba_.backward(dy, x, weight, mean, rstd, dresidual_out, True, True, True)
+    dx, dweight, dbias = numba_.backward(
+        dy, x, weight, mean, rstd, dresidual_out, True, True, True, 1e-3
+    )
     args = dict(zip(_kernel_abi.names("backward"), calls.pop(), strict=True))
+    flags = args.pop("flags")  # the address of m + 1 fallback flags, made per call
+    assert isinstance(flags, int) and flags not in (0, x.data_ptr(), dx.data_ptr())
     assert args == {
         "dy": dy.data_ptr(), "dy_stride": 7, "x": x.data_ptr(), "x_stride": n,
         "dresidual_out": dresidual_out.data_ptr(), "dresidual_out_stride": n,
         "weight": weight.data_ptr(), "mean": mean.data_ptr(), "rstd": rstd.data_ptr(),
         "dx": dx.data_ptr(), "dweight": dweight.data_ptr(), "dbias": dbias.data_ptr(),
-        "m": m, "n": n, "rms": True, "stream": False,
+        "m": m, "n": n, "rms": True, "stream": False, "eps": 1e-3,
     }  # fmt: skip

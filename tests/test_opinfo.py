@@ -364,7 +364,7 @@ def test_opcheck(sample):
     sample = _eps_for_us(sample)
     args = _kernel_arguments(sample)
     torch.library.opcheck(_op.forward_op, args)
-    x, residual, weight, bias, _, rms, backend = args
+    x, residual, weight, bias, eps, rms, backend = args
     with torch.no_grad():
         y, residual_out, mean, rstd = _op.forward_op(*args)
     z = x.detach() if residual is None else residual_out
@@ -372,8 +372,8 @@ def test_opcheck(sample):
     dresidual = None if residual is None else torch.randn_like(y)
     w = None if weight is None else weight.detach()
     for need_dweight, need_dbias in ((w is not None, bias is not None), (False, False)):
-        backward_args = (dy, z, w, mean, rstd, dresidual, rms, need_dweight, need_dbias, backend)
-        torch.library.opcheck(_op.backward_op, backward_args)
+        backward_args = (dy, z, w, mean, rstd, dresidual, rms, need_dweight, need_dbias)
+        torch.library.opcheck(_op.backward_op, (*backward_args, backend, eps))
 
 
 # ---------------------------------------------------------------------------------------

@@ -101,10 +101,12 @@ def _backward_kernel(
     need_dweight: bool,
     need_dbias: bool,
     backend: str,
+    eps: float,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     return _kernels(z, backend).backward(
-        dy, z, weight, None if rms else mean, rstd, dresidual_out, rms, need_dweight, need_dbias
-    )
+        dy, z, weight, None if rms else mean, rstd, dresidual_out, rms, need_dweight,
+        need_dbias, eps,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
@@ -145,9 +147,10 @@ def _backward_impl(
     need_dweight: bool,
     need_dbias: bool,
     backend: str,
+    eps: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     dx, dweight, dbias = _backward_kernel(
-        dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias, backend
+        dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias, backend, eps
     )
     return (
         dx,
@@ -173,7 +176,7 @@ def _(x, residual, weight, bias, eps, rms, backend):
 
 
 @backward_op.register_fake
-def _(dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias, backend):
+def _(dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias, backend, eps):
     n = x.shape[-1]
     stat = accumulation_dtype(x.dtype)
     return (
@@ -269,8 +272,9 @@ def _backward(ctx, dy, dresidual_out, _dmean=None, _drstd=None):
         direct = ctx.direct and direct_call(dy, dresidual_out)
         run = _backward_impl if direct else backward_op
         dz, dweight, dbias = run(
-            dy, z, weight, mean, rstd, dresidual_out, ctx.rms, need_dweight, need_dbias, ctx.backend
-        )
+            dy, z, weight, mean, rstd, dresidual_out, ctx.rms, need_dweight, need_dbias,
+            ctx.backend, ctx.eps,
+        )  # fmt: skip
     dweight = _as_dtype(dweight, weight.dtype) if need_dweight else None
     dbias = _as_dtype(dbias, ctx.bias_dtype) if need_dbias else None
     dresidual = None
@@ -515,7 +519,7 @@ def _vmap_rows(run, info, in_dims, x, residual, weight, bias, eps, rms, backend)
 
 
 @backward_op.register_vmap
-def _(info, in_dims, dy, x, weight, mean, rstd, dresidual_out, rms, need_dw, need_db, backend):
+def _(info, in_dims, dy, x, weight, mean, rstd, dresidual_out, rms, need_dw, need_db, backend, eps):
     """``dx`` alone with a shared ``weight``: the batch becomes more rows, for the kernel
     (a row's gradient depends on that row only). Per-sample ``dweight``/``dbias``, or a
     batched ``weight``: the op once per sample (the kernel's bits, per sample)."""
@@ -527,7 +531,7 @@ def _(info, in_dims, dy, x, weight, mean, rstd, dresidual_out, rms, need_dw, nee
 
         def sample(i: int) -> tuple[Tensor, Tensor, Tensor]:
             args = [t if d is None else t[i] for t, d in zip(fronted, dims, strict=True)]  # type: ignore[index]
-            return backward_op(*args, rms, need_dw, need_db, backend)
+            return backward_op(*args, rms, need_dw, need_db, backend, eps)
 
         per_sample = [sample(i) for i in range(size)]
         dx = torch.stack([p[0] for p in per_sample])
@@ -556,6 +560,7 @@ def _(info, in_dims, dy, x, weight, mean, rstd, dresidual_out, rms, need_dw, nee
         False,
         False,
         backend,
+        eps,
     )
     return (dx.view(shape), dw, db), (0, None, None)
 

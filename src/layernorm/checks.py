@@ -553,10 +553,12 @@ def _kernel_protocol(name: str | None) -> Outcome:
         if mean_rms is not None or rstd_rms.dtype != acc:
             return False, f"{what} forward (rms): mean must be None, rstd in {acc}"
         dy, w = _randn(10, 33, seed=2, dtype=dtype).to(dev), _randn(33, seed=3, dtype=dtype).to(dev)
-        dx, dweight, dbias = kernels.backward(dy, x, w, mean, rstd, None, False, False, False)
+        dx, dweight, dbias = kernels.backward(dy, x, w, mean, rstd, None, False, False, False, 1e-5)
         if dweight is not None or dbias is not None or dx.dtype != dtype:
             return False, f"{what} backward: unrequested dweight/dbias, or dx in {dx.dtype}"
-        if not torch.equal(dx, kernels.backward(dy, x, w, mean, rstd, None, False, True, True)[0]):
+        if not torch.equal(
+            dx, kernels.backward(dy, x, w, mean, rstd, None, False, True, True, 1e-5)[0]
+        ):
             return False, f"{what} backward: dx depends on need_dweight/need_dbias"
     try:
         _any_dim(kernels, dev)
@@ -579,8 +581,8 @@ def _any_dim(kernels, device: torch.device) -> None:
             assert (a is None and c is None) or torch.equal(a.view(c.shape), c), "forward"
         mean, rstd = deep[2], deep[3]
         rows = dy.view(6, 40)
-        flat_grads = kernels.backward(rows, flat[1], w, mean, rstd, rows, rms, True, True)
-        deep_grads = kernels.backward(rows, deep[1], w, mean, rstd, dy, rms, True, True)
+        flat_grads = kernels.backward(rows, flat[1], w, mean, rstd, rows, rms, True, True, 1e-5)
+        deep_grads = kernels.backward(rows, deep[1], w, mean, rstd, dy, rms, True, True, 1e-5)
         assert deep_grads[0].shape == x.shape, "dx shape"
         for a, c in zip(flat_grads, deep_grads, strict=True):
             assert torch.equal(a.view(c.shape), c), "backward"

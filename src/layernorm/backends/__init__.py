@@ -16,8 +16,10 @@ A backend is a module under ``layernorm.backends`` imported only when first used
     forward(x, residual, weight, bias, eps, rms, stats=True) -> (y, residual_out, mean, rstd)
         (with ``stats=False`` the caller will not use mean and rstd: a backend may skip
         computing them and return None for both)
-    backward(dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias)
+    backward(dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias, eps)
         -> (dx, dweight, dbias)
+        (``x`` is the normalized input ``z``, ``eps`` the forward's: the backward may
+        recompute the statistics from them, ``mean``/``rstd`` being the forward's)
 
 Kernels see only non-empty ``(*, N)`` tensors (``ops`` sends zero-size work to the
 portable backend), each either contiguous, whatever its dims, or 2-D with contiguous rows

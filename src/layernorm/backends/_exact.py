@@ -28,7 +28,15 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["FORMATS", "STORAGE", "Format", "fix_forward_rows", "round_fraction", "round_once"]
+__all__ = [
+    "FORMATS",
+    "STORAGE",
+    "Format",
+    "fix_backward_rows",
+    "fix_forward_rows",
+    "round_fraction",
+    "round_once",
+]
 
 
 class Format(NamedTuple):
@@ -303,5 +311,98 @@ def fix_forward_rows(
     out = np.stack(
         [fix_forward_row(z, gamma, beta, eps, rms, dtype) for z in rows[finite]]
         or [round_once(np.zeros(rows.shape[1]), dtype)]
+    )[: int(finite.sum())]
+    return finite, out.view(np.int16) if out.dtype == np.uint16 else out
+
+
+# ---------------------------------------------------------------------------------------
+# Exact rows of the backward
+
+
+def _dot(a: list[int], b: list[int]) -> int:
+    return sum(x * y for x, y in zip(a, b, strict=True))
+
+
+def fix_backward_row(
+    z: np.ndarray,
+    gh: np.ndarray,
+    rho: np.ndarray,
+    eps: float,
+    rms: bool,
+    dtype: torch.dtype,
+) -> np.ndarray:
+    """The correctly rounded ``dx`` of one row (docs/contract.md §1's backward, plus
+    ``dresidual_out``), in :func:`round_once`'s storage of ``dtype``: ``z`` the row of
+    the normalized input, ``gh = dy * gamma`` (exact products, float64), ``rho`` the row
+    of ``dresidual_out`` (``-0.0`` without one), all finite.
+
+    With the exact ``mean``, ``v = z - mean`` (``z`` for RMSNorm), ``s = q + eps``,
+    ``c2 = mean(gh)`` (0 for RMSNorm) and ``a = mean(gh * v)``, each element is
+    ``rho + (gh - c2) / sqrt(s) - a * v / s**1.5 = rho + w / sqrt(s)`` with the rational
+    ``w = gh - c2 - a * v / s``: float64 first, with a bound of a few units of float64,
+    and :func:`round_sqrt_form` for the elements that bound leaves open. An exact zero
+    is ``+0.0``."""
+    fmt = FORMATS[dtype]
+    n = len(z)
+    stats = row_statistics(z, eps, rms)
+    if stats.s == 0:  # a constant row with eps = 0: 0/0, as the formula says
+        return round_once(np.full(z.shape, np.nan), dtype)
+    z_ints, z_exp = _integers(z)
+    g_ints, g_exp = _integers(gh)
+    unit = Fraction(2) ** (z_exp + g_exp)
+    g_total = sum(g_ints)
+    c2 = Fraction(0) if rms else Fraction(g_total, n) * Fraction(2) ** g_exp
+    # mean(gh * v) = mean(gh * z) - mean * mean(gh)
+    a = Fraction(_dot(g_ints, z_ints), n) * unit - stats.mean * c2
+    # float64 from the exact statistics: every quantity within a few units of float64
+    mean_high = float(stats.mean)
+    mean_low = float(stats.mean - Fraction(mean_high))
+    rstd = 1.0 / math.sqrt(float(stats.s))  # within 2.6 units of float64
+    c2_f, a_f = float(c2), float(a)
+    k = rstd * rstd * rstd * a_f  # within 12.1 units of float64 of a / s**1.5
+    d = z - mean_high
+    c = d - mean_low  # v within 1.01u(|d| + |c|) + u^2 |mean|
+    t1 = gh - c2_f  # within u(|t1| + |c2|)
+    t2 = rstd * t1
+    t3 = k * c
+    y = (t2 - t3) + rho + 0.0
+    e_c = 1.01 * _U * (np.abs(d) + np.abs(c)) + 1.01 * _U * _U * abs(mean_high)
+    bound = (
+        rstd * _U * (np.abs(t1) + abs(c2_f)) * 1.01
+        + np.abs(t2) * 4 * _U
+        + abs(k) * e_c * 1.01
+        + np.abs(t3) * 14 * _U
+        + np.abs(y) * 3 * _U
+        + np.abs(t2 - t3) * 2 * _U
+    ) * 1.01
+    out = round_once(y, dtype)
+    low, high = round_once(y - bound, dtype), round_once(y + bound, dtype)
+    values = _from_storage(out, dtype)
+    for i in np.flatnonzero(low != high).tolist():
+        zi = Fraction(float(z[i]))
+        v = zi if rms else zi - stats.mean
+        w = Fraction(float(gh[i])) - c2 - a * v / stats.s
+        values[i] = round_sqrt_form(Fraction(float(rho[i])), w, stats.s, 0.0, fmt)
+    return round_once(values, dtype)
+
+
+def fix_backward_rows(
+    z: np.ndarray,
+    gh: np.ndarray,
+    rho: np.ndarray,
+    eps: float,
+    rms: bool,
+    dtype: torch.dtype,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`fix_backward_row` for the finite rows of ``z``, ``gh`` and ``rho``
+    (float64, (k, N) each): returns which rows were fixed (a row holding a NaN or an
+    infinity keeps the backend's own output) and their dx, as :data:`STORAGE`."""
+    finite = np.isfinite(z).all(axis=1) & np.isfinite(gh).all(axis=1) & np.isfinite(rho).all(axis=1)
+    out = np.stack(
+        [
+            fix_backward_row(z[i], gh[i], rho[i], eps, rms, dtype)
+            for i in np.flatnonzero(finite).tolist()
+        ]
+        or [round_once(np.zeros(z.shape[1]), dtype)]
     )[: int(finite.sum())]
     return finite, out.view(np.int16) if out.dtype == np.uint16 else out

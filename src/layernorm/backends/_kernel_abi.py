@@ -48,7 +48,12 @@ FORWARD: tuple[tuple[str, str], ...] = (
 )
 
 #: the backward entry: ``dresidual_out`` is one row of ``-0.0`` with a stride of 0 when
-#: there is no residual gradient; ``dweight`` and ``dbias`` are 0 when not wanted.
+#: there is no residual gradient; ``dweight`` and ``dbias`` are 0 when not wanted; ``x``
+#: is the normalized input ``z`` (``x + residual``), whose statistics the kernel
+#: recomputes with ``eps`` (``mean``/``rstd`` are the forward's, a starting point only);
+#: ``flags`` is (m + 1) bytes as in :data:`FORWARD`: ``flags[i]`` is set when row ``i`` of
+#: ``dx`` needs the exact fallback (``layernorm.backends._exact``), ``flags[m]`` when any
+#: row does.
 BACKWARD: tuple[tuple[str, str], ...] = (
     ("dy", "i64"),
     ("dy_stride", "i64"),
@@ -66,6 +71,8 @@ BACKWARD: tuple[tuple[str, str], ...] = (
     ("n", "i64"),
     ("rms", "bool"),
     ("stream", "bool"),
+    ("eps", "f64"),
+    ("flags", "i64"),
 )
 
 KERNELS = {"forward": FORWARD, "backward": BACKWARD}

@@ -26,8 +26,10 @@ Numerics (docs/contract.md §3). The forward computes in float64 for every dtype
 rounds each output once, with Ziv's test against a bound per element; a row whose
 rounding the bound leaves open is computed again with compensated statistics
 (:func:`_precise_statistics`), and if still open, flagged (``flags``) for the host's exact
-fallback (:mod:`layernorm.backends._exact`). The backward accumulates in float32
-(float64 for float64 input). Row sums add blocks of ``_numba_vectors.SUM_BLOCK``
+fallback (:mod:`layernorm.backends._exact`). The backward's dx is correctly rounded the
+same way, from five float64 row sums (:func:`_backward_sums`), the statistics of ``z``
+recomputed with ``eps``, Ziv's test per element (:func:`_dx_row_checked`) and flags for
+``_exact.fix_backward_rows``. Row sums add blocks of ``_numba_vectors.SUM_BLOCK``
 elements in the accumulation dtype and the block totals in float64, so their error does
 not grow with N. Statistics are the corrected
 two-pass: ``m1 = mean(z)``, ``d = z - m1``, ``delta = mean(d)``, ``mean = m1 + delta``,
@@ -46,7 +48,7 @@ no function that computes a statistic is compiled with ``fastmath``. So outputs 
 bitwise batch- and thread-invariant, and the same from build to build.
 dweight/dbias partial sums come from a fixed partition of the rows into blocks of
 :data:`ROW_BLOCK` rows (independent of the thread count), summed row by row within a
-block, then over blocks in block order in float64.
+block in float64, then over blocks in block order in float64.
 
 Inlining. Code that numba inlines itself (``inline="always"``) is lowered with the
 caller's fast-math flags; none of these kernels has any, and the forward's row function
@@ -70,21 +72,28 @@ from . import _kernel_abi, _numba_cache
 from ._numba_vectors import (
     SUM_BLOCK,
     Row,
+    _as_bits,
+    _bfloat16_boundary_within,
+    _elementwise,
+    _fabs,
+    _reduce,
+    _shaped,
+    _splat_all,
     add_rows,
-    dx_row,
-    dx_row_touching,
     element_f64,
+    narrow_once,
     normalize_row,
     normalize_row_checked,
     normalized,
     row_sum,
     row_sum_sq,
-    row_sums_backward,
     row_sums_centered,
     splat,
 )
+from ._numba_vectors import lanes as vector_lanes
 
 _FLAG_TAG = np.empty(0, np.uint8)  # the dtype of the forward's fallback flags
+_F64_TAG = np.empty(0, np.float64)  # the dtype of the backward's dweight/dbias partials
 ROW_BLOCK = 32  # rows per dweight/dbias partial sum (fixed: never depends on threads)
 #: The start of the SHA-256 of ``_numba_vectors.py``, whose intrinsics are compiled into
 #: these kernels. numba keys its on-disk cache on this file alone, so a change to that one
@@ -457,84 +466,318 @@ def _any_flag(flags, m):
     flags[m] = flagged
 
 
+# ---------------------------------------------------------------------------------------
+# The backward, correctly rounded (docs/contract.md §3, "Correct rounding of the
+# backward"): per row, one pass of five float64 sums, the row constants of the bound, one
+# pass that writes dx and tests each element's rounding
+
+
+@intrinsic
+def _backward_sums(typingctx, dy, z, w, m1, zero):
+    """``(Σd, Σd², Σgh, Σgh², Σgh·d)`` in float64 with ``d = z - m1``, ``gh = dy * w``
+    (exact in float64 for float32 and 16-bit rows: 24-bit by 24-bit), in
+    ``_numba_vectors``' summation order (``zero`` is a float64 0: the sums' dtype)."""
+
+    def codegen(context, builder, sig, args):
+        def terms(b, values, scalars):
+            g, zv, wv = values
+            gh = b.fmul(g, wv)
+            d = b.fsub(zv, scalars[0])
+            return [d, b.fmul(d, d), gh, b.fmul(gh, gh), b.fmul(gh, d)]
+
+        dy, z, w, m1, zero = args
+        arrays = [(sig.args[0], dy), (sig.args[1], z), (sig.args[2], w)]
+        sums = _reduce(context, builder, arrays, [m1, zero], terms, 5)
+        return context.make_tuple(builder, sig.return_type, sums)
+
+    return types.UniTuple(types.float64, 5)(dy, z, w, m1, zero), codegen
+
+
+@intrinsic
+def _dx_row_checked(
+    typingctx, dy, z, dresidual_out, dx, weight, dweight_partial, dbias_partial,
+    m1, delta, rstd, c2, k, k_t1, k_c, k_0,
+):  # fmt: skip
+    """One row's dx, each element rounded once to dx's dtype, Ziv's test on each, and the
+    row's terms added to the dweight/dbias partial sums (docs/contract.md §3)::
+
+        gh = dy * weight;  d = z - m1;  c = d - delta
+        t1 = gh - c2;  t2 = rstd * t1;  t3 = k * c;  t4 = t2 - t3
+        y = (t4 + dresidual_out) + 0.0              (an exact zero is +0.0)
+        E = (k_t1 |t1| + k_c |c| + k_0)(1 + 2^-30) + 3.1u(1 + 2^-30)|y|
+        dweight_partial += dy * (c * rstd);  dbias_partial += dy
+
+    in float64 (the scalars are doubles; rows are widened exactly). Returns 1 when
+    ``y - E`` and ``y + E`` round to different values of dx's dtype for some element
+    (the row needs the exact fallback), else 0; for a float64 ``dx``, no test (0)."""
+    sig = types.int32(
+        dy, z, dresidual_out, dx, weight, dweight_partial, dbias_partial,
+        m1, delta, rstd, c2, k, k_t1, k_c, k_0,
+    )  # fmt: skip
+
+    def codegen(context, builder, sig, args):
+        rows = [Row(context, builder, sig.args[i], args[i]) for i in range(7)]
+        dy, z, dres, dx, w, dwp, dbp = rows
+        double = ir.DoubleType()
+        width = vector_lanes(double)
+        check = dx.dtype != types.float64
+        i32 = ir.IntType(32)
+        flags = cgutils.alloca_once_value(
+            builder, ir.Constant(ir.VectorType(i32, width), [0] * width)
+        )
+
+        def store_partial(row, value, index, lanes):
+            if row.dtype == types.float32:
+                value = builder.fptrunc(value, _shaped(ir.FloatType(), value))
+            row.store_raw(value, index, lanes)
+
+        def element(index, lanes):
+            m1, delta, rstd, c2, k, k_t1, k_c, k_0 = _splat_all(builder, args[7:], lanes)
+            g, zv, rho, wv = (row.load(index, lanes, double) for row in (dy, z, dres, w))
+            gh = builder.fmul(g, wv)
+            d = builder.fsub(zv, m1)
+            c = builder.fsub(d, delta)
+            t1 = builder.fsub(gh, c2)
+            t2 = builder.fmul(rstd, t1)
+            t3 = builder.fmul(k, c)
+            t4 = builder.fsub(t2, t3)
+            zero = ir.Constant(t4.type, None)
+            y = builder.fadd(builder.fadd(t4, rho), zero)
+            dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
+            u = builder.fmul(c, rstd)
+            store_partial(
+                dwp, builder.fadd(dwp.load(index, lanes, double), builder.fmul(g, u)), index, lanes
+            )
+            store_partial(dbp, builder.fadd(dbp.load(index, lanes, double), g), index, lanes)
+            if not check:
+                return
+            slack, k_y = _splat_all(builder, [double(_SLACK), double(3.1 * _U * _SLACK)], lanes)
+            bound = builder.fmul(k_t1, _fabs(builder, t1))
+            bound = builder.fadd(bound, builder.fmul(k_c, _fabs(builder, c)))
+            bound = builder.fadd(bound, k_0)
+            bound = builder.fadd(builder.fmul(bound, slack), builder.fmul(k_y, _fabs(builder, y)))
+            low, high = builder.fsub(y, bound), builder.fadd(y, bound)
+            if dx.dtype == types.uint16:  # bfloat16: the same answer, for half the work
+                differ = _bfloat16_boundary_within(builder, low, high)
+            else:
+                low = _as_bits(builder, narrow_once(builder, low, dx.dtype))
+                high = _as_bits(builder, narrow_once(builder, high, dx.dtype))
+                differ = builder.zext(builder.icmp_unsigned("!=", low, high), _shaped(i32, low))
+            if lanes == 1:
+                differ = builder.insert_element(
+                    ir.Constant(ir.VectorType(i32, width), [0] * width), differ, i32(0)
+                )
+            builder.store(builder.or_(builder.load(flags), differ), flags)
+
+        _elementwise(builder, dx.length, width, element)
+        vector = builder.load(flags)
+        result = builder.extract_element(vector, i32(0))
+        for lane in range(1, width):
+            result = builder.or_(result, builder.extract_element(vector, i32(lane)))
+        return result
+
+    return sig, codegen
+
+
+@_jit()
+def _precise_backward_sums(dy, z, w, m1, n):
+    """:func:`_backward_sums` again, for a row the fast pass flagged, by Ogita, Rump and
+    Oishi's Sum2 (each sum within ``u|sum| + γ_n²·Σ|terms|`` of the sum of its rounded
+    terms), and that factor ``u + γ_n²``, :func:`_backward_constants`' ``gamma``.
+    Scalar code: it runs for few rows."""
+    n_float = np.float64(n)
+    g = n_float * _U / (1.0 - n_float * _U)
+    totals = np.zeros(5)
+    compensations = np.zeros(5)
+    for k in range(n):
+        gh = element_f64(dy, k) * element_f64(w, k)
+        d = element_f64(z, k) - m1
+        terms = (d, d * d, gh, gh * gh, gh * d)
+        for j in range(5):
+            totals[j], e = _two_sum(totals[j], terms[j])
+            compensations[j] += e
+    s = totals + compensations
+    return s[0], s[1], s[2], s[3], s[4], 1.01 * (_U + g * g)
+
+
+_CHUNK = 256  # elements per chunk of the backward's row sums
+_GROUP = 16 * _CHUNK  # chunks per group
+
+
+@_jit(inline="always")
+def _chunked_backward_sums(dy, z, w, m1, n):
+    """:func:`_backward_sums` of the row, in chunks of :data:`_CHUNK` elements (each one
+    block of ``_numba_vectors``' order), the chunk totals added in order into groups of
+    16, the group totals in order into the row's: fewer roundings on any path than one
+    sum over the row (:func:`_fast_gamma`), so a bound some 6 times tighter at N = 4096."""
+    zero = 0.0
+    t0 = t1 = t2 = t3 = t4 = zero
+    for g in range(0, n, _GROUP):
+        u0 = u1 = u2 = u3 = u4 = zero
+        for c in range(g, min(n, g + _GROUP), _CHUNK):
+            e = min(n, c + _CHUNK)
+            a0, a1, a2, a3, a4 = _backward_sums(dy[c:e], z[c:e], w[c:e], m1, zero)
+            u0 += a0
+            u1 += a1
+            u2 += a2
+            u3 += a3
+            u4 += a4
+        t0 += u0
+        t1 += u1
+        t2 += u2
+        t3 += u3
+        t4 += u4
+    return t0, t1, t2, t3, t4
+
+
+@_jit(inline="always")
+def _fast_gamma(n):
+    """:func:`_backward_constants`' ``gamma`` for :func:`_chunked_backward_sums`: a sum's
+    error relative to the sum of its |terms|, from the roundings on any path: those of
+    a chunk (:func:`_depth`), at most 16 into its group, one per group into the row's."""
+    groups = (n + _GROUP - 1) // _GROUP
+    h = np.float64(_depth(min(n, _CHUNK)) + 16 + groups + 1) * _U
+    return h / (1.0 - h)
+
+
+@_jit(inline="always")
+def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, gamma, n, eps, rms):
+    """A row's constants for :func:`_dx_row_checked` from its five sums
+    (:func:`_backward_sums`), whose errors are at most ``gamma`` times the sums of their
+    |terms|, and the row's flag (docs/contract.md §3):
+    ``(delta, rstd, c2, k, k_t1, k_c, k_0, flag)``; ``flag`` is 1 when the bound on
+    ``rstd`` is too loose to use."""
+    zero = 0.0
+    n_float = np.float64(n)
+    d_abs = 1.001 * np.sqrt(n_float * s_dd)  # >= Σ|d|
+    g_abs = 1.001 * np.sqrt(n_float * s_gg)  # >= Σ|gh|
+    p_abs = 1.001 * np.sqrt(s_gg) * np.sqrt(s_dd)  # >= Σ|gh·d|
+    if rms:
+        delta = zero
+        e_mean = zero
+        var = s_dd / n_float
+        e_var = 1.01 * ((gamma + 3.0 * _U) * var + _U * var)
+        c2 = zero
+        e_c2 = zero
+        a1 = s_gd / n_float
+        a2 = zero
+        alpha = zero  # c = z, exactly
+    else:
+        delta = s_d / n_float
+        e_mean = 1.01 * ((gamma + 2.0 * _U) * d_abs / n_float + _U * abs(delta))
+        var = max(s_dd / n_float - delta * delta, zero)
+        e_var = 1.01 * (
+            (gamma + 3.0 * _U) * (s_dd / n_float)
+            + e_mean * (2.0 * abs(delta) + e_mean)
+            + _U * (delta * delta + var)
+        )
+        c2 = s_g / n_float
+        e_c2 = 1.01 * (gamma * g_abs / n_float + _U * abs(c2))
+        a1 = s_gd / n_float
+        a2 = delta * c2
+        alpha = 2.04 * _U
+    a = a1 - a2
+    e_a = 1.01 * (
+        _U * (abs(a) + abs(a1) + abs(a2))
+        + (gamma + 2.01 * _U) * p_abs / n_float
+        + e_mean * abs(c2)
+        + (abs(delta) + e_mean) * e_c2
+    )
+    s = var + eps
+    e_s = e_var + 1.01 * _U * s
+    flag = 1 if e_s >= 0.01 * s else 0  # (False for a NaN row: it stays NaN)
+    e_r = 0.51 * (e_s / (s - e_s)) + 2.01 * _U  # relative error of rstd
+    rstd = 1.0 / np.sqrt(s)
+    k = rstd * rstd * rstd * a
+    r_hi = rstd * (1.0 + 1.01 * e_r)  # >= the exact rstd
+    e_k = 3.02 * _U * abs(k) + r_hi * r_hi * r_hi * (3.03 * e_r * abs(a) + e_a)
+    beta = 1.01 * _U * abs(delta) + e_mean  # e_c <= alpha |c| + beta
+    # with the roundings of t2, t3 and t4 = t2 - t3: u(|t2| + |t3| + |t4|)
+    # <= 2.01u(|t2| + |t3|), |t2| <= (1 + u) rstd |t1|, |t3| <= (1 + u) |k| |c|
+    k_t1 = r_hi * (e_r + _U) + 2.02 * _U * rstd
+    k_c = abs(k) * (alpha + 2.02 * _U) + e_k * (1.0 + alpha)
+    k_0 = r_hi * e_c2 + beta * (abs(k) + e_k)
+    return delta, rstd, c2, k, k_t1, k_c, k_0, flag
+
+
 @_jit()
 def _backward_block(
     block, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean,
-    rstd, dx, dweight_partial, dbias_partial, m, n, n_float, rms, stream,
+    dx, dweight_partial, dbias_partial, flags, m, n, eps, rms,
 ):  # fmt: skip
     """dx for the rows of block ``block`` (rows ``block*ROW_BLOCK`` to
     ``(block+1)*ROW_BLOCK - 1``; ``+ dresidual_out``: without a residual, one row of
-    ``-0.0`` with a stride of 0, and ``v + -0.0 == v`` bitwise) and the block's partial
-    sums ``dweight_partial[block*N:(block+1)*N] = sum(g * u)``,
-    ``dbias_partial[...] = sum(g)``, in row order.
+    ``-0.0`` with a stride of 0), each row's fallback flag ``flags[i]``, and the block's
+    partial sums ``dweight_partial[block*N:(block+1)*N] = sum(dy * u)``,
+    ``dbias_partial[...] = sum(dy)``, in row order.
 
-    For RMSNorm the mean is 0 and ``c2`` is 0: ``(z - 0) * rstd`` and ``gh - 0`` are exact.
-    ``stream`` (inputs far larger than the caches): each float32 dx row is computed into
-    a cached scratch row, then written with non-temporal stores (no read-for-ownership of
-    dx; same bits), and the next row of dy and x is loaded meanwhile
-    (``dx_row_touching``): it then arrives from memory while this row's arithmetic runs
-    instead of after it. Returns the sum of those loads, for the caller to store so they
-    stay (it means nothing).
+    Each row: :func:`_backward_sums` from ``m1`` = the forward's mean (any finite value
+    will do: the bound covers it; 0 for RMSNorm, where ``d = z`` exactly), the constants
+    (:func:`_backward_constants`) and :func:`_dx_row_checked`.
     """
-    zero = n_float - n_float
-    touched = zero
-    scratch = np.empty(n if stream else 0, dx.dtype)
+    zero = 0.0
+    for k in range(block * n, (block + 1) * n):
+        dweight_partial[k] = 0.0
+        dbias_partial[k] = 0.0
     dweight_block = dweight_partial[block * n : (block + 1) * n]
     dbias_block = dbias_partial[block * n : (block + 1) * n]
-    for k in range(n):
-        dweight_block[k] = zero
-        dbias_block[k] = zero
     for i in range(block * ROW_BLOCK, min(m, (block + 1) * ROW_BLOCK)):
-        mean_i = zero if rms else mean[i]
-        rstd_i = rstd[i]
+        m1 = zero
+        if not rms:
+            m1 = np.float64(mean[i])
+            if not np.isfinite(m1):
+                m1 = zero
         dy_i = dy[i * dy_stride : i * dy_stride + n]
         x_i = x[i * x_stride : i * x_stride + n]
-        s0, s1, s2 = row_sums_backward(dy_i, x_i, weight, mean_i, zero)
-        delta = zero if rms else s0 / n_float
-        c2 = zero if rms else s2 / n_float
-        c1 = rstd_i * (s1 / n_float - delta * c2)  # mean(gh * u), u = (d - delta) * rstd
+        s_d, s_dd, s_g, s_gg, s_gd = _chunked_backward_sums(dy_i, x_i, weight, m1, n)
+        delta, rstd_i, c2, k, k_t1, k_c, k_0, flag = _backward_constants(
+            s_d, s_dd, s_g, s_gg, s_gd, _fast_gamma(n), n, eps, rms
+        )
         dresidual_out_i = dresidual_out[i * dresidual_out_stride : i * dresidual_out_stride + n]
         dx_i = dx[i * n : (i + 1) * n]
-        if stream:  # into the scratch row, loading the next row meanwhile
-            j = min(i + 1, m - 1)
-            touched += dx_row_touching(
-                dy_i, x_i, dresidual_out_i, scratch, weight, dweight_block, dbias_block,
-                dy[j * dy_stride : j * dy_stride + n], x[j * x_stride : j * x_stride + n],
-                mean_i, delta, rstd_i, c1, c2,
+        checked = _dx_row_checked(
+            dy_i, x_i, dresidual_out_i, dx_i, weight, dweight_block, dbias_block,
+            m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
+        )  # fmt: skip
+        if (flag | checked) != 0:
+            # rare: once more with compensated sums, whose bound is some 100 times
+            # tighter (the partial sums already have the row's terms: a throwaway pair)
+            s_d, s_dd, s_g, s_gg, s_gd, gamma = _precise_backward_sums(dy_i, x_i, weight, m1, n)
+            delta, rstd_i, c2, k, k_t1, k_c, k_0, flag = _backward_constants(
+                s_d, s_dd, s_g, s_gg, s_gd, gamma, n, eps, rms
+            )
+            throwaway = np.zeros(n)
+            checked = _dx_row_checked(
+                dy_i, x_i, dresidual_out_i, dx_i, weight, throwaway, throwaway,
+                m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
             )  # fmt: skip
-            copy_row_streaming(scratch, dx_i)
-        else:
-            dx_row(
-                dy_i, x_i, dresidual_out_i, dx_i, weight, dweight_block, dbias_block,
-                mean_i, delta, rstd_i, c1, c2,
-            )  # fmt: skip
-    return touched
+        flags[i] = np.uint8(flag | checked)
 
 
 @_jit()
 def backward_kernel(
-    dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd,
-    dx, dweight_partial, dbias_partial, touched, m, n, n_float, rms, stream,
+    dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean,
+    dx, dweight_partial, dbias_partial, flags, m, n, eps, rms,
 ):  # fmt: skip
     """:func:`_backward_block` for every block of rows of one span of blocks of a call
-    that ``numba_`` spreads over its threads (``touched``: one throwaway value per block)."""
+    that ``numba_`` spreads over its threads."""
     for block in range((m + ROW_BLOCK - 1) // ROW_BLOCK):
-        touched[block] = _backward_block(
+        _backward_block(
             block, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight,
-            mean, rstd, dx, dweight_partial, dbias_partial, m, n, n_float, rms, stream,
+            mean, dx, dweight_partial, dbias_partial, flags, m, n, eps, rms,
         )  # fmt: skip
 
 
 @_jit()
 def backward_kernel_serial(
-    dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd,
-    dx, dweight_partial, dbias_partial, touched, m, n, n_float, rms, stream,
+    dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean,
+    dx, dweight_partial, dbias_partial, flags, m, n, eps, rms,
 ):  # fmt: skip
     """:func:`backward_kernel` in the calling thread."""
     for block in range((m + ROW_BLOCK - 1) // ROW_BLOCK):
-        touched[block] = _backward_block(
+        _backward_block(
             block, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight,
-            mean, rstd, dx, dweight_partial, dbias_partial, m, n, n_float, rms, stream,
+            mean, dx, dweight_partial, dbias_partial, flags, m, n, eps, rms,
         )  # fmt: skip
 
 
@@ -654,10 +897,10 @@ def forward_parallel(
 @_jit()
 def _backward_arrays(
     storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride,
-    weight, mean, rstd, dx, m, n, rms,
+    weight, mean, dx, m, n, rms, flags,
 ):  # fmt: skip
-    """The views over the addresses, the per-block partial sums and the per-block
-    throwaway values (see :func:`backward_kernel`)."""
+    """The views over the addresses and the per-block partial sums (see
+    :func:`backward_kernel`)."""
     blocks = (m + ROW_BLOCK - 1) // ROW_BLOCK
     return (
         _view(dy, (m - 1) * dy_stride + n, storage_tag),
@@ -665,11 +908,10 @@ def _backward_arrays(
         _view(dresidual_out, (m - 1) * dresidual_out_stride + n, storage_tag),
         _view(weight, n, acc_tag),
         _view(mean, 0 if rms else m, acc_tag),
-        _view(rstd, m, acc_tag),
         _view(dx, m * n, storage_tag),
-        np.empty(blocks * n, acc_tag.dtype),
-        np.empty(blocks * n, acc_tag.dtype),
-        np.empty(blocks, acc_tag.dtype),
+        np.empty(blocks * n, np.float64),
+        np.empty(blocks * n, np.float64),
+        _view(flags, m + 1, _FLAG_TAG),
     )
 
 
@@ -686,52 +928,59 @@ def _column_sums(acc_tag, dweight_partial, dbias_partial, dweight, dbias, n):
 @_jit()
 def backward_serial(
     storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride,
-    weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream,
+    weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags,
 ):  # fmt: skip
     """The backward on addresses (the arguments of ``_kernel_abi.BACKWARD``), in the
-    calling thread (for small inputs)."""
+    calling thread (for small inputs). ``x`` is the normalized input ``z``; the row
+    statistics are computed again from it with ``eps`` (``mean`` only shifts the sums;
+    ``rstd`` and ``stream`` are not read). ``flags``: m + 1 bytes; ``flags[i]`` is 1 when
+    row ``i`` of dx needs the exact fallback, ``flags[m]`` when any row does."""
     arrays = _backward_arrays(
         storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out,
-        dresidual_out_stride, weight, mean, rstd, dx, m, n, rms,
+        dresidual_out_stride, weight, mean, dx, m, n, rms, flags,
     )  # fmt: skip
-    dy_, x_, dresidual_out_, weight_, mean_, rstd_, dx_, dw_part, db_part, touched = arrays
+    dy_, x_, dresidual_out_, weight_, mean_, dx_, dw_part, db_part, flags_ = arrays
     backward_kernel_serial(
         dy_, dy_stride, x_, x_stride, dresidual_out_, dresidual_out_stride, weight_, mean_,
-        rstd_, dx_, dw_part, db_part, touched, m, n, _cast(acc_tag, n), rms, stream,
+        dx_, dw_part, db_part, flags_, m, n, np.float64(eps), rms,
     )  # fmt: skip
     _column_sums(acc_tag, dw_part, db_part, dweight, dbias, n)
+    _any_flag(flags_, m)
 
 
 @_jit()
 def backward_parallel(
     storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride,
-    weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream,
+    weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags,
 ):  # fmt: skip
     """One span of rows (a whole number of ``ROW_BLOCK`` blocks, but for the last) of a
     backward that ``numba_`` spreads over its threads: :func:`backward_serial`, except that
     ``dweight`` and ``dbias`` receive the span's per-block partial sums
-    (``ceil(m / ROW_BLOCK) * n`` elements each, in the accumulation dtype; both required),
+    (``ceil(m / ROW_BLOCK) * n`` elements each, float64; both required),
     which the caller adds over all spans in block order with :func:`column_sums`: the same
-    additions in the same order as :func:`backward_serial`'s, so the same bits."""
+    additions in the same order as :func:`backward_serial`'s, so the same bits. ``flags``:
+    the span's m + 1 fallback flags, as :func:`backward_serial` writes them."""
     arrays = _backward_arrays(
         storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out,
-        dresidual_out_stride, weight, mean, rstd, dx, m, n, rms,
+        dresidual_out_stride, weight, mean, dx, m, n, rms, flags,
     )  # fmt: skip
-    dy_, x_, dresidual_out_, weight_, mean_, rstd_, dx_, _, _, touched = arrays
-    blocks = touched.shape[0]
+    dy_, x_, dresidual_out_, weight_, mean_, dx_, _, _, flags_ = arrays
+    blocks = (m + ROW_BLOCK - 1) // ROW_BLOCK
     backward_kernel(
         dy_, dy_stride, x_, x_stride, dresidual_out_, dresidual_out_stride, weight_, mean_,
-        rstd_, dx_, _view(dweight, blocks * n, acc_tag), _view(dbias, blocks * n, acc_tag),
-        touched, m, n, _cast(acc_tag, n), rms, stream,
+        dx_, _view(dweight, blocks * n, _F64_TAG), _view(dbias, blocks * n, _F64_TAG), flags_,
+        m, n, np.float64(eps), rms,
     )  # fmt: skip
+    _any_flag(flags_, m)
 
 
 @_jit()
 def column_sums(acc_tag, partial, blocks, n, out):
     """``out`` (N,) = the column sums of the ``blocks`` x N partial sums at ``partial``
-    (addresses, accumulation dtype), in block order in float64: how the spans of
-    :func:`backward_parallel` become dweight and dbias."""
-    column_sum_kernel(_view(partial, blocks * n, acc_tag), blocks, n, _view(out, n, acc_tag))
+    (addresses; float64 partials, ``out`` in the accumulation dtype), in block order in
+    float64: how the spans of :func:`backward_parallel` become dweight and dbias."""
+    partials = _view(partial, blocks * n, _F64_TAG)
+    column_sum_kernel(partials, blocks, n, _view(out, n, acc_tag))
 
 
 # ---------------------------------------------------------------------------------------
@@ -784,15 +1033,15 @@ def entry(name: str, storage_tag: np.ndarray, acc_tag: np.ndarray):
 
     elif name == "backward_serial":
 
-        def backward(dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream):  # fmt: skip
-            backward_serial(storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream)  # fmt: skip
+        def backward(dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags):  # fmt: skip
+            backward_serial(storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags)  # fmt: skip
 
         run = backward
 
     elif name == "backward_parallel":
 
-        def backward(dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream):  # fmt: skip
-            backward_parallel(storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream)  # fmt: skip
+        def backward(dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags):  # fmt: skip
+            backward_parallel(storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags)  # fmt: skip
 
         run = backward
 

@@ -7,9 +7,10 @@ dtypes, the numerics of docs/contract.md §3) with one kernel per direction:
   same pass, the corrected two-pass statistics and ``y``; the row is read once from memory,
   and a large float32 ``y`` is written with non-temporal stores (:data:`STREAM_BYTES`).
 - backward: per block of ``_numba_kernels.ROW_BLOCK`` (32) rows, ``dx``
-  (``+ dresidual_out``) for each row and partial sums of ``g * u`` and ``g`` in the
-  accumulation dtype; a serial loop adds the block partials in block order (float64) for
-  dweight/dbias.
+  (``+ dresidual_out``) for each row, correctly rounded (docs/contract.md §3: the row's
+  statistics recomputed from ``x`` and ``eps``, flagged rows fixed by
+  :func:`_fix_backward_rows`), and float64 partial sums of ``g * u`` and ``g``; a serial
+  loop adds the block partials in block order (float64) for dweight/dbias.
 
 Tensors reach the kernels as addresses (``data_ptr()``) and sizes, through per-dtype
 entries of C-typed arguments only (:func:`entry`; the arguments are described once, in
@@ -208,36 +209,56 @@ def _forward_over_threads(
         out[m] |= scratch[start + count]
 
 
+def _gather_flags(
+    scratch: np.ndarray, spans: list[tuple[int, int]], rows: int, m: int, flags: int
+) -> None:
+    """The caller's ``flags`` (m + 1 bytes at that address) from the spans' stretches of
+    ``scratch``: the span from row ``i`` wrote its ``count`` flags and its any-flag at
+    ``i + i // rows``."""
+    out = np.ctypeslib.as_array((ctypes.c_uint8 * (m + 1)).from_address(flags))
+    out[m] = 0
+    for i, count in spans:
+        start = i + i // rows  # where span(i // rows, ...) wrote
+        out[i : i + count] = scratch[start : start + count]
+        out[m] |= scratch[start + count]
+
+
 def _backward_over_threads(
     dtype: torch.dtype, dy: int, dy_stride: int, x: int, x_stride: int, dresidual_out: int,
     dresidual_out_stride: int, weight: int, mean: int, rstd: int, dx: int, dweight: int,
-    dbias: int, m: int, n: int, rms: bool, stream: bool,
+    dbias: int, m: int, n: int, rms: bool, stream: bool, eps: float, flags: int,
 ) -> None:  # fmt: skip
     """The ``backward_parallel`` entry: spans of ``ROW_BLOCK`` rows over the threads,
     each writing its blocks' dweight/dbias partial sums, then their column sums in block
-    order (float64), as ``backward_serial`` adds them."""
+    order (float64), as ``backward_serial`` adds them. The spans' fallback flags are
+    gathered into ``flags`` as :func:`_forward_over_threads` does."""
     run = _compiled(dtype, "backward_parallel")
     types = _TYPES[dtype]
     size, acc_size = types.itemsize, types.acc.itemsize
     rows = _kernels().ROW_BLOCK
     blocks = -(-m // rows)
-    partial = torch.empty(2, blocks, n, dtype=types.acc_dtype)
+    partial = torch.empty(2, blocks, n, dtype=torch.float64)  # float64 partial sums
     dweight_partial, dbias_partial = partial[0].data_ptr(), partial[1].data_ptr()
     dy_step, x_step, dx_step = dy_stride * size, x_stride * size, n * size
     dresidual_out_step = dresidual_out_stride * size
     mean_step = 0 if rms else acc_size
+    scratch = np.zeros(blocks * (rows + 1), np.uint8)
+    spans: list[tuple[int, int]] = []  # (first row, rows) of each span; append is atomic
 
     def span(start: int, stop: int) -> None:
         i = start * rows
+        count = min(m, stop * rows) - i
         run(
             dy + i * dy_step, dy_stride, x + i * x_step, x_stride,
             dresidual_out + i * dresidual_out_step, dresidual_out_stride, weight,
             mean + i * mean_step, rstd + i * acc_size, dx + i * dx_step,
-            dweight_partial + start * n * acc_size, dbias_partial + start * n * acc_size,
-            min(m, stop * rows) - i, n, rms, stream,
+            dweight_partial + start * n * 8, dbias_partial + start * n * 8,
+            count, n, rms, stream, eps, scratch.ctypes.data + i + start,
         )  # fmt: skip
+        spans.append((i, count))
 
     _threads.run(span, blocks, rows * n)
+    _gather_flags(scratch, spans, rows, m, flags)
     sums = _compiled(dtype, "column_sums")
     if dweight:
         sums(dweight_partial, blocks, n, dweight)
@@ -433,6 +454,7 @@ def backward(
     rms: bool,
     need_dweight: bool,
     need_dbias: bool,
+    eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     n = x.shape[-1]
     numel = x.numel()
@@ -448,6 +470,7 @@ def backward(
     dx = _output(x, nbytes)
     dweight = torch.empty(n, dtype=acc) if need_dweight else None
     dbias = torch.empty(n, dtype=acc) if need_dbias else None
+    flags = np.zeros(m + 1, np.uint8)  # the kernel sets them all (zeros: never stale)
     run = entry(x.dtype, "backward_serial" if numel < SERIAL_NUMEL else "backward_parallel")
     # the arguments of _kernel_abi.BACKWARD, in its order
     run(
@@ -467,5 +490,36 @@ def backward(
         n,  # n
         rms,  # rms
         nbytes >= STREAM_BYTES,  # stream
+        eps,  # eps
+        flags.ctypes.data,  # flags
     )
+    if flags[m]:  # rare: rows whose rounding the float64 bound left open
+        _fix_backward_rows(dx, dy, x, w, dresidual_out, eps, rms, flags[:m])
     return dx, dweight, dbias
+
+
+def _fix_backward_rows(
+    dx: torch.Tensor,
+    dy: torch.Tensor,
+    z: torch.Tensor,
+    w: torch.Tensor,
+    dresidual_out: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+    flags: np.ndarray,
+) -> None:
+    """Rewrites the flagged rows of ``dx`` exactly (:mod:`layernorm.backends._exact`)."""
+    from . import _exact, torch_
+
+    if dx.dtype == torch.float64:
+        return
+    rows = torch.from_numpy(np.flatnonzero(flags))
+    n = z.shape[-1]
+    z64, g64 = (torch_.matrix(t)[rows].to(torch.float64) for t in (z, dy))
+    gh = (g64 * w.to(torch.float64)).numpy()  # exact: 24-bit by 24-bit
+    rho = torch.full((len(rows), n), -0.0, dtype=torch.float64)
+    if dresidual_out is not None:
+        rho = torch_.matrix(dresidual_out)[rows].to(torch.float64)
+    finite, fixed = _exact.fix_backward_rows(z64.numpy(), gh, rho.numpy(), eps, rms, dx.dtype)
+    storage = torch_.matrix(dx).view(_exact.STORAGE[dx.dtype])
+    storage[rows[torch.from_numpy(finite)]] = torch.from_numpy(fixed)

@@ -18,9 +18,8 @@ It defines the kernel contract every backend follows (see ``layernorm.backends``
   ``x`` and returns ``dx`` (shaped like ``x``, ``x``'s dtype, ``+ dresidual_out`` when
   given) and
   ``dweight``/``dbias`` in the accumulation dtype, or ``None`` when not asked for.
-  ``mean`` is rounded to the statistics dtype, so ``backward`` re-centers: with
-  ``d = x − mean``, ``u = (d − mean(d)) · rstd``; otherwise the gradient's error would grow
-  with the row's offset (7e−3 at offset 1e6 in float32) while the forward's does not.
+  ``backward`` also gets the forward's ``eps``; :func:`backward` recomputes the row
+  statistics from ``x`` and ``eps`` and rounds ``dx`` correctly (docs/contract.md §3).
 
 Statistics are the corrected two-pass of docs/contract.md §3. Reductions go through :func:`row_sum`
 and :func:`column_sum`, whose summation order depends only on N (and the row
@@ -293,29 +292,120 @@ def backward(
     rms: bool,
     need_dweight: bool,
     need_dbias: bool,
+    eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The backend's backward: every element of ``dx`` (``+ dresidual_out``) of a
+    float32, float16 or bfloat16 input is the exact result rounded once
+    (docs/contract.md §3, the same algorithm as the numba kernel: five float64 row sums,
+    the row constants of the bound, Ziv's test, the exact fallback of ``_exact`` for
+    flagged rows); float64 input gets the same float64 arithmetic without the test. The
+    statistics are computed again from ``x`` (the normalized input) and ``eps``; ``mean``
+    only shifts the sums and ``rstd`` is not read. ``dweight`` and ``dbias`` are the
+    float64 sums of ``dy * u`` and ``dy`` over a fixed partition of the rows
+    (:func:`column_sum`), rounded to the accumulation dtype."""
     acc = accumulation_dtype(x.dtype)
     shape = x.shape
-    z = matrix(x).to(acc)
-    g = matrix(dy).to(acc)
-    n = z.shape[1]
-    gh = g if weight is None else g * weight.to(acc)
-    if rms:
-        u = z * rstd[:, None]
-        c1 = row_sum(gh * u) / n
-        dx = rstd[:, None] * (gh - u * c1[:, None])
-    else:
-        # The saved mean is rounded to float32; re-centering by mean(z - mean) makes u exact
-        # to the ulp of the centered values, whatever the row's offset (as in the forward).
-        assert mean is not None  # the contract: mean is None only for RMSNorm
-        d = z - mean[:, None]
-        delta = row_sum(d) / n
-        u = (d - delta[:, None]) * rstd[:, None]
-        c1 = row_sum(gh * u) / n
-        c2 = row_sum(gh) / n
-        dx = rstd[:, None] * (gh - c2[:, None] - u * c1[:, None])
+    z = matrix(x).to(torch.float64)
+    g = matrix(dy).to(torch.float64)
+    m, n = z.shape
+    gamma = torch.ones(n, dtype=torch.float64, device=z.device)
+    if weight is not None:
+        gamma = weight.to(acc).to(torch.float64)
+    rho = torch.full((n,), -0.0, dtype=torch.float64, device=z.device)[None, :]
     if dresidual_out is not None:
-        dx = dx + matrix(dresidual_out).to(acc)
-    dweight = column_sum(g * u) if need_dweight else None
-    dbias = column_sum(g) if need_dbias else None
-    return dx.to(x.dtype).reshape(shape), dweight, dbias
+        rho = matrix(dresidual_out).to(torch.float64)
+    if z.numel() == 0:
+        zeros = torch.zeros(n, dtype=acc, device=z.device)
+        dx = (z + rho).to(x.dtype).reshape(shape)
+        return dx, zeros if need_dweight else None, zeros.clone() if need_dbias else None
+    gh = g * gamma  # exact: 24-bit by 24-bit
+    m1 = torch.zeros(m, dtype=torch.float64, device=z.device)
+    if not rms and mean is not None:
+        m1 = mean.to(torch.float64)
+        m1 = torch.where(m1.isfinite(), m1, torch.zeros_like(m1))
+    d = z - m1[:, None]
+    s_dd, depth = _sum64(d * d)
+    s_gg, _ = _sum64(gh * gh)
+    s_gd, _ = _sum64(gh * d)
+    paths = (depth + 1) * _U
+    gamma_h = paths / (1 - paths)
+    d_abs = 1.001 * (n * s_dd).sqrt()
+    g_abs = 1.001 * (n * s_gg).sqrt()
+    p_abs = 1.001 * s_gg.sqrt() * s_dd.sqrt()
+    zero = torch.zeros_like(s_dd)
+    if rms:
+        delta = e_mean = c2 = e_c2 = a2 = zero
+        var = s_dd / n
+        e_var = 1.01 * ((gamma_h + 3 * _U) * var + _U * var)
+        alpha = 0.0
+    else:
+        s_d, _ = _sum64(d)
+        s_g, _ = _sum64(gh)
+        delta = s_d / n
+        e_mean = 1.01 * ((gamma_h + 2 * _U) * d_abs / n + _U * delta.abs())
+        var = (s_dd / n - delta * delta).clamp_min(0.0)
+        e_var = 1.01 * (
+            (gamma_h + 3 * _U) * (s_dd / n) + e_mean * (2 * delta.abs() + e_mean)
+            + _U * (delta * delta + var)
+        )  # fmt: skip
+        c2 = s_g / n
+        e_c2 = 1.01 * (gamma_h * g_abs / n + _U * c2.abs())
+        a2 = delta * c2
+        alpha = 2.04 * _U
+    a1 = s_gd / n
+    a = a1 - a2
+    e_a = 1.01 * (
+        _U * (a.abs() + a1.abs() + a2.abs()) + (gamma_h + 2.01 * _U) * p_abs / n
+        + e_mean * c2.abs() + (delta.abs() + e_mean) * e_c2
+    )  # fmt: skip
+    s = var + eps
+    e_s = e_var + 1.01 * _U * s
+    loose = e_s >= 0.01 * s
+    e_r = 0.51 * (e_s / (s - e_s)) + 2.01 * _U
+    r = 1.0 / s.sqrt()
+    k = r * r * r * a
+    r_hi = r * (1.0 + 1.01 * e_r)
+    e_k = 3.02 * _U * k.abs() + r_hi * r_hi * r_hi * (3.03 * e_r * a.abs() + e_a)
+    beta = 1.01 * _U * delta.abs() + e_mean
+    k_t1 = r_hi * (e_r + _U) + 2.02 * _U * r  # (+ the roundings of t2, t3, t2 - t3)
+    k_c = k.abs() * (alpha + 2.02 * _U) + e_k * (1.0 + alpha)
+    k_0 = r_hi * e_c2 + beta * (k.abs() + e_k)
+    c = d - delta[:, None]
+    t1 = gh - c2[:, None]
+    t2 = r[:, None] * t1
+    t3 = k[:, None] * c
+    t4 = t2 - t3
+    y = (t4 + rho) + 0.0
+    dx = round_once(y, x.dtype)
+    u = c * r[:, None]
+    dweight = column_sum(g * u).to(acc) if need_dweight else None
+    dbias = column_sum(g).to(acc) if need_dbias else None
+    if x.dtype != torch.float64:
+        bound = k_t1[:, None] * t1.abs() + k_c[:, None] * c.abs() + k_0[:, None]
+        bound = bound * _SLACK + y.abs() * (3.1 * _U * _SLACK)
+        low = _storage_bits(round_once(y - bound, x.dtype))
+        high = _storage_bits(round_once(y + bound, x.dtype))
+        flagged = (low != high).any(1) | loose
+        if bool(flagged.any()):
+            _fix_backward_rows(dx, z, gh, rho.expand(m, n), eps, rms, flagged)
+    return dx.contiguous().reshape(shape), dweight, dbias
+
+
+def _fix_backward_rows(
+    dx: torch.Tensor,
+    z: torch.Tensor,
+    gh: torch.Tensor,
+    rho: torch.Tensor,
+    eps: float,
+    rms: bool,
+    flagged: torch.Tensor,
+) -> None:
+    """Rewrites the flagged rows of ``dx`` (M, N) with the exact fallback, on the host."""
+    from . import _exact
+
+    index = flagged.nonzero()[:, 0]
+    rows = [t[index].cpu().numpy() for t in (z, gh, rho)]
+    finite, fixed = _exact.fix_backward_rows(rows[0], rows[1], rows[2], eps, rms, dx.dtype)
+    storage = dx.view(_exact.STORAGE[dx.dtype])
+    keep = index[torch.from_numpy(finite).to(index.device)]
+    storage[keep] = torch.from_numpy(fixed).to(dx.device)

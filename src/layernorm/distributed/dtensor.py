@@ -269,8 +269,9 @@ def _backward_rule(_cls, func, types, args, kwargs):
     rms = a["rms"]
     if tp_dim is None:
         dx, dw, db = func(
-            dyl, xl, w, mean, rstd, dres, rms, a["need_dweight"], a["need_dbias"], a["backend"]
-        )
+            dyl, xl, w, mean, rstd, dres, rms, a["need_dweight"], a["need_dbias"], a["backend"],
+            a["eps"],
+        )  # fmt: skip
     else:
         z = xl.to(rstd.dtype)
         u = z * rstd[:, None] if rms else (z - mean[:, None]) * rstd[:, None]

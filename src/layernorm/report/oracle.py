@@ -199,3 +199,62 @@ def forward(z, gamma, beta, eps, rms, fmt):
         v = zi if rms else zi - row.mean
         out[i], zeros[i] = round_value(b, g * v, row.s, row.rsqrt, fmt)
     return out, zeros
+
+
+def _integers_149(values: np.ndarray) -> list[int]:
+    """float32 values (as float64) as integers times 2**-149, exactly."""
+    scaled = np.asarray(values, np.float64) * 2.0**149
+    assert (np.floor(scaled) == scaled).all()
+    return list(map(int, scaled.tolist()))
+
+
+def backward(z, dy, gamma, rho, eps, rms, fmt):
+    """The correctly rounded ``dx`` of one row (docs/contract.md §1's backward, plus
+    ``dresidual_out`` ``rho``): (patterns, exact-zero mask).
+
+    With ``gh = dy * gamma`` (exact rationals), the exact ``mean``, ``v = z - mean``
+    (``z`` for RMSNorm), ``s = q + eps``, ``c2 = mean(gh)`` (0 for RMSNorm) and
+    ``a = mean(gh * v)``, the value is ``rho + (gh - c2) / sqrt(s) - a v / s**1.5``, that
+    is ``rho + w / sqrt(s)`` with ``w = gh - c2 - a v / s``. A float64 estimate first, as
+    in :func:`forward`; :func:`round_value` for what it leaves open."""
+    z = np.asarray(z, np.float64)
+    row = Row(z, eps, rms)
+    g_ints = _integers_149(dy)
+    w_ints = _integers_149(gamma)
+    gh_ints = [a * b for a, b in zip(g_ints, w_ints, strict=True)]  # gh * 2**298
+    gh_den = 1 << 298
+    n = row.n
+    c2 = Fraction(0) if rms else Fraction(sum(gh_ints), n * gh_den)
+    ghz = Fraction(sum(a * b for a, b in zip(gh_ints, row.ints, strict=True)), n * gh_den * row.den)
+    a = ghz - row.mean * c2  # mean(gh * (z - mean))
+    rho = np.asarray(rho, np.float64)
+    gh = np.asarray(dy, np.float64) * np.asarray(gamma, np.float64)  # exact in float64
+    r64 = float(row.rsqrt)
+    mean_hi = float(row.mean)
+    mean_lo = float(row.mean - Fraction(mean_hi))
+    v = (z - mean_hi) - mean_lo
+    t2 = (gh - float(c2)) * r64
+    t3 = float(a) * r64**3 * v
+    y = rho + (t2 - t3)
+    size = np.abs(rho) + np.abs(t2) + np.abs(t3)
+    guess = _patterns_near(y, fmt)
+    sign = _sign_bit(fmt)
+    value = _values_of(guess, fmt)
+    magnitude = guess & (sign - 1)
+    step = np.where((guess & sign) != 0, -1, 1)
+    up = _values_of(np.where(magnitude == 0, guess, guess + step), fmt)
+    down = _values_of(np.where(magnitude == 0, guess, guess - step), fmt)
+    low_mid, high_mid = (value + np.minimum(up, down)) / 2, (value + np.maximum(up, down)) / 2
+    with np.errstate(invalid="ignore", over="ignore"):
+        clear = (
+            np.isfinite(up) & np.isfinite(down) & np.isfinite(value) & (np.abs(y) > 2.0**-100)
+            & (y > low_mid + 1e-12 * size) & (y < high_mid - 1e-12 * size)
+        )  # fmt: skip
+    out = guess.copy()
+    zeros = np.zeros(len(z), bool)
+    for i in np.flatnonzero(~clear).tolist():
+        zi = Fraction(row.ints[i], row.den)
+        vi = zi if rms else zi - row.mean
+        w = Fraction(gh_ints[i], gh_den) - c2 - a * vi / row.s
+        out[i], zeros[i] = round_value(Fraction(float(rho[i])), w, row.s, row.rsqrt, fmt)
+    return out, zeros

@@ -1,0 +1,72 @@
+"""How often the correctly rounded backward needs its exact fallback, and what it costs.
+
+    PYTHONPATH=src python benchmarks/backward_fallback_rate.py [--rows 4096]
+
+For random rows (z N(offset, 3) at offsets 0, 1e2, 1e4; dy N(0, 1); gamma in [0.5, 1.5))
+counts the rows the numba kernel flags for the host's exact fallback (docs/contract.md
+§3, "Correct rounding of the backward"), and times the exact fallback of one row
+(``_exact.fix_backward_row``) at a few widths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from layernorm.backends import _exact, numba_
+
+
+def flagged_rows(dtype: torch.dtype, m: int, n: int, offset: float, rms: bool) -> int:
+    z = (torch.randn(m, n) * 3 + offset).to(dtype)
+    dy = torch.randn(m, n).to(dtype)
+    types = numba_._TYPES[dtype]
+    w = (torch.rand(n) + 0.5).to(types.acc_dtype)
+    _, _, mean, rstd = numba_.forward(z, None, w, None, 1e-5, rms)
+    mean = rstd if mean is None else mean
+    dres = numba_._constant(n, dtype, -0.0)
+    dx = torch.empty_like(z)
+    flags = np.zeros(m + 1, np.uint8)
+    run = numba_.entry(dtype, "backward_parallel")
+    run(
+        dy.data_ptr(), n, z.data_ptr(), n, dres.data_ptr(), 0, w.data_ptr(),
+        mean.data_ptr(), rstd.data_ptr(), dx.data_ptr(), 0, 0, m, n, rms, False, 1e-5,
+        flags.ctypes.data,
+    )  # fmt: skip
+    return int(flags[:m].sum())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=4096)
+    options = parser.parse_args()
+    torch.manual_seed(0)
+    print("| dtype | op | M x N | offset | rows to the host | elements |")
+    print("|---|---|---|---:|---:|---:|")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for rms in (False, True):
+            for n in (768, 4096):
+                for offset in (0.0, 1e2, 1e4):
+                    if dtype == torch.float16 and offset > 1e2:
+                        continue  # float16 holds no unit spread at 1e4
+                    m = options.rows
+                    rows = flagged_rows(dtype, m, n, offset, rms)
+                    op = "rms_norm" if rms else "layer_norm"
+                    name = str(dtype).removeprefix("torch.")
+                    print(f"| {name} | {op} | {m}x{n} | {offset:g} | {rows} | {m * n:,} |")
+    print()
+    print("| exact fallback of one float32 row | N | seconds |")
+    print("|---|---:|---:|")
+    for n in (768, 4096, 32768):
+        z = (np.random.randn(n) * 3 + 100).astype(np.float32).astype(np.float64)
+        gh = np.random.randn(n).astype(np.float32).astype(np.float64)
+        rho = np.full(n, -0.0)
+        start = time.perf_counter()
+        _exact.fix_backward_row(z, gh, rho, 1e-5, False, torch.float32)
+        print(f"| layer_norm | {n} | {time.perf_counter() - start:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
