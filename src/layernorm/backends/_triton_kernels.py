@@ -43,13 +43,16 @@ Two forward paths, chosen by the host from N only:
   row adds the same partials in the same order), then stage 2 per row. A row of any
   width (tested past 1M elements) is spread over many programs; x is read three times.
 
-The backward computes in float32 (faithful, not correctly rounded), with the saved mean
-re-centred; sums over a row's chunk partials add in float64 (:func:`_total`). Each
-program owns a fixed block of rows (and one chunk of columns when chunked), loops over
-them in order and accumulates ``dweight``/``dbias`` in float32 registers; the
-per-program partials go to a ``(programs, N)`` buffer that :func:`column_sum_kernel`
-reduces in a fixed order. No atomics anywhere, so every result is bitwise reproducible,
-and a row's forward output never depends on the other rows.
+The backward is correctly rounded too (docs/contract.md §3, "Correct rounding of the
+backward"): the numba and torch backends' algorithm in float64 (five row sums, the row
+constants and bound, Ziv's test), over the same tiles and depth as the forward; a row
+the test leaves open gets ``CHUNK_FLAGS = 1`` for the host's exact fallback
+(``triton_._settle_backward``); there is no stage 2 on the device. Each program owns a
+fixed block of rows (and one chunk of columns when chunked), loops over them in order
+and accumulates ``dweight``/``dbias`` in float64 registers; the per-program partials go
+to a ``(programs, N)`` float64 buffer that :func:`column_sum_kernel` reduces in a fixed
+order and rounds once to float32. No atomics anywhere, so every result is bitwise
+reproducible, and a row's output never depends on the other rows.
 """
 
 # Triton kernels keep explicit if/else on constexpr flags (one branch is compiled):

@@ -15,10 +15,10 @@ Launch configuration depends only on N and the dtype, never on M: a row's output
 bitwise the same alone or in any batch. The forward holds rows of at most
 :data:`FUSED_FORWARD_N` elements in one program and spreads wider rows (any width, tested
 past 1M elements) over chunks of :data:`CHUNK_N` columns. The backward holds rows of at
-most :data:`FUSED_BACKWARD_N` elements and chunks wider ones. These limits keep every
-kernel free of register spills on sm_90 (but 24 bytes of stack in the 8K fused
-backward), as ``tests/_triton_compile_check.py`` checks on the compiled cubins without a
-GPU. They are module constants so that tests can shrink them, and untuned: the GPU
+most :data:`FUSED_BACKWARD_N` elements and chunks wider ones (:data:`BACKWARD_CHUNK_N`
+columns). These limits keep every kernel free of register spills on sm_90 (but 24 bytes
+of stack in the fused RMSNorm backward), as ``tests/_triton_compile_check.py`` checks on
+the compiled cubins without a GPU. They are module constants so that tests can shrink them, and untuned: the GPU
 benchmark (``benchmarks/gpu_bench.py --set NAME=INT``) is the judge. No autotuning.
 
 The forward is correctly rounded (docs/contract.md §3; the stages are in
@@ -27,6 +27,8 @@ double-float variant for GPUs whose float64 is slow (consumer parts: 1/32 to 1/6
 float32) is designed, not built (docs/contract.md §3). Host synchronization: stages 1 and
 2 run on the device, but :func:`_settle` reads whether any row is left for the host's
 exact fallback, one small device-to-host read per call on a GPU (docs/contract.md §5).
+The backward is correctly rounded the same way (stage 1 on the device, then the host's
+fallback for an open row, :func:`_settle_backward`, one read per call).
 Limits: float16, bfloat16 and float32 only (float64 falls back to the other backends).
 """
 
