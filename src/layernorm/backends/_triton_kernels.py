@@ -46,8 +46,10 @@ Two forward paths, chosen by the host from N only:
 The backward is correctly rounded too (docs/contract.md §3, "Correct rounding of the
 backward"): the numba and torch backends' algorithm in float64 (five row sums, the row
 constants and bound, Ziv's test), over the same tiles and depth as the forward; a row
-the test leaves open gets ``CHUNK_FLAGS = 1`` for the host's exact fallback
-(``triton_._settle_backward``); there is no stage 2 on the device. Each program owns a
+the test leaves open gets, where one program holds the row (fused), stage 2: the sums
+again by extraction, as the forward's stage 2 (``CHUNK_FLAGS = 2`` where that settles
+it); a row still open, or open on the chunked path, gets ``CHUNK_FLAGS = 1`` for the
+host's exact fallback (``triton_._settle_backward``). Each program owns a
 fixed block of rows (and one chunk of columns when chunked), loops over them in order
 and accumulates ``dweight``/``dbias`` in float64 registers; the per-program partials go
 to a ``(programs, N)`` float64 buffer that :func:`column_sum_kernel` reduces in a fixed
@@ -642,8 +644,8 @@ def forward_precise_kernel(
 # ---------------------------------------------------------------------------------------
 # The correctly rounded backward (docs/contract.md §3, "Correct rounding of the
 # backward"): the numba and torch backends' algorithm in float64, with this file's sums.
-# Stage 1 only: a row whose bound is open is flagged for the host's exact fallback (the
-# torch backend does the same; the numba kernel tries compensated sums first).
+# A row whose bound is open gets stage 2 where one program holds it (fused), and is
+# flagged for the host's exact fallback if it is still open (or chunked).
 
 # More factors of the backward's bound, rounded up to values float32 holds (as above).
 _C2_02 = tl.constexpr(2.03125)  # >= 2.02
@@ -683,9 +685,35 @@ def _backward_sums(z, gh, m1, mask, RMS: tl.constexpr):
 
 
 @triton.jit
-def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, n, g, eps, RMS: tl.constexpr):
-    """Step 2: ``(delta, c2, rstd, k, k_t1, k_c, k_0, loose)`` from the five sums, with
-    ``g`` the γ of their depth (docs/contract.md §3, the torch backend's formulas)."""
+def _plain_errors(s_dd, s_gg, n, g):
+    # step 1's bounds on the summation errors of Σd, Σd², Σgh, Σgh·d: γ times Σ|terms|
+    # (D, Σd², G, P of docs/contract.md §3)
+    root_dd = tl.sqrt(s_dd)
+    root_gg = tl.sqrt(s_gg)
+    root_n = tl.sqrt(n)
+    e_d = g * (_C1_001 * root_n * root_dd)
+    e_g = g * (_C1_001 * root_n * root_gg)
+    return e_d, g * s_dd, e_g, g * (_C1_001 * root_gg * root_dd)
+
+
+@triton.jit
+def _accurate_sum(t, mask, n, g):
+    # (Σt, bound on its error) by one extraction (stage 2's sums: _split, _accurate)
+    t = tl.where(mask, t, 0.0)
+    sigma = _pow2_above(4.0 * n * _max2d(tl.abs(t)))
+    q, r = _split(t, sigma)
+    return _accurate(_sum2d(q), _sum2d(r), sigma, n, g)
+
+
+@triton.jit
+def _backward_constants(
+    s_d, s_dd, s_g, s_gg, s_gd, e_d, e_dd, e_g, e_gd, n, eps, RMS: tl.constexpr
+):  # fmt: skip
+    """Step 2: ``(delta, c2, rstd, k, k_t1, k_c, k_0, loose)`` from the five sums and
+    bounds ``e_*`` on the summation errors of four (docs/contract.md §3, the torch
+    backend's formulas, with ``γ·D`` written ``e_d``, ``γ·Σd²`` ``e_dd``, ``γ·G``
+    ``e_g`` and ``γ·P`` ``e_gd``: :func:`_plain_errors` in step 1, the extraction's
+    bounds in stage 2)."""
     zero = tl.full([], 0.0, tl.float64)
     p_abs = _C1_001 * tl.sqrt(s_gg) * tl.sqrt(s_dd)  # >= Σ|gh·d|
     if RMS:
@@ -695,18 +723,25 @@ def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, n, g, eps, RMS: tl.constexpr
         e_c2 = zero
         a2 = zero
         var = s_dd / n
-        e_var = _C1_01 * ((g + 3.0 * _U) * var + _U * var)
+        e_var = _C1_01 * ((e_dd + 3.0 * _U * s_dd) / n + _U * var)
         alpha = zero
     else:
-        delta, var, e_mean, e_var, _ = _stage_one(s_d, s_dd, n, g)
+        delta = s_d / n
+        d_abs = _C1_001 * tl.sqrt(n * s_dd)  # >= Σ|d|
+        e_mean = _C1_01 * ((e_d + 2.0 * _U * d_abs) / n + _U * tl.abs(delta))
+        var = tl.maximum(s_dd / n - delta * delta, 0.0)
+        e_var = _C1_01 * (
+            (e_dd + 3.0 * _U * s_dd) / n + e_mean * (2.0 * tl.abs(delta) + e_mean)
+            + _U * (delta * delta + var)
+        )  # fmt: skip
         c2 = s_g / n
-        e_c2 = _C1_01 * (g * (_C1_001 * tl.sqrt(n * s_gg)) / n + _U * tl.abs(c2))
+        e_c2 = _C1_01 * (e_g / n + _U * tl.abs(c2))
         a2 = delta * c2
         alpha = _C2_04 * _U + zero
     a1 = s_gd / n
     a = a1 - a2
     e_a = _C1_01 * (
-        _U * (tl.abs(a) + tl.abs(a1) + tl.abs(a2)) + (g + _C2_01 * _U) * p_abs / n
+        _U * (tl.abs(a) + tl.abs(a1) + tl.abs(a2)) + (e_gd + _C2_01 * _U * p_abs) / n
         + e_mean * tl.abs(c2) + (tl.abs(delta) + e_mean) * e_c2
     )  # fmt: skip
     s = var + eps
@@ -779,8 +814,9 @@ def backward_kernel(
     one chunk of ``ROWS·COLS`` columns; grid (programs, num_chunks). FUSED: the chunk
     spans the row and its five sums are taken here; else they are the chunk partials of
     :func:`backward_sums_kernel`, added in a fixed order (every program of a row gets
-    the same constants). ``CHUNK_FLAGS[row, chunk]`` is 1 where the chunk or the row's
-    bound is open (the host's exact fallback rewrites that row), else 0. This program's
+    the same constants). ``CHUNK_FLAGS[row, chunk]`` is 0 where stage 1 settled the
+    chunk, 2 where stage 2 did (FUSED only: the sums again by extraction, in the same
+    program), 1 where it is still open (the host's exact fallback rewrites that row). This program's
     float64 Σ dy·u (``u = c·rstd``) and Σ dy over its rows go to row ``program_id(0)``
     of DW_PART / DB_PART."""
     pid = tl.program_id(0)
@@ -809,8 +845,9 @@ def backward_kernel(
             s_g = _row_total(PART + 2 * plane, row, num_chunks, CHUNKS_P2)
             s_gg = _row_total(PART + 3 * plane, row, num_chunks, CHUNKS_P2)
             s_gd = _row_total(PART + 4 * plane, row, num_chunks, CHUNKS_P2)
+        e_d, e_dd, e_g, e_gd = _plain_errors(s_dd, s_gg, n, g)
         delta, c2, rstd, k, k_t1, k_c, k_0, loose = _backward_constants(
-            s_d, s_dd, s_g, s_gg, s_gd, n, g, eps, RMS
+            s_d, s_dd, s_g, s_gg, s_gd, e_d, e_dd, e_g, e_gd, n, eps, RMS
         )
         rho = tl.full([ROWS, COLS], -0.0, tl.float64)
         if HAS_DRES:
@@ -818,8 +855,25 @@ def backward_kernel(
         dx, open_, c = _backward_output(
             z, gh, rho, mask, m1, delta, c2, rstd, k, k_t1, k_c, k_0, DX.dtype.element_ty
         )
+        flag = open_ | loose
+        if FUSED:
+            if flag != 0:  # rare: stage 2, the sums again by extraction (far tighter)
+                d = tl.where(mask, z - m1, 0.0)
+                s_dd, e_dd = _accurate_sum(d * d, mask, n, g)
+                s_gd, e_gd = _accurate_sum(gh * d, mask, n, g)
+                if not RMS:
+                    s_d, e_d = _accurate_sum(d, mask, n, g)
+                    s_g, e_g = _accurate_sum(gh, mask, n, g)
+                delta, c2, rstd, k, k_t1, k_c, k_0, loose = _backward_constants(
+                    s_d, s_dd, s_g, s_gg, s_gd, e_d, e_dd, e_g, e_gd, n, eps, RMS
+                )
+                dx, open_, c = _backward_output(
+                    z, gh, rho, mask, m1, delta, c2, rstd, k, k_t1, k_c, k_0,
+                    DX.dtype.element_ty,
+                )  # fmt: skip
+                flag = 2 - (open_ | loose)  # 2: settled by stage 2, 1: still open
         tl.store(DX + row * stride_dx + cols, dx, mask=mask)
-        tl.store(CHUNK_FLAGS + row * num_chunks + chunk, open_ | loose)
+        tl.store(CHUNK_FLAGS + row * num_chunks + chunk, flag)
         if NEED_DW:
             dw += tl.where(mask, dy * (c * rstd), 0.0)
         if NEED_DB:

@@ -27,8 +27,9 @@ double-float variant for GPUs whose float64 is slow (consumer parts: 1/32 to 1/6
 float32) is designed, not built (docs/contract.md §3). Host synchronization: stages 1 and
 2 run on the device, but :func:`_settle` reads whether any row is left for the host's
 exact fallback, one small device-to-host read per call on a GPU (docs/contract.md §5).
-The backward is correctly rounded the same way (stage 1 on the device, then the host's
-fallback for an open row, :func:`_settle_backward`, one read per call).
+The backward is correctly rounded the same way (stage 1 on the device, stage 2 too for
+rows one program holds, then the host's fallback for an open row,
+:func:`_settle_backward`, one read per call).
 Limits: float16, bfloat16 and float32 only (float64 falls back to the other backends).
 """
 
@@ -51,9 +52,9 @@ from .torch_ import contiguous_rows, matrix
 #: rows of at most this many elements are held whole in one program's registers (forward;
 #: float64 arithmetic: 16 elements per thread at 8 warps, 254 registers, no spill on sm_90)
 FUSED_FORWARD_N = 1 << 12
-#: the backward's fused limit (float64 arithmetic keeps about 8 values per element live:
-#: 8 per thread at 8 warps, no spill on sm_90)
-FUSED_BACKWARD_N = 1 << 11
+#: the backward's fused limit (float64, with stage 2 in the same program: 4 elements per
+#: thread at 8 warps, no spill on sm_90; 2048 spilled 32-56 bytes)
+FUSED_BACKWARD_N = 1 << 10
 #: the backward splits wider rows into chunks of this many columns (a power of two)
 BACKWARD_CHUNK_N = 1 << 11
 #: wider rows are split into chunks of this many columns (a power of two)
@@ -165,9 +166,9 @@ def _num_warps_forward(block: int) -> int:
 
 
 def _num_warps_backward(block: int) -> int:
-    # 8 elements per thread: the backward keeps z, dy, gamma, c, dweight, dbias, ... live
-    # in float64 (at 16 warps a thread gets at most 128 registers, too few)
-    return max(4, min(8, block // 256))
+    # 4 elements per thread (8 in a chunk of 2048): the backward keeps z, dy, gamma, c,
+    # dweight, dbias, ... live in float64 (at 16 warps a thread gets 128 registers)
+    return max(4, min(8, block // 128))
 
 
 def forward_path(n: int, dtype: torch.dtype) -> str:
@@ -428,7 +429,8 @@ def _backward(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """The backward's launches, no host work: ``(dx, dweight, dbias, flags)``, with
-    ``flags[i]`` nonzero where row ``i`` is open (its ``dx`` is then not final)."""
+    ``flags[i]`` 0 where stage 1 settled row ``i``, 2 where stage 2 did (rows one
+    program holds) and 1 where the row is open (its ``dx`` is then not final)."""
     m, n = x.shape
     device = x.device
     need_dweight = need_dweight and weight is not None
@@ -497,7 +499,7 @@ def _settle_backward(
     forward's :func:`_settle` does: one read per call, none during a graph capture."""
     if _capturing():
         return
-    flagged = flags != 0
+    flagged = flags == 1
     if not bool(flagged.any()):
         return
     index = flagged.nonzero()[:, 0]
