@@ -119,6 +119,13 @@ def variants():
                 "NEED_DB": not rms,
                 "RMS": rms,
             }
+            yield (
+                k.backward_precise_kernel,
+                p,
+                {"HAS_WEIGHT": True, "HAS_DRES": True, "RMS": rms, "CHUNKS_P2": 256,
+                 "ROWS": rows, "COLS": cols},
+                triton_._num_warps_backward(triton_.BACKWARD_CHUNK_N),
+            )  # fmt: skip
             backward_chunk = triton_.BACKWARD_CHUNK_N
             for block, fused, chunks in (
                 (triton_.FUSED_BACKWARD_N, True, 1),

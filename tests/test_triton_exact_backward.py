@@ -250,9 +250,9 @@ def test_non_finite_rows_stay_in_their_row(path, dtype):
 
 
 def test_each_stage_settles_the_rows_it_can():
-    # fused rows: eps = 0.75 ± 2**-k moves the bfloat16 tie of _tie_row off its midpoint;
-    # stage 1 settles the far ones (flag 0), stage 2 (the sums again by extraction) one
-    # nearer (2), the host the rest (1); every one correctly rounded, numba's bits
+    # fused rows: eps = 0.75 ± 2**-k moves the bfloat16 tie of _tie_row off its
+    # midpoint: stage 1 settles the far ones (flag 0), stage 2 (the sums again by
+    # extraction) one nearer (2), the host the rest (1); all correctly rounded
     z, dy, rho, _ = _tie_row(torch.bfloat16, WIDE_N)
     assert triton_.uses_fused_backward(WIDE_N, torch.bfloat16)
     flags = set()
@@ -261,6 +261,22 @@ def test_each_stage_settles_the_rows_it_can():
             flags.update(_flags(dy, z, None, rho, 0.75 + t, False))
             _assert_correctly_rounded(dy, z, None, rho, 0.75 + t, False)
     assert flags == {0, 1, 2}
+
+
+@pytest.mark.parametrize("chunk", [None, 256], ids=["fused", "wide"])
+def test_stage_2_settles_a_random_row_stage_1_leaves_open(chunk, monkeypatch):
+    # row 21 of this batch (found by search): stage 1's bound straddles a boundary,
+    # stage 2's does not, in one program (fused) and over chunks (backward_precise_kernel)
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(96, 1000, generator=g)[21:22] * 3
+    dy = torch.randn(96, 1000, generator=g)[21:22]
+    w = torch.randn(1000, generator=g)
+    if chunk:
+        monkeypatch.setattr(triton_, "FUSED_BACKWARD_N", 128)
+        monkeypatch.setattr(triton_, "BACKWARD_CHUNK_N", chunk)
+    assert triton_.uses_fused_backward(1000, torch.float32) == (chunk is None)
+    assert _flags(dy, z, w, None, 1e-5, False) == [2]
+    _assert_correctly_rounded(dy, z, w, None, 1e-5, False)
 
 
 def test_only_open_rows_go_to_the_host(path, monkeypatch):

@@ -46,10 +46,10 @@ Two forward paths, chosen by the host from N only:
 The backward is correctly rounded too (docs/contract.md §3, "Correct rounding of the
 backward"): the numba and torch backends' algorithm in float64 (five row sums, the row
 constants and bound, Ziv's test), over the same tiles and depth as the forward; a row
-the test leaves open gets, where one program holds the row (fused), stage 2: the sums
-again by extraction, as the forward's stage 2 (``CHUNK_FLAGS = 2`` where that settles
-it); a row still open, or open on the chunked path, gets ``CHUNK_FLAGS = 1`` for the
-host's exact fallback (``triton_._settle_backward``). Each program owns a
+the test leaves open gets stage 2: the sums again by extraction, as the forward's
+stage 2, in the same program (fused) or in :func:`backward_precise_kernel` (chunked);
+a row still open is flagged 1 for the host's exact fallback
+(``triton_._settle_backward``). Each program owns a
 fixed block of rows (and one chunk of columns when chunked), loops over them in order
 and accumulates ``dweight``/``dbias`` in float64 registers; the per-program partials go
 to a ``(programs, N)`` float64 buffer that :func:`column_sum_kernel` reduces in a fixed
@@ -644,8 +644,8 @@ def forward_precise_kernel(
 # ---------------------------------------------------------------------------------------
 # The correctly rounded backward (docs/contract.md §3, "Correct rounding of the
 # backward"): the numba and torch backends' algorithm in float64, with this file's sums.
-# A row whose bound is open gets stage 2 where one program holds it (fused), and is
-# flagged for the host's exact fallback if it is still open (or chunked).
+# A row whose bound is open gets stage 2 on the device, and is flagged for the host's
+# exact fallback if it is still open.
 
 # More factors of the backward's bound, rounded up to values float32 holds (as above).
 _C2_02 = tl.constexpr(2.03125)  # >= 2.02
@@ -815,8 +815,10 @@ def backward_kernel(
     spans the row and its five sums are taken here; else they are the chunk partials of
     :func:`backward_sums_kernel`, added in a fixed order (every program of a row gets
     the same constants). ``CHUNK_FLAGS[row, chunk]`` is 0 where stage 1 settled the
-    chunk, 2 where stage 2 did (FUSED only: the sums again by extraction, in the same
-    program), 1 where it is still open (the host's exact fallback rewrites that row). This program's
+    chunk, 1 where it is open; FUSED: an open row gets stage 2 (the sums again by
+    extraction) here, and its flag is then 2 where that settles it (else 1: the host's
+    exact fallback rewrites the row). Chunked rows get stage 2 from
+    :func:`backward_precise_kernel`. This program's
     float64 Σ dy·u (``u = c·rstd``) and Σ dy over its rows go to row ``program_id(0)``
     of DW_PART / DB_PART."""
     pid = tl.program_id(0)
@@ -901,3 +903,101 @@ def column_sum_kernel(
         offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
         acc += tl.load(PART + offsets, mask=(rows < P)[:, None] & col_mask[None, :], other=0.0)
     tl.store(OUT + cols, tl.sum(acc, 0).to(OUT.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit(do_not_specialize=["N", "eps_bits", "depth"])
+def backward_precise_kernel(
+    DY, Z, W, MEAN, DRES, DX, PART, CHUNK_FLAGS, FLAGS,
+    stride_dy, stride_z, stride_dres, stride_dx,
+    M, N, eps_bits, depth, num_chunks,
+    HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr, RMS: tl.constexpr,
+    CHUNKS_P2: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+):  # fmt: skip
+    """Chunked rows, stage 2, grid (M,): launched for every row, it returns at once for
+    a row none of whose chunks is open; for an open row it takes the four sums again by
+    extraction (two passes over the row: the largest terms, then the sums), then step
+    3 again, rewriting the row's ``dx``. ``FLAGS[row]``: 0 when stage 1 settled the row,
+    2 when stage 2 did, 1 when it is still open (the host's exact fallback)."""
+    row = tl.program_id(0).to(tl.int64)
+    index = tl.arange(0, CHUNKS_P2)
+    chunk_flags = tl.load(CHUNK_FLAGS + row * num_chunks + index, mask=index < num_chunks, other=0)
+    flag = tl.max(chunk_flags, 0)
+    if flag != 0:
+        n = N.to(tl.float64)
+        g = _gamma(depth)
+        tile = _tile(ROWS, COLS)
+        zero = tl.full([], 0.0, tl.float64)
+        plane = M.to(tl.int64) * num_chunks
+        s_gg = _row_total(PART + 3 * plane, row, num_chunks, CHUNKS_P2)
+        m1 = _shift(MEAN, row, RMS)
+        big_d = zero
+        big_dd = zero
+        big_g = zero
+        big_gd = zero
+        for chunk in range(0, num_chunks):  # the largest terms of each sum
+            cols = chunk * (ROWS * COLS) + tile
+            mask = cols < N
+            z, dy = _load_gradient_row(DY, Z, row, stride_dy, stride_z, cols, mask)
+            gamma, _ = _load_params(W, W, cols, mask, HAS_WEIGHT, False)
+            gh = dy * gamma
+            d = tl.where(mask, z - m1, 0.0)
+            big_d = tl.maximum(big_d, _max2d(tl.abs(d)))
+            big_dd = tl.maximum(big_dd, _max2d(d * d))
+            big_g = tl.maximum(big_g, _max2d(tl.abs(gh)))
+            big_gd = tl.maximum(big_gd, _max2d(tl.abs(gh * d)))
+        sigma_d = _pow2_above(4.0 * n * big_d)
+        sigma_dd = _pow2_above(4.0 * n * big_dd)
+        sigma_g = _pow2_above(4.0 * n * big_g)
+        sigma_gd = _pow2_above(4.0 * n * big_gd)
+        q_d = zero
+        r_d = zero
+        q_dd = zero
+        r_dd = zero
+        q_g = zero
+        r_g = zero
+        q_gd = zero
+        r_gd = zero
+        for chunk in range(0, num_chunks):  # the sums by extraction (_accurate_sum's)
+            cols = chunk * (ROWS * COLS) + tile
+            mask = cols < N
+            z, dy = _load_gradient_row(DY, Z, row, stride_dy, stride_z, cols, mask)
+            gamma, _ = _load_params(W, W, cols, mask, HAS_WEIGHT, False)
+            gh = dy * gamma
+            d = tl.where(mask, z - m1, 0.0)
+            q, r = _split(d * d, sigma_dd)
+            q_dd += _sum2d(q)
+            r_dd += _sum2d(r)
+            q, r = _split(gh * d, sigma_gd)
+            q_gd += _sum2d(q)
+            r_gd += _sum2d(r)
+            if not RMS:
+                q, r = _split(d, sigma_d)
+                q_d += _sum2d(q)
+                r_d += _sum2d(r)
+                q, r = _split(gh, sigma_g)
+                q_g += _sum2d(q)
+                r_g += _sum2d(r)
+        s_dd, e_dd = _accurate(q_dd, r_dd, sigma_dd, n, g)
+        s_gd, e_gd = _accurate(q_gd, r_gd, sigma_gd, n, g)
+        s_d, e_d = _accurate(q_d, r_d, sigma_d, n, g)
+        s_g, e_g = _accurate(q_g, r_g, sigma_g, n, g)
+        delta, c2, rstd, k, k_t1, k_c, k_0, loose = _backward_constants(
+            s_d, s_dd, s_g, s_gg, s_gd, e_d, e_dd, e_g, e_gd, n, _eps(eps_bits), RMS
+        )
+        flag = loose
+        for chunk in range(0, num_chunks):  # step 3 again, with stage 2's bound
+            cols = chunk * (ROWS * COLS) + tile
+            mask = cols < N
+            z, dy = _load_gradient_row(DY, Z, row, stride_dy, stride_z, cols, mask)
+            gamma, _ = _load_params(W, W, cols, mask, HAS_WEIGHT, False)
+            rho = tl.full([ROWS, COLS], -0.0, tl.float64)
+            if HAS_DRES:
+                rho = _load_row(DRES, row, stride_dres, cols, mask)
+            dx, open_, _ = _backward_output(
+                z, dy * gamma, rho, mask, m1, delta, c2, rstd, k, k_t1, k_c, k_0,
+                DX.dtype.element_ty,
+            )  # fmt: skip
+            tl.store(DX + row * stride_dx + cols, dx, mask=mask)
+            flag = flag | open_
+        flag = 2 - flag  # 2: settled by stage 2, 1: still open
+    tl.store(FLAGS + row, flag)

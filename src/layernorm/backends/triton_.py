@@ -27,9 +27,8 @@ double-float variant for GPUs whose float64 is slow (consumer parts: 1/32 to 1/6
 float32) is designed, not built (docs/contract.md §3). Host synchronization: stages 1 and
 2 run on the device, but :func:`_settle` reads whether any row is left for the host's
 exact fallback, one small device-to-host read per call on a GPU (docs/contract.md §5).
-The backward is correctly rounded the same way (stage 1 on the device, stage 2 too for
-rows one program holds, then the host's fallback for an open row,
-:func:`_settle_backward`, one read per call).
+The backward is correctly rounded the same way (stages 1 and 2 on the device, then the
+host's fallback for an open row, :func:`_settle_backward`, one read per call).
 Limits: float16, bfloat16 and float32 only (float64 falls back to the other backends).
 """
 
@@ -429,8 +428,8 @@ def _backward(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """The backward's launches, no host work: ``(dx, dweight, dbias, flags)``, with
-    ``flags[i]`` 0 where stage 1 settled row ``i``, 2 where stage 2 did (rows one
-    program holds) and 1 where the row is open (its ``dx`` is then not final)."""
+    ``flags[i]`` 0 where stage 1 settled row ``i``, 2 where stage 2 did and 1 where
+    the row is open (its ``dx`` is then not final)."""
     m, n = x.shape
     device = x.device
     need_dweight = need_dweight and weight is not None
@@ -467,6 +466,16 @@ def _backward(
             NEED_DW=need_dweight, NEED_DB=need_dbias, RMS=rms, FUSED=fused,
             CHUNKS_P2=_next_power_of_2(num_chunks), **tile,
         )  # fmt: skip
+    flags = chunk_flags[:, 0]
+    if not fused and m > 0:
+        flags = torch.empty(m, dtype=torch.int32, device=device)
+        kernels.backward_precise_kernel[(m,)](
+            dy, x, w, shift, dres, dx, part, chunk_flags, flags,
+            dy.stride(0), x.stride(0), dres.stride(0), dx.stride(0),
+            m, n, _float64_bits(eps), rows + cols - 2 + num_chunks - 1, num_chunks,
+            HAS_WEIGHT=weight is not None, HAS_DRES=dresidual_out is not None, RMS=rms,
+            CHUNKS_P2=_next_power_of_2(num_chunks), **tile,
+        )  # fmt: skip
     block_n = _column_block(n)
     totals = []
     for k in range(sums):  # separate tensors: dweight and dbias must not alias
@@ -481,7 +490,7 @@ def _backward(
         totals.append(total)
     dweight = totals[0] if need_dweight else None
     dbias = totals[-1] if need_dbias else None
-    return dx, dweight, dbias, chunk_flags.amax(1) if m > 0 else chunk_flags[:, 0]
+    return dx, dweight, dbias, flags
 
 
 def _settle_backward(
