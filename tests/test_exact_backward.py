@@ -214,9 +214,14 @@ def test_any_thread_count_gives_the_same_bits_and_fixes_every_span(dtype, monkey
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_public_autograd_3d_4d_and_strided_gradients(backend, dtype):
-    # through layer_norm / rms_norm / add_layer_norm's autograd: 3-D and 4-D inputs, a
+    # through layer_norm / rms_norm / add_layer_norm's autograd: 1-D, 3-D and 4-D inputs, a
     # normalized_shape of two dims, a non-contiguous dy, the residual's gradient
     g = torch.Generator().manual_seed(17)
+    x1 = (torch.randn(96, generator=g) + 5).to(dtype).requires_grad_()  # one row, 1-D
+    dy1 = torch.randn(96, generator=g).to(dtype)
+    layernorm.layer_norm(x1, 96, backend=backend).backward(dy1)
+    assert _wrong(x1.grad, x1.detach(), dy1, None, None, 1e-5, False) == 0
+
     x3 = (torch.randn(2, 3, 96, generator=g) * 2 + 50).to(dtype).requires_grad_()
     w = torch.randn(96, generator=g)
     dy3 = torch.randn(2, 96, 3, generator=g).to(dtype).transpose(1, 2)  # non-contiguous

@@ -73,7 +73,7 @@ from ._numba_vectors import (
     SUM_BLOCK,
     Row,
     _as_bits,
-    _bfloat16_boundary_within,
+    _constant,
     _elementwise,
     _fabs,
     _reduce,
@@ -81,6 +81,7 @@ from ._numba_vectors import (
     _splat_all,
     add_rows,
     element_f64,
+    narrow,
     narrow_once,
     normalize_row,
     normalize_row_checked,
@@ -89,6 +90,7 @@ from ._numba_vectors import (
     row_sum_sq,
     row_sums_centered,
     splat,
+    widen,
 )
 from ._numba_vectors import lanes as vector_lanes
 
@@ -543,6 +545,7 @@ def _dx_row_checked(
             t4 = builder.fsub(t2, t3)
             zero = ir.Constant(t4.type, None)
             y = builder.fadd(builder.fadd(t4, rho), zero)
+            half = check and dx.dtype in (types.uint16, types.int16)
             dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
             u = builder.fmul(c, rstd)
             store_partial(
@@ -556,10 +559,38 @@ def _dx_row_checked(
             bound = builder.fadd(bound, builder.fmul(k_c, _fabs(builder, c)))
             bound = builder.fadd(bound, k_0)
             bound = builder.fadd(builder.fmul(bound, slack), builder.fmul(k_y, _fabs(builder, y)))
-            low, high = builder.fsub(y, bound), builder.fadd(y, bound)
-            if dx.dtype == types.uint16:  # bfloat16: the same answer, for half the work
-                differ = _bfloat16_boundary_within(builder, low, high)
+            if half:
+                # r = RN32(y). When E < |r| 2^-25 (below half of r's gaps to its float32
+                # neighbours), [y - E, y + E] holds no float32 but r, and every rounding
+                # boundary of the half types is a float32: the rounding is decided
+                # unless r is one and |y - r| <= E.
+                single = builder.fptrunc(y, _shaped(ir.FloatType(), y))
+                bits = builder.bitcast(single, _shaped(i32, y))
+                if dx.dtype == types.uint16:  # bfloat16 boundaries: low 16 bits 0x8000
+                    low16 = builder.and_(bits, _constant(i32, 0xFFFF, y))
+                    on = builder.icmp_unsigned("==", low16, _constant(i32, 0x8000, y))
+                else:  # float16: r is the midpoint of RN16(r) and a neighbour (exact sums
+                    # in float32), or at least 65504 (the overflow threshold)
+                    h = narrow(builder, single, dx.dtype)
+                    one = _constant(ir.IntType(16), 1, y)
+                    (largest,) = _splat_all(builder, [double(65504.0)], lanes)
+                    (halve,) = _splat_all(builder, [ir.FloatType()(0.5)], lanes)
+                    on = builder.fcmp_ordered(
+                        ">=", _fabs(builder, builder.fpext(single, y.type)), largest
+                    )
+                    value = widen(builder, h, dx.dtype)
+                    for step in (builder.sub(h, one), builder.add(h, one)):
+                        neighbour = widen(builder, step, dx.dtype)
+                        midpoint = builder.fmul(builder.fadd(value, neighbour), halve)
+                        on = builder.or_(on, builder.fcmp_ordered("==", single, midpoint))
+                r = builder.fpext(single, y.type)
+                inside = builder.fcmp_ordered("<=", _fabs(builder, builder.fsub(y, r)), bound)
+                on = builder.and_(on, inside)
+                (tiny,) = _splat_all(builder, [double(2.0**-25)], lanes)
+                loose = builder.fcmp_ordered(">", bound, builder.fmul(_fabs(builder, r), tiny))
+                differ = builder.zext(builder.or_(on, loose), _shaped(i32, y))
             else:
+                low, high = builder.fsub(y, bound), builder.fadd(y, bound)
                 low = _as_bits(builder, narrow_once(builder, low, dx.dtype))
                 high = _as_bits(builder, narrow_once(builder, high, dx.dtype))
                 differ = builder.zext(builder.icmp_unsigned("!=", low, high), _shaped(i32, low))
@@ -587,17 +618,22 @@ def _precise_backward_sums(dy, z, w, m1, n):
     Scalar code: it runs for few rows."""
     n_float = np.float64(n)
     g = n_float * _U / (1.0 - n_float * _U)
-    totals = np.zeros(5)
-    compensations = np.zeros(5)
+    s0 = s1 = s2 = s3 = s4 = 0.0  # the running sums
+    c0 = c1 = c2 = c3 = c4 = 0.0  # and their compensations: five independent chains
     for k in range(n):
         gh = element_f64(dy, k) * element_f64(w, k)
         d = element_f64(z, k) - m1
-        terms = (d, d * d, gh, gh * gh, gh * d)
-        for j in range(5):
-            totals[j], e = _two_sum(totals[j], terms[j])
-            compensations[j] += e
-    s = totals + compensations
-    return s[0], s[1], s[2], s[3], s[4], 1.01 * (_U + g * g)
+        s0, e = _two_sum(s0, d)
+        c0 += e
+        s1, e = _two_sum(s1, d * d)
+        c1 += e
+        s2, e = _two_sum(s2, gh)
+        c2 += e
+        s3, e = _two_sum(s3, gh * gh)
+        c3 += e
+        s4, e = _two_sum(s4, gh * d)
+        c4 += e
+    return s0 + c0, s1 + c1, s2 + c2, s3 + c3, s4 + c4, 1.01 * (_U + g * g)
 
 
 _CHUNK = 256  # elements per chunk of the backward's row sums

@@ -161,6 +161,26 @@ def _values_of(patterns: np.ndarray, fmt: str) -> np.ndarray:
     return (patterns.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
+def _clear_of_midpoints(y: np.ndarray, size: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
+    """The patterns nearest the float64 estimates ``y``, and where that is surely the
+    answer: ``y`` farther than ``1e-12 * size`` (``size`` dwarfing the estimate's error of
+    a few units of float64) from both midpoints to the neighbours, all finite."""
+    guess = _patterns_near(y, fmt)
+    sign = _sign_bit(fmt)
+    value = _values_of(guess, fmt)
+    magnitude = guess & (sign - 1)
+    step = np.where((guess & sign) != 0, -1, 1)
+    up = _values_of(np.where(magnitude == 0, guess, guess + step), fmt)
+    down = _values_of(np.where(magnitude == 0, guess, guess - step), fmt)
+    low_mid, high_mid = (value + np.minimum(up, down)) / 2, (value + np.maximum(up, down)) / 2
+    with np.errstate(invalid="ignore", over="ignore"):
+        clear = (
+            np.isfinite(up) & np.isfinite(down) & np.isfinite(value) & (np.abs(y) > 2.0**-100)
+            & (y > low_mid + 1e-12 * size) & (y < high_mid - 1e-12 * size)
+        )  # fmt: skip
+    return guess, clear
+
+
 def forward(z, gamma, beta, eps, rms, fmt):
     """The correctly rounded forward of one row: (patterns, exact-zero mask).
 
@@ -178,19 +198,7 @@ def forward(z, gamma, beta, eps, rms, fmt):
     t = ((z - mean_hi) - mean_lo) * r64 * gamma
     y = beta + t
     size = np.abs(beta) + np.abs(t)
-    guess = _patterns_near(y, fmt)
-    sign = _sign_bit(fmt)
-    value = _values_of(guess, fmt)
-    magnitude = guess & (sign - 1)
-    step = np.where((guess & sign) != 0, -1, 1)
-    up = _values_of(np.where(magnitude == 0, guess, guess + step), fmt)
-    down = _values_of(np.where(magnitude == 0, guess, guess - step), fmt)
-    low_mid, high_mid = (value + np.minimum(up, down)) / 2, (value + np.maximum(up, down)) / 2
-    with np.errstate(invalid="ignore", over="ignore"):
-        clear = (
-            np.isfinite(up) & np.isfinite(down) & np.isfinite(value) & (np.abs(y) > 2.0**-100)
-            & (y > low_mid + 1e-12 * size) & (y < high_mid - 1e-12 * size)
-        )  # fmt: skip
+    guess, clear = _clear_of_midpoints(y, size, fmt)
     out = guess.copy()
     zeros = np.zeros(len(z), bool)
     for i in np.flatnonzero(~clear).tolist():
@@ -237,19 +245,7 @@ def backward(z, dy, gamma, rho, eps, rms, fmt):
     t3 = float(a) * r64**3 * v
     y = rho + (t2 - t3)
     size = np.abs(rho) + np.abs(t2) + np.abs(t3)
-    guess = _patterns_near(y, fmt)
-    sign = _sign_bit(fmt)
-    value = _values_of(guess, fmt)
-    magnitude = guess & (sign - 1)
-    step = np.where((guess & sign) != 0, -1, 1)
-    up = _values_of(np.where(magnitude == 0, guess, guess + step), fmt)
-    down = _values_of(np.where(magnitude == 0, guess, guess - step), fmt)
-    low_mid, high_mid = (value + np.minimum(up, down)) / 2, (value + np.maximum(up, down)) / 2
-    with np.errstate(invalid="ignore", over="ignore"):
-        clear = (
-            np.isfinite(up) & np.isfinite(down) & np.isfinite(value) & (np.abs(y) > 2.0**-100)
-            & (y > low_mid + 1e-12 * size) & (y < high_mid - 1e-12 * size)
-        )  # fmt: skip
+    guess, clear = _clear_of_midpoints(y, size, fmt)
     out = guess.copy()
     zeros = np.zeros(len(z), bool)
     for i in np.flatnonzero(~clear).tolist():
