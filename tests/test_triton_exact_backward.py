@@ -13,8 +13,9 @@ rows. Each runs on both backward paths: ``fused`` (one program holds a row) and 
 Budget: the interpreter runs about 1.5e4 (layer norm, rows of 768) to 4.5e4 (RMSNorm,
 rows of 1024) elements a second, so the bitwise comparison with numba covers
 :data:`RANDOM_ELEMENTS` random elements per dtype, not the 10**7 of
-test_exact_backward.py (numba against torch): 38 s for the three dtypes and 123 s for
-the whole file, on 2 shared cores at a load of 6 (62 s of CPU time).
+test_exact_backward.py (numba against torch): 35-45 s for the three dtypes and about
+90 s for the whole file (plus numba's compile on a cold cache), on 2 shared cores at a
+load of 6.
 """
 
 from __future__ import annotations
