@@ -13,21 +13,20 @@ rows. Each runs on both backward paths: ``fused`` (one program holds a row) and 
 Budget: the interpreter runs about 1.5e4 (layer norm, rows of 768) to 4.5e4 (RMSNorm,
 rows of 1024) elements a second, so the bitwise comparison with numba covers
 :data:`RANDOM_ELEMENTS` random elements per dtype, not the 10**7 of
-test_exact_backward.py (numba against torch): 35-45 s for the three dtypes and about
-90 s for the whole file (plus numba's compile on a cold cache), on 2 shared cores at a
-load of 6.
+test_exact_backward.py (numba against torch): 22 s for the three dtypes and 70 s for
+the whole file on a 2-core machine (35-45 s and about 90 s when shared at a load of 6;
+plus numba's compile on a cold cache).
 """
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-import _oracle
 import layernorm
 from _triton_interpreter import HAS_TRITON, import_for_the_interpreter
 from layernorm import backends
+from test_exact_backward import _bits, _random_batch, _tie_row, _ulp_one, _wrong
 
 import_for_the_interpreter()
 pytest.importorskip("numba")
@@ -45,9 +44,6 @@ pytestmark = [
 ]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-MASK = {torch.float32: 0xFFFFFFFF, torch.bfloat16: 0xFFFF, torch.float16: 0xFFFF}
 #: random elements per dtype whose dx is compared bit for bit with the numba backend
 RANDOM_ELEMENTS = 300_000
 WIDE_N = 300  # several 64-column chunks under the ``wide`` path, the last one partial
@@ -75,32 +71,12 @@ def path(request, monkeypatch):
     return WIDE_N
 
 
-def _bits(t: torch.Tensor) -> np.ndarray:
-    return t.contiguous().view(BITS[t.dtype]).numpy().astype(np.int64) & MASK[t.dtype]
-
-
 def _dx(backend, dy, z, w, rho, eps, rms):
     """``dx`` of a backend's backward on (M, N) rows, from its own forward's statistics
     (``mean`` only shifts the sums)."""
     kernels = {"triton": triton_, "numba": numba_, "torch": torch_}[backend]
     _, _, mean, rstd = kernels.forward(z, None, w, None, eps, rms)
     return kernels.backward(dy, z, w, mean, rstd, rho, rms, False, False, eps)[0]
-
-
-def _wrong(dx, z, dy, w, rho, eps, rms) -> int:
-    """How many elements of ``dx`` differ from the oracle's correctly rounded backward
-    (an exact zero must be ``+0.0``)."""
-    n = z.shape[-1]
-    got = _bits(dx).reshape(-1, n)
-    gamma = np.ones(n) if w is None else w.float().double().numpy()
-    rows = z.reshape(-1, n).double().numpy()
-    grads = dy.reshape(-1, n).double().numpy()
-    rhos = np.full(rows.shape, -0.0) if rho is None else rho.reshape(-1, n).double().numpy()
-    wrong = 0
-    for i in range(rows.shape[0]):
-        want, zero = _oracle.backward(rows[i], grads[i], gamma, rhos[i], eps, rms, NAMES[dx.dtype])
-        wrong += int((np.where(zero, 0, want) != got[i]).sum())
-    return wrong
 
 
 def _assert_correctly_rounded(dy, z, w, rho, eps, rms):
@@ -110,28 +86,6 @@ def _assert_correctly_rounded(dy, z, w, rho, eps, rms):
     assert wrong == 0, f"{wrong} of {dx.numel()} elements not correctly rounded"
     assert (_bits(dx) == _bits(_dx("numba", dy, z, w, rho, eps, rms))).all()
     return dx
-
-
-def _ulp_one(dtype: torch.dtype) -> float:
-    return float(torch.finfo(dtype).eps)
-
-
-def _tie_row(dtype, n):
-    """test_exact_backward._tie_row: z = (0, 1, ...), eps = 0.75 (rstd = 1 exactly),
-    dy = (4 ulp, 0, ...), dresidual_out = 1: dx = 1 + 3 ulp/2, a tie that rounds to
-    1 + 2 ulp (even), and 1 - 3 ulp/2, exact."""
-    ulp = _ulp_one(dtype)
-    z = torch.tensor([[0.0, 1.0] * (n // 2)]).to(dtype)
-    dy = torch.tensor([[4 * ulp, 0.0] * (n // 2)]).to(dtype)
-    return z, dy, torch.ones(1, n).to(dtype), [1.0 + 2 * ulp, 1.0 - 1.5 * ulp] * (n // 2)
-
-
-def _random_batch(dtype, g, m, n):
-    z = torch.randn(m, n, generator=g) * torch.rand(m, 1, generator=g) * 10
-    z = z + torch.randn(m, 1, generator=g) * 100
-    dy = torch.randn(m, n, generator=g) * torch.rand(m, 1, generator=g)
-    rho = torch.randn(m, n, generator=g)
-    return z.to(dtype), dy.to(dtype), torch.randn(n, generator=g), rho.to(dtype)
 
 
 def _flags(dy, z, w, rho, eps, rms):
