@@ -20,7 +20,7 @@ from triton.compiler import ASTSource
 from layernorm.backends import triton_
 
 TARGET = GPUTarget("cuda", 90, 32)
-MAX_STACK = 32  # bytes: the 8K fused backward keeps a few values on the stack
+MAX_STACK = 32  # bytes: a kernel may keep a few values on the stack
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
@@ -66,11 +66,11 @@ def variants():
             name: f"*{dt}" for name in ("X", "R", "W", "B", "Y", "RES_OUT", "Z", "DY", "DRES", "DX")
         }
         p.update(dict.fromkeys(
-            ("MEAN", "RSTD", "PART_A", "PART_B", "PART_C1", "PART_C2", "PART_D", "DW_PART", "DB_PART"),
+            ("MEAN", "RSTD"),
             "*fp32",
         ))  # fmt: skip
         p["FLAGS"] = p["CHUNK_FLAGS"] = "*i32"
-        for name in ("PART_A", "PART_B", "PART_C"):
+        for name in ("PART_A", "PART_B", "PART_C", "PART", "DW_PART", "DB_PART"):
             p[name] = "*fp64"
         for rms in (False, True):
             flags = {"HAS_WEIGHT": True, "HAS_BIAS": not rms, "RMS": rms}
@@ -105,11 +105,12 @@ def variants():
                     {**flags, "CHUNKS_P2": 256, **tile},
                     triton_._num_warps_forward(chunk),
                 )
+            rows, cols = triton_._tile_shape(triton_.BACKWARD_CHUNK_N)
             yield (
-                k.backward_partial_kernel,
+                k.backward_sums_kernel,
                 p,
-                {"HAS_WEIGHT": True, "RMS": rms, "CHUNK": chunk},
-                triton_._num_warps_backward(chunk),
+                {"HAS_WEIGHT": True, "RMS": rms, "ROWS": rows, "COLS": cols},
+                triton_._num_warps_backward(triton_.BACKWARD_CHUNK_N),
             )
             bwd = {
                 "HAS_WEIGHT": True,
@@ -118,21 +119,27 @@ def variants():
                 "NEED_DB": not rms,
                 "RMS": rms,
             }
-            block = triton_.FUSED_BACKWARD_N
             yield (
-                k.backward_kernel,
+                k.backward_precise_kernel,
                 p,
-                {**bwd, "FUSED": True, "CHUNK": block, "CHUNKS_P2": 1},
-                triton_._num_warps_backward(block),
-            )
-            yield (
-                k.backward_kernel,
-                p,
-                {**bwd, "FUSED": False, "CHUNK": chunk, "CHUNKS_P2": 256},
-                triton_._num_warps_backward(chunk),
-            )
+                {"HAS_WEIGHT": True, "HAS_DRES": True, "RMS": rms, "CHUNKS_P2": 256,
+                 "ROWS": rows, "COLS": cols},
+                triton_._num_warps_backward(triton_.BACKWARD_CHUNK_N),
+            )  # fmt: skip
+            backward_chunk = triton_.BACKWARD_CHUNK_N
+            for block, fused, chunks in (
+                (triton_.FUSED_BACKWARD_N, True, 1),
+                (backward_chunk, False, 256),
+            ):
+                rows, cols = triton_._tile_shape(block)
+                yield (
+                    k.backward_kernel,
+                    p,
+                    {**bwd, "FUSED": fused, "CHUNKS_P2": chunks, "ROWS": rows, "COLS": cols},
+                    triton_._num_warps_backward(block),
+                )
     for block_n in (32, 1024):
-        yield (k.column_sum_kernel, {"PART": "*fp32", "OUT": "*fp32"},
+        yield (k.column_sum_kernel, {"PART": "*fp64", "OUT": "*fp32"},
                {"BLOCK_P": 4096 // block_n, "BLOCK_N": block_n}, 4)  # fmt: skip
 
 

@@ -61,6 +61,7 @@ def _shrink(monkeypatch) -> None:
     monkeypatch.setattr(triton_, "FUSED_FORWARD_N", 128)
     monkeypatch.setattr(triton_, "FUSED_BACKWARD_N", 128)
     monkeypatch.setattr(triton_, "CHUNK_N", 64)
+    monkeypatch.setattr(triton_, "BACKWARD_CHUNK_N", 64)
 
 
 @pytest.fixture(params=["fused", "wide"])
@@ -225,9 +226,9 @@ def test_strided_rows_are_read_in_place(path, dtype):
         assert torch.equal(a, b)
     dy, dres = big[1::2, 3 : 3 + n], big[::2, 2 : 2 + n]
     z, mean, rstd = packed[1], packed[2], packed[3]
-    grads = triton_.backward(dy, z, weight, mean, rstd, dres, False, True, True)
+    grads = triton_.backward(dy, z, weight, mean, rstd, dres, False, True, True, 1e-5)
     grads_packed = triton_.backward(
-        dy.contiguous(), z, weight, mean, rstd, dres.contiguous(), False, True, True
+        dy.contiguous(), z, weight, mean, rstd, dres.contiguous(), False, True, True, 1e-5
     )
     for a, b in zip(grads, grads_packed, strict=True):
         assert torch.equal(a, b)
@@ -239,8 +240,8 @@ def test_launch_configuration_depends_only_on_width_and_dtype():
     assert triton_._tile_shape(4096) == (64, 64)
     assert triton_._tile_shape(2048) == (32, 64)
     assert triton_._tile_shape(1) == (1, 1)
-    assert triton_.uses_fused_backward(8192, torch.bfloat16)
-    assert not triton_.uses_fused_backward(8193, torch.float32)
+    assert triton_.uses_fused_backward(1024, torch.bfloat16)
+    assert not triton_.uses_fused_backward(1025, torch.float32)
     assert triton_._row_blocks(10, 1024, 1) == (10, 1)
     assert triton_._row_blocks(100_000, 1024, 1) == (4000, 25)
 
@@ -253,16 +254,18 @@ def test_backward_without_parameters_or_parameter_grads(path):
     n = path
     x, dy = torch.randn(5, n), torch.randn(5, n)
     _, _, mean, rstd = triton_.forward(x, None, None, None, 1e-5, False)
-    dx, dweight, dbias = triton_.backward(dy, x, None, mean, rstd, None, False, True, True)
+    dx, dweight, dbias = triton_.backward(dy, x, None, mean, rstd, None, False, True, True, 1e-5)
     assert dweight is None
     np.testing.assert_allclose(_np(dbias), _np(dy).sum(0), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(
         _np(dx), reference.layer_norm_backward(_np(dy), _np(x), n)[0], rtol=1e-4, atol=1e-4
     )
     weight = torch.randn(n)
-    dx2, dweight, dbias = triton_.backward(dy, x, weight, mean, rstd, None, False, False, False)
+    dx2, dweight, dbias = triton_.backward(
+        dy, x, weight, mean, rstd, None, False, False, False, 1e-5
+    )
     assert dweight is None and dbias is None
-    dx3 = triton_.backward(dy, x, weight, mean, rstd, None, False, True, False)[0]
+    dx3 = triton_.backward(dy, x, weight, mean, rstd, None, False, True, False, 1e-5)[0]
     assert torch.equal(dx2, dx3)
 
 
@@ -316,7 +319,7 @@ def test_default_chunked_paths(n):
     if n > 1 << 20:
         return  # the interpreter is slow; the chunked backward is tested on small widths
     dy = torch.randn_like(x)
-    dx = triton_.backward(dy, x, weight, mean, rstd, None, False, False, False)[0]
+    dx = triton_.backward(dy, x, weight, mean, rstd, None, False, False, False, 1e-5)[0]
     dx_ref = reference.layer_norm_backward(_np(dy), _np(x), n, _np(weight))[0]
     np.testing.assert_allclose(_np(dx), dx_ref, atol=1e-4, rtol=1e-4)
 

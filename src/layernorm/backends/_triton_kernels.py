@@ -43,13 +43,18 @@ Two forward paths, chosen by the host from N only:
   row adds the same partials in the same order), then stage 2 per row. A row of any
   width (tested past 1M elements) is spread over many programs; x is read three times.
 
-The backward computes in float32 (faithful, not correctly rounded), with the saved mean
-re-centred; sums over a row's chunk partials add in float64 (:func:`_total`). Each
-program owns a fixed block of rows (and one chunk of columns when chunked), loops over
-them in order and accumulates ``dweight``/``dbias`` in float32 registers; the
-per-program partials go to a ``(programs, N)`` buffer that :func:`column_sum_kernel`
-reduces in a fixed order. No atomics anywhere, so every result is bitwise reproducible,
-and a row's forward output never depends on the other rows.
+The backward is correctly rounded too (docs/contract.md §3, "Correct rounding of the
+backward"): the numba and torch backends' algorithm in float64 (five row sums, the row
+constants and bound, Ziv's test), over the same tiles and depth as the forward; a row
+the test leaves open gets stage 2: the sums again by extraction, as the forward's
+stage 2, in the same program (fused) or in :func:`backward_precise_kernel` (chunked);
+a row still open is flagged 1 for the host's exact fallback
+(``triton_._settle_backward``). Each program owns a
+fixed block of rows (and one chunk of columns when chunked), loops over them in order
+and accumulates ``dweight``/``dbias`` in float64 registers; the per-program partials go
+to a ``(programs, N)`` float64 buffer that :func:`column_sum_kernel` reduces in a fixed
+order and rounds once to float32. No atomics anywhere, so every result is bitwise
+reproducible, and a row's output never depends on the other rows.
 """
 
 # Triton kernels keep explicit if/else on constexpr flags (one branch is compiled):
@@ -636,100 +641,245 @@ def forward_precise_kernel(
     tl.store(FLAGS + row, flag)
 
 
+# ---------------------------------------------------------------------------------------
+# The correctly rounded backward (docs/contract.md §3, "Correct rounding of the
+# backward"): the numba and torch backends' algorithm in float64, with this file's sums.
+# A row whose bound is open gets stage 2 on the device, and is flagged for the host's
+# exact fallback if it is still open.
+
+# More factors of the backward's bound, rounded up to values float32 holds (as above).
+_C2_02 = tl.constexpr(2.03125)  # >= 2.02
+_C2_04 = tl.constexpr(2.046875)  # >= 2.04
+_C3_03 = tl.constexpr(3.03125)  # >= 3.02 and >= 3.03
+_C3_1 = tl.constexpr(3.125)  # >= 3.1
+
+
 @triton.jit
-def backward_partial_kernel(
-    DY, Z, W, MEAN, RSTD, PART_C1, PART_C2, PART_D,
-    stride_dy, stride_z,
-    N, num_chunks,
-    HAS_WEIGHT: tl.constexpr, RMS: tl.constexpr, CHUNK: tl.constexpr,
-):  # fmt: skip
-    """Wide rows, stage 1 of the backward: per-chunk Σ gh·d, Σ gh and Σ d with d = z − mean
-    (RMS: Σ gh·u); grid (M, num_chunks)."""
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    mask = cols < N
+def _load_gradient_row(DY, Z, row, stride_dy, stride_z, cols, mask):
+    # (z, g) of one row (or chunk) as float64, exactly
     z = tl.load(Z + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.load(RSTD + row)
-    if RMS:
-        u = z * rstd
-    else:
-        u = tl.where(mask, z - tl.load(MEAN + row), 0.0)  # d: re-centered in stage 2
-    gh = g
-    if HAS_WEIGHT:
-        gh = g * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    slot = row * num_chunks + chunk
-    tl.store(PART_C1 + slot, tl.sum(gh * u, 0))
-    if not RMS:
-        tl.store(PART_C2 + slot, tl.sum(gh, 0))
-        tl.store(PART_D + slot, tl.sum(u, 0))
+    return z.to(tl.float64), g.to(tl.float64)
 
 
 @triton.jit
+def _shift(MEAN, row, RMS: tl.constexpr):
+    # m1: the saved mean (any finite value will do; 0 for RMSNorm or a non-finite mean)
+    m1 = tl.full([], 0.0, tl.float64)
+    if not RMS:
+        m1 = tl.load(MEAN + row).to(tl.float64)
+        m1 = tl.where(m1 - m1 == 0.0, m1, 0.0)  # (NaN for an infinite or NaN m1)
+    return m1
+
+
+@triton.jit
+def _backward_sums(z, gh, m1, mask, RMS: tl.constexpr):
+    # the five sums of step 1: (Σd, Σd², Σgh, Σgh², Σgh·d), d = z - m1 (RMSNorm: no Σd, Σgh)
+    d = tl.where(mask, z - m1, 0.0)
+    s_d = tl.full([], 0.0, tl.float64)
+    s_g = s_d
+    if not RMS:
+        s_d = _sum2d(d)
+        s_g = _sum2d(gh)
+    return s_d, _sum2d(d * d), s_g, _sum2d(gh * gh), _sum2d(gh * d)
+
+
+@triton.jit
+def _plain_errors(s_dd, s_gg, n, g):
+    # step 1's bounds on the summation errors of Σd, Σd², Σgh, Σgh·d: γ times Σ|terms|
+    # (D, Σd², G, P of docs/contract.md §3)
+    root_dd = tl.sqrt(s_dd)
+    root_gg = tl.sqrt(s_gg)
+    root_n = tl.sqrt(n)
+    e_d = g * (_C1_001 * root_n * root_dd)
+    e_g = g * (_C1_001 * root_n * root_gg)
+    return e_d, g * s_dd, e_g, g * (_C1_001 * root_gg * root_dd)
+
+
+@triton.jit
+def _accurate_sum(t, mask, n, g):
+    # (Σt, bound on its error) by one extraction (stage 2's sums: _split, _accurate)
+    t = tl.where(mask, t, 0.0)
+    sigma = _pow2_above(4.0 * n * _max2d(tl.abs(t)))
+    q, r = _split(t, sigma)
+    return _accurate(_sum2d(q), _sum2d(r), sigma, n, g)
+
+
+@triton.jit
+def _backward_constants(
+    s_d, s_dd, s_g, s_gg, s_gd, e_d, e_dd, e_g, e_gd, n, eps, RMS: tl.constexpr
+):  # fmt: skip
+    """Step 2: ``(delta, c2, rstd, k, k_t1, k_c, k_0, loose)`` from the five sums and
+    bounds ``e_*`` on the summation errors of four (docs/contract.md §3, the torch
+    backend's formulas, with ``γ·D`` written ``e_d``, ``γ·Σd²`` ``e_dd``, ``γ·G``
+    ``e_g`` and ``γ·P`` ``e_gd``: :func:`_plain_errors` in step 1, the extraction's
+    bounds in stage 2)."""
+    zero = tl.full([], 0.0, tl.float64)
+    p_abs = _C1_001 * tl.sqrt(s_gg) * tl.sqrt(s_dd)  # >= Σ|gh·d|
+    if RMS:
+        delta = zero
+        e_mean = zero
+        c2 = zero
+        e_c2 = zero
+        a2 = zero
+        var = s_dd / n
+        e_var = _C1_01 * ((e_dd + 3.0 * _U * s_dd) / n + _U * var)
+        alpha = zero
+    else:
+        delta = s_d / n
+        d_abs = _C1_001 * tl.sqrt(n * s_dd)  # >= Σ|d|
+        e_mean = _C1_01 * ((e_d + 2.0 * _U * d_abs) / n + _U * tl.abs(delta))
+        var = tl.maximum(s_dd / n - delta * delta, 0.0)
+        e_var = _C1_01 * (
+            (e_dd + 3.0 * _U * s_dd) / n + e_mean * (2.0 * tl.abs(delta) + e_mean)
+            + _U * (delta * delta + var)
+        )  # fmt: skip
+        c2 = s_g / n
+        e_c2 = _C1_01 * (e_g / n + _U * tl.abs(c2))
+        a2 = delta * c2
+        alpha = _C2_04 * _U + zero
+    a1 = s_gd / n
+    a = a1 - a2
+    e_a = _C1_01 * (
+        _U * (tl.abs(a) + tl.abs(a1) + tl.abs(a2)) + (e_gd + _C2_01 * _U * p_abs) / n
+        + e_mean * tl.abs(c2) + (tl.abs(delta) + e_mean) * e_c2
+    )  # fmt: skip
+    s = var + eps
+    e_s = e_var + _C1_01 * _U * s
+    loose = (e_s >= _LOOSE * s).to(tl.int32)
+    e_r = _C0_51 * (e_s / (s - e_s)) + _C2_01 * _U
+    rstd = 1.0 / tl.sqrt(s)
+    k = rstd * rstd * rstd * a
+    r_hi = rstd * (1.0 + _C1_01 * e_r)
+    e_k = _C3_03 * _U * tl.abs(k) + r_hi * r_hi * r_hi * (_C3_03 * e_r * tl.abs(a) + e_a)
+    beta = _C1_01 * _U * tl.abs(delta) + e_mean
+    k_t1 = r_hi * (e_r + _U) + _C2_02 * _U * rstd
+    k_c = tl.abs(k) * (alpha + _C2_02 * _U) + e_k * (1.0 + alpha)
+    k_0 = r_hi * e_c2 + beta * (tl.abs(k) + e_k)
+    return delta, c2, rstd, k, k_t1, k_c, k_0, loose
+
+
+@triton.jit
+def _backward_output(
+    z, gh, rho, mask, m1, delta, c2, rstd, k, k_t1, k_c, k_0, DTYPE: tl.constexpr
+):  # fmt: skip
+    """Step 3: ``dx = ((rstd·(gh - c2) - k·c) + rho) + 0.0`` in float64, ``c = (z - m1) -
+    delta``, each element rounded once to DTYPE, Ziv's test on each, and ``c``."""
+    c = (z - m1) - delta
+    t1 = gh - c2
+    y = ((rstd * t1 - k * c) + rho) + 0.0  # (+ 0.0: an exact zero is +0.0)
+    bound = (k_t1 * tl.abs(t1) + k_c * tl.abs(c) + k_0) * _SLACK
+    bound = bound + tl.abs(y) * (_C3_1 * _U * _SLACK)
+    low = _bits(_round_once(y - bound, DTYPE), DTYPE)
+    high = _bits(_round_once(y + bound, DTYPE), DTYPE)
+    open_ = (low != high) & mask
+    return _round_once(y, DTYPE), _max2d(open_.to(tl.int32)), c
+
+
+@triton.jit(do_not_specialize=["N"])
+def backward_sums_kernel(
+    DY, Z, W, MEAN, PART,
+    stride_dy, stride_z,
+    M, N, num_chunks,
+    HAS_WEIGHT: tl.constexpr, RMS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+):  # fmt: skip
+    """Wide rows, grid (M, chunks): a chunk's five float64 sums of step 1 into
+    ``PART[k, row, chunk]`` (k = 0..4: Σd, Σd², Σgh, Σgh², Σgh·d)."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * (ROWS * COLS) + _tile(ROWS, COLS)
+    mask = cols < N
+    z, g = _load_gradient_row(DY, Z, row, stride_dy, stride_z, cols, mask)
+    gamma, _ = _load_params(W, W, cols, mask, HAS_WEIGHT, False)
+    sums = _backward_sums(z, g * gamma, _shift(MEAN, row, RMS), mask, RMS)
+    slot = row * num_chunks + chunk
+    plane = M.to(tl.int64) * num_chunks
+    tl.store(PART + slot, sums[0])
+    tl.store(PART + plane + slot, sums[1])
+    tl.store(PART + 2 * plane + slot, sums[2])
+    tl.store(PART + 3 * plane + slot, sums[3])
+    tl.store(PART + 4 * plane + slot, sums[4])
+
+
+@triton.jit(do_not_specialize=["N", "eps_bits", "depth"])
 def backward_kernel(
-    DY, Z, W, MEAN, RSTD, DRES, DX, DW_PART, DB_PART, PART_C1, PART_C2, PART_D,
+    DY, Z, W, MEAN, DRES, DX, DW_PART, DB_PART, PART, CHUNK_FLAGS,
     stride_dy, stride_z, stride_dres, stride_dx,
-    M, N, n_f, rows_per_program, num_chunks,
+    M, N, eps_bits, depth, rows_per_program, num_chunks,
     HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr, NEED_DW: tl.constexpr,
     NEED_DB: tl.constexpr, RMS: tl.constexpr, FUSED: tl.constexpr,
-    CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr,
+    CHUNKS_P2: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
 ):  # fmt: skip
-    """dx = rstd·(gh − c2 − u·c1) (+ dresidual_out) for a fixed block of rows and one chunk
-    of columns; grid (programs, num_chunks). FUSED: one chunk spans the row and c1, c2
-    are reduced here; else they come from backward_partial_kernel. The saved mean is
-    rounded to float32, so u is re-centered: with d = z − mean, u = (d − mean(d))·rstd
-    (the corrected two-pass of docs/contract.md §3), which keeps the gradient's error independent of the row
-    offset. This program's Σ g·u and Σ g over its rows go to row ``program_id(0)`` of
-    DW_PART / DB_PART."""
+    """The correctly rounded ``dx`` (``+ dresidual_out``) for a fixed block of rows and
+    one chunk of ``ROWS·COLS`` columns; grid (programs, num_chunks). FUSED: the chunk
+    spans the row and its five sums are taken here; else they are the chunk partials of
+    :func:`backward_sums_kernel`, added in a fixed order (every program of a row gets
+    the same constants). ``CHUNK_FLAGS[row, chunk]`` is 0 where stage 1 settled the
+    chunk, 1 where it is open; FUSED: an open row gets stage 2 (the sums again by
+    extraction) here, and its flag is then 2 where that settles it (else 1: the host's
+    exact fallback rewrites the row). Chunked rows get stage 2 from
+    :func:`backward_precise_kernel`. This program's
+    float64 Σ dy·u (``u = c·rstd``) and Σ dy over its rows go to row ``program_id(0)``
+    of DW_PART / DB_PART."""
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    cols = chunk * (ROWS * COLS) + _tile(ROWS, COLS)
     mask = cols < N
-    w = tl.full([CHUNK], 1.0, tl.float32)
-    if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    index = tl.arange(0, CHUNKS_P2)
-    valid = index < num_chunks
-    dw = tl.zeros([CHUNK], dtype=tl.float32)
-    db = tl.zeros([CHUNK], dtype=tl.float32)
+    n = N.to(tl.float64)
+    eps = _eps(eps_bits)
+    g = _gamma(depth)
+    gamma, _ = _load_params(W, W, cols, mask, HAS_WEIGHT, False)
+    plane = M.to(tl.int64) * num_chunks
+    dw = tl.zeros([ROWS, COLS], dtype=tl.float64)
+    db = tl.zeros([ROWS, COLS], dtype=tl.float64)
     start = pid * rows_per_program
     end = tl.minimum(start + rows_per_program, M)
     row = start.to(tl.int64)  # a loop-carried int64 row index (the loop variable is int32)
     for _ in range(start, end):
-        slots = row * num_chunks + index
-        z = tl.load(Z + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + row)
-        gh = g * w
-        if RMS:
-            u = z * rstd
-            if FUSED:
-                c1 = _mean(tl.sum(gh * u, 0), n_f)
-            else:
-                c1 = _mean(_total(tl.load(PART_C1 + slots, mask=valid, other=0.0)), n_f)
-            dx = rstd * (gh - u * c1)
+        z, dy = _load_gradient_row(DY, Z, row, stride_dy, stride_z, cols, mask)
+        gh = dy * gamma  # exact: 24 by 24 bits
+        m1 = _shift(MEAN, row, RMS)
+        if FUSED:
+            s_d, s_dd, s_g, s_gg, s_gd = _backward_sums(z, gh, m1, mask, RMS)
         else:
-            d = tl.where(mask, z - tl.load(MEAN + row), 0.0)
-            if FUSED:
-                delta = _mean(tl.sum(d, 0), n_f)
-                u = tl.where(mask, d - delta, 0.0) * rstd
-                c1 = _mean(tl.sum(gh * u, 0), n_f)
-                c2 = _mean(tl.sum(gh, 0), n_f)
-            else:
-                delta = _mean(_total(tl.load(PART_D + slots, mask=valid, other=0.0)), n_f)
-                u = tl.where(mask, d - delta, 0.0) * rstd
-                c2 = _mean(_total(tl.load(PART_C2 + slots, mask=valid, other=0.0)), n_f)
-                ghd = _mean(_total(tl.load(PART_C1 + slots, mask=valid, other=0.0)), n_f)
-                c1 = rstd * (ghd - delta * c2)
-            dx = rstd * (gh - c2 - u * c1)
+            s_d = _row_total(PART, row, num_chunks, CHUNKS_P2)
+            s_dd = _row_total(PART + plane, row, num_chunks, CHUNKS_P2)
+            s_g = _row_total(PART + 2 * plane, row, num_chunks, CHUNKS_P2)
+            s_gg = _row_total(PART + 3 * plane, row, num_chunks, CHUNKS_P2)
+            s_gd = _row_total(PART + 4 * plane, row, num_chunks, CHUNKS_P2)
+        e_d, e_dd, e_g, e_gd = _plain_errors(s_dd, s_gg, n, g)
+        delta, c2, rstd, k, k_t1, k_c, k_0, loose = _backward_constants(
+            s_d, s_dd, s_g, s_gg, s_gd, e_d, e_dd, e_g, e_gd, n, eps, RMS
+        )
+        rho = tl.full([ROWS, COLS], -0.0, tl.float64)
         if HAS_DRES:
-            dx += tl.load(DRES + row * stride_dres + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + row * stride_dx + cols, _cast(dx, DX.dtype.element_ty), mask=mask)
+            rho = _load_row(DRES, row, stride_dres, cols, mask)
+        dx, open_, c = _backward_output(
+            z, gh, rho, mask, m1, delta, c2, rstd, k, k_t1, k_c, k_0, DX.dtype.element_ty
+        )
+        flag = open_ | loose
+        if FUSED:
+            if flag != 0:  # rare: stage 2, the sums again by extraction (far tighter)
+                d = tl.where(mask, z - m1, 0.0)
+                s_dd, e_dd = _accurate_sum(d * d, mask, n, g)
+                s_gd, e_gd = _accurate_sum(gh * d, mask, n, g)
+                if not RMS:
+                    s_d, e_d = _accurate_sum(d, mask, n, g)
+                    s_g, e_g = _accurate_sum(gh, mask, n, g)
+                delta, c2, rstd, k, k_t1, k_c, k_0, loose = _backward_constants(
+                    s_d, s_dd, s_g, s_gg, s_gd, e_d, e_dd, e_g, e_gd, n, eps, RMS
+                )
+                dx, open_, c = _backward_output(
+                    z, gh, rho, mask, m1, delta, c2, rstd, k, k_t1, k_c, k_0,
+                    DX.dtype.element_ty,
+                )  # fmt: skip
+                flag = 2 - (open_ | loose)  # 2: settled by stage 2, 1: still open
+        tl.store(DX + row * stride_dx + cols, dx, mask=mask)
+        tl.store(CHUNK_FLAGS + row * num_chunks + chunk, flag)
         if NEED_DW:
-            dw += g * u
+            dw += tl.where(mask, dy * (c * rstd), 0.0)
         if NEED_DB:
-            db += g
+            db += dy
         row += 1
     out = pid.to(tl.int64) * N + cols
     if NEED_DW:
@@ -743,12 +893,111 @@ def column_sum_kernel(
     PART, OUT, P, N,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """OUT = Σ_p PART[p] for a (P, N) float32 buffer, in a fixed order; grid cdiv(N, BLOCK_N)."""
+    """OUT = Σ_p PART[p] for a (P, N) float64 buffer, in a fixed order, in float64,
+    rounded once to OUT's dtype; grid cdiv(N, BLOCK_N)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float64)
     for p0 in range(0, P, BLOCK_P):
         rows = p0 + tl.arange(0, BLOCK_P)
         offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
         acc += tl.load(PART + offsets, mask=(rows < P)[:, None] & col_mask[None, :], other=0.0)
-    tl.store(OUT + cols, tl.sum(acc, 0), mask=col_mask)
+    tl.store(OUT + cols, tl.sum(acc, 0).to(OUT.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit(do_not_specialize=["N", "eps_bits", "depth"])
+def backward_precise_kernel(
+    DY, Z, W, MEAN, DRES, DX, PART, CHUNK_FLAGS, FLAGS,
+    stride_dy, stride_z, stride_dres, stride_dx,
+    M, N, eps_bits, depth, num_chunks,
+    HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr, RMS: tl.constexpr,
+    CHUNKS_P2: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+):  # fmt: skip
+    """Chunked rows, stage 2, grid (M,): launched for every row, it returns at once for
+    a row none of whose chunks is open; for an open row it takes the four sums again by
+    extraction (two passes over the row: the largest terms, then the sums), then step
+    3 again, rewriting the row's ``dx``. ``FLAGS[row]``: 0 when stage 1 settled the row,
+    2 when stage 2 did, 1 when it is still open (the host's exact fallback)."""
+    row = tl.program_id(0).to(tl.int64)
+    index = tl.arange(0, CHUNKS_P2)
+    chunk_flags = tl.load(CHUNK_FLAGS + row * num_chunks + index, mask=index < num_chunks, other=0)
+    flag = tl.max(chunk_flags, 0)
+    if flag != 0:
+        n = N.to(tl.float64)
+        g = _gamma(depth)
+        tile = _tile(ROWS, COLS)
+        zero = tl.full([], 0.0, tl.float64)
+        plane = M.to(tl.int64) * num_chunks
+        s_gg = _row_total(PART + 3 * plane, row, num_chunks, CHUNKS_P2)
+        m1 = _shift(MEAN, row, RMS)
+        big_d = zero
+        big_dd = zero
+        big_g = zero
+        big_gd = zero
+        for chunk in range(0, num_chunks):  # the largest terms of each sum
+            cols = chunk * (ROWS * COLS) + tile
+            mask = cols < N
+            z, dy = _load_gradient_row(DY, Z, row, stride_dy, stride_z, cols, mask)
+            gamma, _ = _load_params(W, W, cols, mask, HAS_WEIGHT, False)
+            gh = dy * gamma
+            d = tl.where(mask, z - m1, 0.0)
+            big_d = tl.maximum(big_d, _max2d(tl.abs(d)))
+            big_dd = tl.maximum(big_dd, _max2d(d * d))
+            big_g = tl.maximum(big_g, _max2d(tl.abs(gh)))
+            big_gd = tl.maximum(big_gd, _max2d(tl.abs(gh * d)))
+        sigma_d = _pow2_above(4.0 * n * big_d)
+        sigma_dd = _pow2_above(4.0 * n * big_dd)
+        sigma_g = _pow2_above(4.0 * n * big_g)
+        sigma_gd = _pow2_above(4.0 * n * big_gd)
+        q_d = zero
+        r_d = zero
+        q_dd = zero
+        r_dd = zero
+        q_g = zero
+        r_g = zero
+        q_gd = zero
+        r_gd = zero
+        for chunk in range(0, num_chunks):  # the sums by extraction (_accurate_sum's)
+            cols = chunk * (ROWS * COLS) + tile
+            mask = cols < N
+            z, dy = _load_gradient_row(DY, Z, row, stride_dy, stride_z, cols, mask)
+            gamma, _ = _load_params(W, W, cols, mask, HAS_WEIGHT, False)
+            gh = dy * gamma
+            d = tl.where(mask, z - m1, 0.0)
+            q, r = _split(d * d, sigma_dd)
+            q_dd += _sum2d(q)
+            r_dd += _sum2d(r)
+            q, r = _split(gh * d, sigma_gd)
+            q_gd += _sum2d(q)
+            r_gd += _sum2d(r)
+            if not RMS:
+                q, r = _split(d, sigma_d)
+                q_d += _sum2d(q)
+                r_d += _sum2d(r)
+                q, r = _split(gh, sigma_g)
+                q_g += _sum2d(q)
+                r_g += _sum2d(r)
+        s_dd, e_dd = _accurate(q_dd, r_dd, sigma_dd, n, g)
+        s_gd, e_gd = _accurate(q_gd, r_gd, sigma_gd, n, g)
+        s_d, e_d = _accurate(q_d, r_d, sigma_d, n, g)
+        s_g, e_g = _accurate(q_g, r_g, sigma_g, n, g)
+        delta, c2, rstd, k, k_t1, k_c, k_0, loose = _backward_constants(
+            s_d, s_dd, s_g, s_gg, s_gd, e_d, e_dd, e_g, e_gd, n, _eps(eps_bits), RMS
+        )
+        flag = loose
+        for chunk in range(0, num_chunks):  # step 3 again, with stage 2's bound
+            cols = chunk * (ROWS * COLS) + tile
+            mask = cols < N
+            z, dy = _load_gradient_row(DY, Z, row, stride_dy, stride_z, cols, mask)
+            gamma, _ = _load_params(W, W, cols, mask, HAS_WEIGHT, False)
+            rho = tl.full([ROWS, COLS], -0.0, tl.float64)
+            if HAS_DRES:
+                rho = _load_row(DRES, row, stride_dres, cols, mask)
+            dx, open_, _ = _backward_output(
+                z, dy * gamma, rho, mask, m1, delta, c2, rstd, k, k_t1, k_c, k_0,
+                DX.dtype.element_ty,
+            )  # fmt: skip
+            tl.store(DX + row * stride_dx + cols, dx, mask=mask)
+            flag = flag | open_
+        flag = 2 - flag  # 2: settled by stage 2, 1: still open
+    tl.store(FLAGS + row, flag)

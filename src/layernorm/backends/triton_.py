@@ -15,10 +15,10 @@ Launch configuration depends only on N and the dtype, never on M: a row's output
 bitwise the same alone or in any batch. The forward holds rows of at most
 :data:`FUSED_FORWARD_N` elements in one program and spreads wider rows (any width, tested
 past 1M elements) over chunks of :data:`CHUNK_N` columns. The backward holds rows of at
-most :data:`FUSED_BACKWARD_N` elements and chunks wider ones. These limits keep every
-kernel free of register spills on sm_90 (but 24 bytes of stack in the 8K fused
-backward), as ``tests/_triton_compile_check.py`` checks on the compiled cubins without a
-GPU. They are module constants so that tests can shrink them, and untuned: the GPU
+most :data:`FUSED_BACKWARD_N` elements and chunks wider ones (:data:`BACKWARD_CHUNK_N`
+columns). These limits keep every kernel free of register spills on sm_90 (but 24 bytes
+of stack in the fused RMSNorm backward), as ``tests/_triton_compile_check.py`` checks on
+the compiled cubins without a GPU. They are module constants so that tests can shrink them, and untuned: the GPU
 benchmark (``benchmarks/gpu_bench.py --set NAME=INT``) is the judge. No autotuning.
 
 The forward is correctly rounded (docs/contract.md §3; the stages are in
@@ -27,6 +27,8 @@ double-float variant for GPUs whose float64 is slow (consumer parts: 1/32 to 1/6
 float32) is designed, not built (docs/contract.md §3). Host synchronization: stages 1 and
 2 run on the device, but :func:`_settle` reads whether any row is left for the host's
 exact fallback, one small device-to-host read per call on a GPU (docs/contract.md §5).
+The backward is correctly rounded the same way (stages 1 and 2 on the device, then the
+host's fallback for an open row, :func:`_settle_backward`, one read per call).
 Limits: float16, bfloat16 and float32 only (float64 falls back to the other backends).
 """
 
@@ -49,11 +51,14 @@ from .torch_ import contiguous_rows, matrix
 #: rows of at most this many elements are held whole in one program's registers (forward;
 #: float64 arithmetic: 16 elements per thread at 8 warps, 254 registers, no spill on sm_90)
 FUSED_FORWARD_N = 1 << 12
-#: the backward keeps more values per element live, so its fused limit is lower
-FUSED_BACKWARD_N = 1 << 13
+#: the backward's fused limit (float64, with stage 2 in the same program: 4 elements per
+#: thread at 8 warps, no spill on sm_90; 2048 spilled 32-56 bytes)
+FUSED_BACKWARD_N = 1 << 10
+#: the backward splits wider rows into chunks of this many columns (a power of two)
+BACKWARD_CHUNK_N = 1 << 11
 #: wider rows are split into chunks of this many columns (a power of two)
 CHUNK_N = 1 << 12
-#: the backward's dweight/dbias partial buffer aims at about this many float32 values
+#: the backward's dweight/dbias partial buffer aims at about this many float64 values
 PARTIAL_ELEMENTS = 1 << 22
 #: ... with at least this many programs in flight (wide rows: counting all chunks)
 MIN_PROGRAMS = 256
@@ -160,8 +165,9 @@ def _num_warps_forward(block: int) -> int:
 
 
 def _num_warps_backward(block: int) -> int:
-    # about 8 values per thread: the backward keeps z, g, gh, u, dweight, dbias live
-    return max(4, min(32, block // 256))
+    # 4 elements per thread (8 in a chunk of 2048): the backward keeps z, dy, gamma, c,
+    # dweight, dbias, ... live in float64 (at 16 warps a thread gets 128 registers)
+    return max(4, min(8, block // 128))
 
 
 def forward_path(n: int, dtype: torch.dtype) -> str:
@@ -387,16 +393,25 @@ def backward(
     rms: bool,
     need_dweight: bool,
     need_dbias: bool,
-    eps: float | None = None,  # (not used yet: the triton dx is not correctly rounded)
+    eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The correctly rounded backward (docs/contract.md §3): every element of ``dx``
+    (``+ dresidual_out``) is the exact result rounded once, the numba and torch
+    backends' bits. The statistics come again from ``x`` and ``eps`` in float64;
+    ``mean`` only shifts the sums and ``rstd`` is not read. A row the kernel's bound
+    leaves open is rewritten on the host by the shared exact fallback
+    (:func:`_settle_backward`: one read per call). ``dweight`` and ``dbias`` are float64
+    sums of ``dy·u`` and ``dy`` over a fixed partition of the rows (:func:`_row_blocks`),
+    rounded once to float32: reproducible, not the other backends' bits."""
     kernels = _kernels()
     shape = x.shape
     dy, x, weight = _unit_stride(matrix(dy)), _unit_stride(matrix(x)), _unit_stride(weight)
     dresidual_out = None if dresidual_out is None else _unit_stride(matrix(dresidual_out))
     with _quiet(kernels):
-        dx, dweight, dbias = _backward(
-            kernels, dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias
+        dx, dweight, dbias, flags = _backward(
+            kernels, dy, x, weight, mean, dresidual_out, rms, need_dweight, need_dbias, eps
         )
+        _settle_backward(dx, dy, x, weight, dresidual_out, eps, rms, flags)
     return dx.view(shape), dweight, dbias
 
 
@@ -406,62 +421,106 @@ def _backward(
     x: torch.Tensor,
     weight: torch.Tensor | None,
     mean: torch.Tensor | None,
-    rstd: torch.Tensor,
     dresidual_out: torch.Tensor | None,
     rms: bool,
     need_dweight: bool,
     need_dbias: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """The backward's launches, no host work: ``(dx, dweight, dbias, flags)``, with
+    ``flags[i]`` 0 where stage 1 settled row ``i``, 2 where stage 2 did and 1 where
+    the row is open (its ``dx`` is then not final)."""
     m, n = x.shape
     device = x.device
     need_dweight = need_dweight and weight is not None
     dx = torch.empty((m, n), dtype=x.dtype, device=device)
-    rstd = rstd.to(torch.float32).contiguous()
-    mean = rstd if mean is None else mean.to(torch.float32).contiguous()
     fused = uses_fused_backward(n, x.dtype)
-    chunk = _next_power_of_2(n) if fused else _chunk_columns(n)
+    chunk = _next_power_of_2(n) if fused else min(BACKWARD_CHUNK_N, _next_power_of_2(n))
+    rows, cols = _tile_shape(chunk)
     num_chunks = 1 if fused else -(-n // chunk)
     programs, rows_per_program = _row_blocks(m, n, num_chunks)
     sums = int(need_dweight) + int(need_dbias)
     shape = (sums, programs, n) if sums else (1, 1, 1)  # a placeholder when nothing is summed
-    partial = torch.empty(shape, dtype=torch.float32, device=device)
-    dw_part = partial[0]
-    db_part = partial[sums - 1]
-    part_c1 = part_c2 = part_d = rstd
+    partial = torch.empty(shape, dtype=torch.float64, device=device)
+    chunk_flags = torch.zeros((m, num_chunks), dtype=torch.int32, device=device)
+    w = x if weight is None else weight
+    shift = x if mean is None or rms else mean.contiguous()
+    tile = {"ROWS": rows, "COLS": cols, **_launch(_num_warps_backward(chunk))}
+    part = partial
     if not fused:
-        part_c1 = torch.empty((m, num_chunks), dtype=torch.float32, device=device)
-        part_c2 = part_c1 if rms else torch.empty_like(part_c1)
-        part_d = part_c1 if rms else torch.empty_like(part_c1)
-        kernels.backward_partial_kernel[(m, num_chunks)](
-            dy, x, x if weight is None else weight, mean, rstd, part_c1, part_c2, part_d,
+        part = torch.empty((5, m, num_chunks), dtype=torch.float64, device=device)
+        kernels.backward_sums_kernel[(m, num_chunks)](
+            dy, x, w, shift, part,
             dy.stride(0), x.stride(0),
-            n, num_chunks,
-            HAS_WEIGHT=weight is not None, RMS=rms, CHUNK=chunk,
-            **_launch(_num_warps_backward(chunk)),
+            m, n, num_chunks,
+            HAS_WEIGHT=weight is not None, RMS=rms, **tile,
         )  # fmt: skip
     dres = dy if dresidual_out is None else dresidual_out
-    kernels.backward_kernel[(programs, num_chunks)](
-        dy, x, x if weight is None else weight, mean, rstd, dres, dx,
-        dw_part, db_part, part_c1, part_c2, part_d,
-        dy.stride(0), x.stride(0), dres.stride(0), dx.stride(0),
-        m, n, float(n), rows_per_program, num_chunks,
-        HAS_WEIGHT=weight is not None, HAS_DRES=dresidual_out is not None,
-        NEED_DW=need_dweight, NEED_DB=need_dbias, RMS=rms, FUSED=fused,
-        CHUNK=chunk, CHUNKS_P2=_next_power_of_2(num_chunks),
-        **_launch(_num_warps_backward(chunk)),
-    )  # fmt: skip
+    if m > 0:
+        kernels.backward_kernel[(programs, num_chunks)](
+            dy, x, w, shift, dres, dx, partial[0], partial[sums - 1], part, chunk_flags,
+            dy.stride(0), x.stride(0), dres.stride(0), dx.stride(0),
+            m, n, _float64_bits(eps), rows + cols - 2 + num_chunks - 1,
+            rows_per_program, num_chunks,
+            HAS_WEIGHT=weight is not None, HAS_DRES=dresidual_out is not None,
+            NEED_DW=need_dweight, NEED_DB=need_dbias, RMS=rms, FUSED=fused,
+            CHUNKS_P2=_next_power_of_2(num_chunks), **tile,
+        )  # fmt: skip
+    flags = chunk_flags[:, 0]
+    if not fused and m > 0:
+        flags = torch.empty(m, dtype=torch.int32, device=device)
+        kernels.backward_precise_kernel[(m,)](
+            dy, x, w, shift, dres, dx, part, chunk_flags, flags,
+            dy.stride(0), x.stride(0), dres.stride(0), dx.stride(0),
+            m, n, _float64_bits(eps), rows + cols - 2 + num_chunks - 1, num_chunks,
+            HAS_WEIGHT=weight is not None, HAS_DRES=dresidual_out is not None, RMS=rms,
+            CHUNKS_P2=_next_power_of_2(num_chunks), **tile,
+        )  # fmt: skip
     block_n = _column_block(n)
     totals = []
     for k in range(sums):  # separate tensors: dweight and dbias must not alias
         total = torch.empty(n, dtype=torch.float32, device=device)
-        kernels.column_sum_kernel[(-(-n // block_n),)](
-            partial[k],
-            total,
-            programs,
-            n,
-            BLOCK_P=4096 // block_n,
-            BLOCK_N=block_n,
-            **_launch(4),
-        )
+        if m == 0:
+            total.zero_()
+        else:
+            kernels.column_sum_kernel[(-(-n // block_n),)](
+                partial[k], total, programs, n,
+                BLOCK_P=4096 // block_n, BLOCK_N=block_n, **_launch(4),
+            )  # fmt: skip
         totals.append(total)
-    return dx, totals[0] if need_dweight else None, totals[-1] if need_dbias else None
+    dweight = totals[0] if need_dweight else None
+    dbias = totals[-1] if need_dbias else None
+    return dx, dweight, dbias, flags
+
+
+def _settle_backward(
+    dx: torch.Tensor,
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    dresidual_out: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+    flags: torch.Tensor,
+) -> None:
+    """Rewrites the rows the kernel left open with the exact fallback on the host
+    (``torch_._fix_backward_rows``, the torch backend's; ``_exact`` is shared), as the
+    forward's :func:`_settle` does: one read per call, none during a graph capture."""
+    if _capturing():
+        return
+    flagged = flags == 1
+    if not bool(flagged.any()):
+        return
+    index = flagged.nonzero()[:, 0]
+    gamma = torch.ones(x.shape[1], dtype=torch.float64, device=x.device)
+    if weight is not None:
+        gamma = weight.to(torch.float32).to(torch.float64)
+    z = x[index].to(torch.float64)
+    gh = dy[index].to(torch.float64) * gamma
+    rho = torch.full_like(z, -0.0)
+    if dresidual_out is not None:
+        rho = dresidual_out[index].to(torch.float64)
+    rows = dx[index]
+    everything = torch.ones(len(index), dtype=torch.bool, device=x.device)
+    torch_._fix_backward_rows(rows, z, gh, rho, eps, rms, everything)
+    dx[index] = rows
