@@ -18,7 +18,7 @@ from layernorm.backends import numba_
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 OPS = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"]
-SHAPES = [(8,), (4, 64), (2, 3, 50), (2, 2, 2, 33), (1, 1, 768), (64, 1024)]
+SHAPES = [(8,), (4, 64), (2, 3, 50), (2, 2, 2, 33), (1, 1, 768), (256, 1024)]
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None, reason="no C++ compiler to build the compiled dispatch"
@@ -120,7 +120,7 @@ def _same_bits_case(dtype, op, shape):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_same_bits_as_the_python_path(in_use, python_path, dtype, op, shape):
     """Outputs and all gradients, with and without weight and bias, inference and with
-    grad, serial and parallel kernels ((64, 1024) is past numba_.SERIAL_NUMEL), as the
+    grad, serial and parallel kernels ((256, 1024) is past numba_.SERIAL_NUMEL), as the
     Python path computes them."""
     n = shape[-1]
     x = torch.randn(shape, dtype=dtype)
@@ -623,7 +623,7 @@ def test_a_profiler_sees_the_op(in_use):
 def test_one_thread_runs_the_serial_entry_to_the_same_bits(in_use, dtype):
     """With one torch thread a large call runs the serial entry in C++, not the threaded
     one through Python: the same bits, outputs and gradients."""
-    x = torch.randn(64, 1024).to(dtype)
+    x = torch.randn(256, 1024).to(dtype)
     w = (torch.rand(1024) + 0.5).to(dtype)
     assert x.numel() >= numba_.SERIAL_NUMEL
 

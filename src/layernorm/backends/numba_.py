@@ -310,8 +310,9 @@ def cache_location() -> str:
 
 
 #: inputs of fewer elements run in the calling thread: below this, waking helper threads
-#: costs more than it saves. Same bits either way.
-SERIAL_NUMEL = 1 << 15
+#: costs more than it saves (on the 2-core development machine one thread beat two up to
+#: about 256 rows of 1024: ``benchmarks/RESULTS.md``, "Small calls"). Same bits either way.
+SERIAL_NUMEL = 1 << 18
 
 
 class _Types(NamedTuple):
