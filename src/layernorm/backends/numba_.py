@@ -218,12 +218,7 @@ def _forward_over_threads(
         spans.append((i, count))
 
     _threads.run(span, blocks, rows * n)
-    out = np.ctypeslib.as_array((ctypes.c_uint8 * (m + 1)).from_address(flags))
-    out[m] = 0
-    for i, count in spans:
-        start = i + i // rows  # where span(i // rows, ...) wrote
-        out[i : i + count] = scratch[start : start + count]
-        out[m] |= scratch[start + count]
+    _gather_flags(scratch, spans, rows, m, flags)
 
 
 def _gather_flags(
@@ -454,18 +449,15 @@ def _fix_rows(
     rms: bool,
     flags: np.ndarray,
 ) -> None:
-    """Rewrites the flagged rows of ``y`` exactly (:mod:`layernorm.backends._exact`)."""
-    from . import _exact, torch_
+    """Rewrites the flagged rows of ``y`` exactly, as the torch backend does
+    (``torch_._fix_rows``, over :mod:`layernorm.backends._exact`)."""
+    from . import torch_
 
     if y.dtype == torch.float64:
         return
-    rows = np.flatnonzero(flags)
-    zm = torch_.matrix(z)
-    values = zm[torch.from_numpy(rows)].to(torch.float64).numpy()
-    gamma, beta = w.to(torch.float64).numpy(), b.to(torch.float64).numpy()
-    finite, fixed = _exact.fix_forward_rows(values, gamma, beta, eps, rms, y.dtype)
-    storage = torch_.matrix(y).view(_exact.STORAGE[y.dtype])
-    storage[torch.from_numpy(rows[finite])] = torch.from_numpy(fixed)
+    gamma, beta = w.to(torch.float64), b.to(torch.float64)
+    flagged = torch.from_numpy(flags).bool()
+    torch_._fix_rows(torch_.matrix(y), torch_.matrix(z), gamma, beta, eps, rms, flagged)
 
 
 def backward(
