@@ -224,8 +224,8 @@ def lending(monkeypatch):
     pool.cpus = 4
     borrow = pool.borrow
 
-    def recording(wanted: int) -> int:
-        lent = borrow(wanted)
+    def recording(wanted: int, *start: bool) -> int:
+        lent = borrow(wanted, *start)
         calls.append((wanted, lent))
         return lent
 

@@ -7,7 +7,8 @@
 // tensors, kernels that torch's dispatcher prefers to those:
 //
 //   CPU          forward_cpu / backward_cpu: the numba backend's compiled entries called
-//                through their C addresses (a row flagged for the exact fallback is
+//                through their C addresses, in spans of rows over C++ helper threads
+//                when _threads.lend grants them (a row flagged for the exact fallback is
 //                rewritten by Python, that row only); any call they were not built for
 //                (another backend, zero-size, large, strided) goes to the Python kernel
 //                (_op._forward_impl / _op._backward_impl), so every backend keeps working
@@ -40,7 +41,14 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
 #include <cmath>
 #include <cstdlib>
 #include <map>
@@ -48,6 +56,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -82,9 +91,18 @@ const char* const BACKWARD_SIGNATURE =
     "weight:i64,mean:i64,rstd:i64,dx:i64,dweight:i64,dbias:i64,m:i64,n:i64,rms:bool,"
     "stream:bool,eps:f64,flags:i64";
 
-enum Entry { FORWARD_SERIAL, FORWARD_PARALLEL, BACKWARD_SERIAL, BACKWARD_PARALLEL, ENTRIES };
+// (the *_parallel entries run one span of a call's rows: see run_spans)
+enum Entry {
+    FORWARD_SERIAL,
+    FORWARD_PARALLEL,
+    BACKWARD_SERIAL,
+    BACKWARD_PARALLEL,
+    COLUMN_SUMS,
+    ENTRIES
+};
 const char* const ENTRY_NAMES[] = {"forward_serial", "forward_parallel", "backward_serial",
-                                   "backward_parallel"};
+                                   "backward_parallel", "column_sums"};
+using ColumnSums = void (*)(int64_t partial, int64_t blocks, int64_t n, int64_t out);
 constexpr int DTYPES = 4;  // the kernels' input dtypes, in compiled.DTYPES' order
 
 // What Python hands over at set_up (compiled._use): the rules live there, not here.
@@ -99,7 +117,10 @@ struct State {
     PyObject* composite_backward = nullptr;  // _op.composite_backward
     PyObject* kernel_rows = nullptr;         // _op.kernel_rows
     PyObject* backend_named = nullptr;  // whether LAYERNORM_BACKEND names a backend now
-    int64_t serial_numel = 0;  // numba_.SERIAL_NUMEL
+    PyObject* lend = nullptr;       // _threads.lend: helpers and spans for a threaded call
+    PyObject* give_back = nullptr;  // _threads.give_back
+    int64_t grain = 0;              // _threads.GRAIN: no helper for less work than this
+    int64_t row_block = 0;          // _numba_kernels.ROW_BLOCK: spans split rows there
     int64_t max_bytes = 0;     // numba_.STREAM_BYTES: larger inputs go through Python
     int64_t kernels[DTYPES][ENTRIES] = {};  // C addresses: 0 not asked yet, -1 none
     double default_eps[DTYPES] = {};        // eps=None per dtype: _op.default_eps's values
@@ -233,7 +254,7 @@ int64_t row_stride(const Tensor& t, int64_t n) { return t.is_contiguous() ? n : 
 // The numba entry for x when the forward or backward kernel below runs the call (the
 // automatic backend is numba, x is non-empty kernel rows, and small enough that Python's
 // cost would count), else -1 (the Python kernel runs it).
-int64_t entry_for(const Tensor& x, c10::string_view backend, Entry serial, Entry parallel) {
+int64_t entry_for(const Tensor& x, c10::string_view backend, Entry serial) {
     const int d = dtype_index(x.scalar_type());
     const int64_t numel = x.numel();
     if (!backend.empty() || d < 0 || numel == 0 || x.dim() == 0 ||
@@ -241,10 +262,142 @@ int64_t entry_for(const Tensor& x, c10::string_view backend, Entry serial, Entry
         numel * static_cast<int64_t>(x.element_size()) >= state.max_bytes ||
         environment_chooses())
         return -1;
-    // the parallel entries split the rows over torch's threads (through Python): with one
-    // thread allowed, the serial entry runs the same rows to the same bits, without that
-    const bool one_thread = numel < state.serial_numel || at::get_num_threads() == 1;
-    return kernel(d, one_thread ? serial : parallel);
+    return kernel(d, serial);
+}
+
+// ---------------------------------------------------------------------------------------
+// Threaded calls. A call's rows split into spans of whole ROW_BLOCKs give the same bits
+// for any split (rows are independent; the backward's dweight/dbias partial sums belong
+// to fixed blocks of rows, added in block order afterwards: layernorm.backends._threads).
+// The spans run on the calling thread and on as many helper threads as _threads.lend
+// grants: it counts them with the Python pool's, so the process's kernel threads never
+// outnumber its CPUs, and it follows torch.get_num_threads() at call time. The helpers
+// are C++ threads (no Python, no OpenMP: torch's OpenMP pool hangs a forked child),
+// started on first need; after a task a helper spins for SPIN before it sleeps, since a
+// model's next norm call comes soon. A forked child starts without helpers (at_fork).
+
+constexpr auto SPIN = std::chrono::microseconds(50);
+
+inline void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#else
+    std::this_thread::yield();
+#endif
+}
+
+class Helpers {
+  public:
+    // Starts helper threads until there are `count` (they live as long as the process).
+    void ensure(int64_t count) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        for (; started_ < count; ++started_) std::thread([this] { serve(); }).detach();
+    }
+
+    void post(std::function<void()> task) {
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            tasks_.push_back(std::move(task));
+            pending_.fetch_add(1, std::memory_order_release);
+        }
+        wake_.notify_one();
+    }
+
+  private:
+    bool take(std::function<void()>* task) {
+        if (pending_.load(std::memory_order_acquire) == 0) return false;
+        std::lock_guard<std::mutex> lock(mutex_);
+        return pop(task);
+    }
+
+    bool pop(std::function<void()>* task) {  // (mutex_ held)
+        if (tasks_.empty()) return false;
+        *task = std::move(tasks_.front());
+        tasks_.pop_front();
+        pending_.fetch_sub(1, std::memory_order_relaxed);
+        return true;
+    }
+
+    void serve() {
+        for (;;) {
+            std::function<void()> task;
+            const auto until = std::chrono::steady_clock::now() + SPIN;
+            while (!take(&task)) {
+                if (std::chrono::steady_clock::now() < until) {
+                    relax();
+                    continue;
+                }
+                std::unique_lock<std::mutex> lock(mutex_);
+                wake_.wait(lock, [this] { return !tasks_.empty(); });
+                pop(&task);
+                break;
+            }
+            task();
+        }
+    }
+
+    std::mutex mutex_;
+    std::condition_variable wake_;
+    std::deque<std::function<void()>> tasks_;
+    std::atomic<int64_t> pending_{0};
+    int64_t started_ = 0;
+};
+
+// Never destroyed (detached helpers may wait on it at exit); replaced in a forked child,
+// where the parent's helpers do not exist (and its lock may have been held).
+Helpers* helpers = new Helpers();
+
+void after_fork_in_child() { helpers = new Helpers(); }
+
+using Ranges = std::vector<std::pair<int64_t, int64_t>>;
+
+// One threaded call: span(start, stop) for each range, each run once, by whoever takes it.
+struct Job {
+    std::function<void(int64_t, int64_t)> span;
+    Ranges ranges;
+    std::atomic<size_t> next{0}, done{0};
+
+    void work() {
+        for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < ranges.size();) {
+            span(ranges[i].first, ranges[i].second);
+            done.fetch_add(1, std::memory_order_release);
+        }
+    }
+};
+
+// The spans (ranges of blocks, in order, covering [0, blocks) once) of a call of `blocks`
+// blocks of `block_numel` elements, and how many helpers run them with the calling
+// thread, as _threads.lend grants them; no ranges when it grants none (the caller then
+// runs its serial entry, and owes nothing back).
+Ranges span_ranges(int64_t blocks, int64_t block_numel, int64_t* lent) {
+    *lent = 0;
+    // (a cheap test before asking Python: _threads.lend grants no helper to a call of
+    // one thread, one block or less than two grains of work)
+    if (at::get_num_threads() < 2 || blocks < 2 || blocks * block_numel < 2 * state.grain)
+        return {};
+    Ranges ranges;
+    std::tie(*lent, ranges) =
+        call_python<std::tuple<int64_t, Ranges>>(state.lend, blocks, block_numel);
+    return ranges;
+}
+
+// Runs span over the ranges on the calling thread and `lent` helpers, without the GIL,
+// returns when every span has returned, and gives the helpers back.
+void run_spans(const Ranges& ranges, int64_t lent, std::function<void(int64_t, int64_t)> span) {
+    auto job = std::make_shared<Job>();
+    job->ranges = ranges;
+    job->span = std::move(span);
+    {
+        std::optional<pybind11::gil_scoped_release> unlocked;
+        if (PyGILState_Check()) unlocked.emplace();
+        Helpers* pool = helpers;
+        pool->ensure(lent);
+        for (int64_t k = 0; k < lent; ++k) pool->post([job] { job->work(); });
+        job->work();
+        // (a helper that wakes late finds no span left and touches nothing of this call)
+        while (job->done.load(std::memory_order_acquire) < job->ranges.size()) relax();
+    }
+    call_python(state.give_back, lent);
 }
 
 // Room for m + 1 fallback flags (the kernels' flags argument), reused by the thread's
@@ -263,18 +416,34 @@ struct Forward {
     Tensor y, residual_out, mean, rstd;
 };
 
-// The forward kernel on kernel-ready tensors; statistics only when store_stats.
+// The caller's m + 1 flags (as one kernel call over the m rows would write them) from
+// the spans' stretches of scratch: the span from block `start`, from row i, wrote its
+// `count` flags and its any-flag at scratch[i + start ...] (disjoint stretches).
+void gather_flags(const Ranges& ranges, const std::vector<uint8_t>& scratch, int64_t rows,
+                  int64_t m, uint8_t* flags) {
+    flags[m] = 0;
+    for (const auto& [start, stop] : ranges) {
+        const int64_t i = start * rows, count = std::min(m, stop * rows) - i;
+        std::copy_n(scratch.data() + i + start, count, flags + i);
+        flags[m] |= scratch[i + start + count];
+    }
+}
+
+// The forward kernel on kernel-ready tensors; statistics only when store_stats. Over the
+// threads (the forward_parallel entry, one span of rows a call) when _threads lends
+// helpers, else in the calling thread (serial_address): the same bits.
 Forward run_forward(const Tensor& x, const Tensor& residual, const Tensor& weight,
                     const Tensor& bias, double eps, bool rms, bool store_stats,
-                    int64_t kernel_address) {
+                    int64_t serial_address) {
+    const int d = dtype_index(x.scalar_type());
     const int64_t n = x.size(-1), m = x.numel() / n;
-    const auto acc = acc_dtype(dtype_index(x.scalar_type()));
+    const auto acc = acc_dtype(d);
     Forward out;
     out.y = at::empty_like(x, at::MemoryFormat::Contiguous);
     const Tensor w = kernel_param(weight, n, acc, 1.0), b = kernel_param(bias, n, acc, -0.0);
-    const int64_t x_address = address(x);
     const bool has_residual = residual.defined();
     if (has_residual) out.residual_out = at::empty_like(x, at::MemoryFormat::Contiguous);
+    const int64_t x_address = address(x);
     int64_t mean_address = x_address, rstd_address = x_address;  // unused: any valid one
     if (store_stats) {
         out.rstd = at::empty({m}, x.options().dtype(acc));
@@ -284,14 +453,43 @@ Forward run_forward(const Tensor& x, const Tensor& residual, const Tensor& weigh
             mean_address = address(out.mean);
         }
     }
+    // bytes from one row to the next of each argument (0: not read)
+    const int64_t size = x.element_size(), acc_size = c10::elementSize(acc);
+    const int64_t x_stride = row_stride(x, n);
+    const int64_t residual_stride = has_residual ? row_stride(residual, n) : 0;
+    const int64_t mean_step = store_stats && !rms ? acc_size : 0;
+    const int64_t rstd_step = store_stats ? acc_size : 0;
+    const int64_t residual_address = has_residual ? address(residual) : x_address;
+    const int64_t residual_out_address = has_residual ? address(out.residual_out) : x_address;
+    const int64_t residual_out_step = has_residual ? n * size : 0;
+    const int64_t w_address = address(w), b_address = address(b), y_address = address(out.y);
+    // rows [i, i + count) by `kernel`, their flags at flags_address
+    auto rows = [&](int64_t kernel_address, int64_t i, int64_t count, int64_t flags_address) {
+        reinterpret_cast<ForwardKernel>(kernel_address)(
+            x_address + i * x_stride * size, x_stride,
+            residual_address + i * residual_stride * size, residual_stride, has_residual,
+            residual_out_address + i * residual_out_step, w_address, b_address,
+            y_address + i * n * size, mean_address + i * mean_step,
+            rstd_address + i * rstd_step, count, n, eps, rms,
+            false /* stream: inputs of max_bytes or more are Python's */, store_stats,
+            flags_address);
+    };
     uint8_t* flags = flag_buffer(m);
-    reinterpret_cast<ForwardKernel>(kernel_address)(
-        x_address, row_stride(x, n), has_residual ? address(residual) : x_address,
-        has_residual ? row_stride(residual, n) : 0,
-        has_residual, has_residual ? address(out.residual_out) : x_address, address(w),
-        address(b), address(out.y), mean_address, rstd_address, m, n, eps, rms,
-        false /* stream: inputs of max_bytes or more are Python's */, store_stats,
-        reinterpret_cast<int64_t>(flags));
+    const int64_t block = state.row_block, blocks = (m + block - 1) / block;
+    int64_t lent = 0;
+    const Ranges ranges = span_ranges(blocks, block * n, &lent);
+    if (ranges.empty()) {
+        rows(serial_address, 0, m, reinterpret_cast<int64_t>(flags));
+    } else {
+        const int64_t span_address = kernel(d, FORWARD_PARALLEL);
+        std::vector<uint8_t> scratch(blocks * (block + 1));
+        const int64_t scratch_address = reinterpret_cast<int64_t>(scratch.data());
+        run_spans(ranges, lent, [&](int64_t start, int64_t stop) {
+            const int64_t i = start * block;
+            rows(span_address, i, std::min(m, stop * block) - i, scratch_address + i + start);
+        });
+        gather_flags(ranges, scratch, block, m, flags);
+    }
     if (flags[m] != 0)  // rare: rewrite the flagged rows exactly
         call_python(state.fix_forward, out.y, has_residual ? out.residual_out : x, w, b, eps,
                     rms, flag_tensor(flags, m));
@@ -307,7 +505,7 @@ Outputs forward_cpu(const Tensor& x, const OptionalTensor& residual, const Optio
     if ((!r.defined() || (r.sizes() == x.sizes() && r.scalar_type() == x.scalar_type() &&
                           kernel_rows_of(r, n > 0 ? r.numel() / n : 0, n))) &&
         kernel_ready_param(w, n) && kernel_ready_param(b, n))
-        kernel_address = entry_for(x, backend, FORWARD_SERIAL, FORWARD_PARALLEL);
+        kernel_address = entry_for(x, backend, FORWARD_SERIAL);
     if (kernel_address < 0)
         return call_python<Outputs>(state.python_forward, x, residual, weight, bias, eps, rms,
                                     std::string(backend));
@@ -331,7 +529,7 @@ Gradients backward_cpu(const Tensor& dy, const Tensor& x, const OptionalTensor& 
         (!dres.defined() || (dres.scalar_type() == x.scalar_type() && kernel_rows_of(dres, m, n))) &&
         rstd.is_contiguous() && rstd.numel() == m && rstd.scalar_type() == acc_dtype(d) &&
         (rms || (mean.is_contiguous() && mean.numel() == m && mean.scalar_type() == acc_dtype(d))))
-        kernel_address = entry_for(x, backend, BACKWARD_SERIAL, BACKWARD_PARALLEL);
+        kernel_address = entry_for(x, backend, BACKWARD_SERIAL);
     if (kernel_address < 0)
         return call_python<Gradients>(state.python_backward, dy, x, weight, mean, rstd,
                                       dresidual_out, rms, need_dweight, need_dbias,
@@ -343,12 +541,50 @@ Gradients backward_cpu(const Tensor& dy, const Tensor& x, const OptionalTensor& 
     const Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
     const Tensor dweight = at::empty({need_dweight ? n : 0}, rstd.options());
     const Tensor dbias = at::empty({need_dbias ? n : 0}, rstd.options());
+    // bytes from one row to the next of each argument (0: not read)
+    const int64_t size = x.element_size(), acc_size = c10::elementSize(acc);
+    const int64_t dy_stride = row_stride(dy, n), x_stride = row_stride(x, n);
+    const int64_t dres_stride = dres.defined() ? row_stride(dres, n) : 0;
+    const int64_t mean_step = rms ? 0 : acc_size;
+    const int64_t dy_address = address(dy), x_address = address(x), dx_address = address(dx);
+    const int64_t dres_address = address(dres_k), w_address = address(wk);
+    const int64_t mean_address = address(rms ? rstd : mean), rstd_address = address(rstd);
+    // rows [i, i + count) by `kernel`, dweight/dbias (or their partial sums) at the given
+    // addresses, their flags at flags_address
+    auto rows = [&](int64_t kernel_address, int64_t i, int64_t count, int64_t dweight_address,
+                    int64_t dbias_address, int64_t flags_address) {
+        reinterpret_cast<BackwardKernel>(kernel_address)(
+            dy_address + i * dy_stride * size, dy_stride, x_address + i * x_stride * size,
+            x_stride, dres_address + i * dres_stride * size, dres_stride, w_address,
+            mean_address + i * mean_step, rstd_address + i * acc_size,
+            dx_address + i * n * size, dweight_address, dbias_address, count, n, rms, false,
+            eps, flags_address);
+    };
     uint8_t* flags = flag_buffer(m);
-    reinterpret_cast<BackwardKernel>(kernel_address)(
-        address(dy), row_stride(dy, n), address(x), row_stride(x, n), address(dres_k),
-        dres.defined() ? row_stride(dres, n) : 0, address(wk), address(rms ? rstd : mean),
-        address(rstd), address(dx), need_dweight ? address(dweight) : 0,
-        need_dbias ? address(dbias) : 0, m, n, rms, false, eps, reinterpret_cast<int64_t>(flags));
+    const int64_t block = state.row_block, blocks = (m + block - 1) / block;
+    int64_t lent = 0;
+    const Ranges ranges = span_ranges(blocks, block * n, &lent);
+    if (ranges.empty()) {
+        rows(kernel_address, 0, m, need_dweight ? address(dweight) : 0,
+             need_dbias ? address(dbias) : 0, reinterpret_cast<int64_t>(flags));
+    } else {
+        // each span writes its blocks' float64 partial sums (both required), then their
+        // column sums in block order, as the serial entry adds them: the same bits
+        const int64_t span_address = kernel(d, BACKWARD_PARALLEL);
+        const Tensor partial = at::empty({2, blocks, n}, rstd.options().dtype(at::kDouble));
+        const int64_t dweight_partial = address(partial[0]), dbias_partial = address(partial[1]);
+        std::vector<uint8_t> scratch(blocks * (block + 1));
+        const int64_t scratch_address = reinterpret_cast<int64_t>(scratch.data());
+        run_spans(ranges, lent, [&](int64_t start, int64_t stop) {
+            const int64_t i = start * block;
+            rows(span_address, i, std::min(m, stop * block) - i, dweight_partial + start * n * 8,
+                 dbias_partial + start * n * 8, scratch_address + i + start);
+        });
+        gather_flags(ranges, scratch, block, m, flags);
+        const auto sums = reinterpret_cast<ColumnSums>(kernel(d, COLUMN_SUMS));
+        if (need_dweight) sums(dweight_partial, blocks, n, address(dweight));
+        if (need_dbias) sums(dbias_partial, blocks, n, address(dbias));
+    }
     if (flags[m] != 0)  // rare: rewrite the flagged rows exactly
         call_python(state.fix_backward, dx, dy, x, wk, dresidual_out, eps, rms,
                     flag_tensor(flags, m));
@@ -597,7 +833,7 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
         if (residual.defined()) residual_out = std::get<1>(out);
     } else {
         // inference: the CPU kernel's own function, without statistics
-        const int64_t kernel_address = entry_for(x, "", FORWARD_SERIAL, FORWARD_PARALLEL);
+        const int64_t kernel_address = entry_for(x, "", FORWARD_SERIAL);
         if (kernel_address < 0) Py_RETURN_NONE;  // the Python kernel's call
         Forward out = run_forward(x, residual, weight, bias, eps, rms, false, kernel_address);
         y = out.y;
@@ -665,7 +901,10 @@ void set_up(pybind11::dict rules) {
     replace(&state.kernel_rows, rules["kernel_rows"]);
     replace(&state.backend_named, rules["backend_named"]);
     replace(&constant_python, rules["constant"]);
-    state.serial_numel = rules["serial_numel"].cast<int64_t>();
+    replace(&state.lend, rules["lend"]);
+    replace(&state.give_back, rules["give_back"]);
+    state.grain = rules["grain"].cast<int64_t>();
+    state.row_block = rules["row_block"].cast<int64_t>();
     state.max_bytes = rules["max_bytes"].cast<int64_t>();
     std::fill(&state.kernels[0][0], &state.kernels[0][0] + DTYPES * ENTRIES, 0);
     register_kernels();
@@ -681,6 +920,8 @@ PyMethodDef NORM_DEF = {"norm", reinterpret_cast<PyCFunction>(reinterpret_cast<v
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    static const int at_fork = pthread_atfork(nullptr, nullptr, after_fork_in_child);
+    (void)at_fork;
     m.def("set_up", &set_up);
     m.def("forget", &forget);
     m.add_object("norm", pybind11::reinterpret_steal<pybind11::object>(

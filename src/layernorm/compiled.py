@@ -11,7 +11,10 @@ in torch's dispatcher for CPU tensors (``docs/contract.md`` §6):
   C addresses (:func:`layernorm.backends.numba_.entry_address`), and hands what they were
   not built for (another backend, zero-size work, strided rows, inputs of
   ``numba_.STREAM_BYTES`` or more) to the op's Python kernel; rows the kernel flags for
-  the exact fallback are rewritten in Python, those rows only;
+  the exact fallback are rewritten in Python, those rows only. A call that
+  :func:`layernorm.backends._threads.lend` grants helpers to runs in spans of rows on
+  the calling thread and C++ helper threads (no Python, no OpenMP), counted with the
+  Python pool's threads, so the thread rules of :mod:`layernorm.backends._threads` hold;
 - an AutogradCPU kernel of the forward: a C++ autograd node with the Python autograd's
   saved tensors and backward, which calls ``layernorm::backward`` through the dispatcher.
 
@@ -260,7 +263,7 @@ def _load() -> ModuleType | None:
 def _use(module: ModuleType) -> None:
     global _extension, _reason, norm
     from . import _op, backends
-    from .backends import _kernel_abi, numba_
+    from .backends import _kernel_abi, _threads, numba_
     from .backends.torch_ import accumulation_dtype
 
     # Everything the C++ part needs to know is handed over here, from its one home.
@@ -280,7 +283,10 @@ def _use(module: ModuleType) -> None:
             "kernel_rows": _op.kernel_rows,
             "backend_named": backends.named_by_environment,
             "constant": _constant,
-            "serial_numel": numba_.SERIAL_NUMEL,
+            "lend": _threads.lend,
+            "give_back": _threads.give_back,
+            "grain": _threads.GRAIN,
+            "row_block": numba_._kernels().ROW_BLOCK,
             "max_bytes": numba_.STREAM_BYTES,
             "forward_signature": _kernel_abi.signature("forward"),
             "backward_signature": _kernel_abi.signature("backward"),

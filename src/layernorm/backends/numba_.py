@@ -53,7 +53,7 @@ import math
 import threading
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -101,8 +101,6 @@ def _kernels() -> ModuleType:
 
 #: the entries compiled so far, by (dtype, kernel name): see :func:`entry`
 _entries: dict[tuple[torch.dtype, str], Callable[..., None]] = {}
-#: the C callbacks of the threaded entries, by (dtype, kernel name): see :func:`entry_address`
-_callbacks: dict[tuple[torch.dtype, str], object] = {}
 
 #: each thread's forward flags buffer (:func:`_scratch`)
 _flag_buffers = threading.local()
@@ -157,28 +155,13 @@ def entry(dtype: torch.dtype, name: str) -> Callable[..., None]:
 
 
 def entry_address(dtype: torch.dtype, name: str) -> int:
-    """The C address of :func:`entry` ``(dtype, name)``, for compiled callers: the
-    compiled entry itself for the serial ones, a C callback into :func:`entry` for the
-    parallel ones (which run Python's threads). The caller holds the GIL."""
-    if not name.endswith("_parallel"):
-        return _kernels().address(_compiled(dtype, name))  # type: ignore[no-any-return]
-    callback = _callbacks.get((dtype, name))
-    if callback is None:
-        from . import _kernel_abi
-
-        c_types: dict[str, Any] = {
-            "i64": ctypes.c_int64,
-            "f64": ctypes.c_double,
-            "bool": ctypes.c_bool,
-        }
-        arguments = [c_types[kind] for _, kind in _kernel_abi.KERNELS[name.split("_")[0]]]
-        _compiled(dtype, name)  # compiled now, not inside the first call
-        callback = _callbacks[dtype, name] = ctypes.CFUNCTYPE(None, *arguments)(entry(dtype, name))
-    return _address_of(callback)
-
-
-def _address_of(callback: object) -> int:
-    return ctypes.cast(callback, ctypes.c_void_p).value or 0  # type: ignore[arg-type]
+    """The C address of the compiled ``_numba_kernels`` entry ``name`` (one of
+    :data:`ENTRIES` or ``column_sums``) for ``dtype``, for compiled callers. A
+    ``*_parallel`` entry runs one span of a call's rows, as :func:`entry`'s threaded
+    entries hand them out; a compiled caller that spreads a call over threads of its own
+    asks :func:`layernorm.backends._threads.lend` for them and adds the backward's partial
+    sums with ``column_sums``, as :func:`_backward_over_threads` does."""
+    return _kernels().address(_compiled(dtype, name))  # type: ignore[no-any-return]
 
 
 def _forward_over_threads(
@@ -304,9 +287,11 @@ def cache_location() -> str:
     return _numba_cache.location()
 
 
-#: inputs of fewer elements run in the calling thread: below this, waking helper threads
-#: costs more than it saves (on the 2-core development machine one thread beat two up to
-#: about 256 rows of 1024: ``benchmarks/RESULTS.md``, "Small calls"). Same bits either way.
+#: inputs of fewer elements run in the calling thread on this Python path: below this,
+#: waking Python helper threads costs more than it saves (on the 2-core development
+#: machine one thread beat two up to about 256 rows of 1024: ``benchmarks/RESULTS.md``,
+#: "Small calls"). Same bits either way. (The compiled front door's C++ helpers cost far
+#: less to wake and follow :func:`._threads.lend` alone.)
 SERIAL_NUMEL = 1 << 18
 
 
