@@ -273,10 +273,12 @@ int64_t entry_for(const Tensor& x, c10::string_view backend, Entry serial) {
 // grants: it counts them with the Python pool's, so the process's kernel threads never
 // outnumber its CPUs, and it follows torch.get_num_threads() at call time. The helpers
 // are C++ threads (no Python, no OpenMP: torch's OpenMP pool hangs a forked child),
-// started on first need; after a task a helper spins for SPIN before it sleeps, since a
-// model's next norm call comes soon. A forked child starts without helpers (at_fork).
+// started on first need; after a task a helper spins for SPIN before it sleeps (a wake-up
+// from sleep costs a few microseconds; calls that follow each other closely, as a
+// layer's forward and backward can, find it awake), short so that it takes little CPU
+// from other work. A forked child starts without helpers (after_fork_in_child).
 
-constexpr auto SPIN = std::chrono::microseconds(50);
+constexpr auto SPIN = std::chrono::microseconds(20);
 
 inline void relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -394,8 +396,15 @@ void run_spans(const Ranges& ranges, int64_t lent, std::function<void(int64_t, i
         pool->ensure(lent);
         for (int64_t k = 0; k < lent; ++k) pool->post([job] { job->work(); });
         job->work();
-        // (a helper that wakes late finds no span left and touches nothing of this call)
-        while (job->done.load(std::memory_order_acquire) < job->ranges.size()) relax();
+        // (a helper that wakes late finds no span left and touches nothing of this call;
+        // a helper descheduled mid-span gets the CPU back after SPIN)
+        const auto until = std::chrono::steady_clock::now() + SPIN;
+        while (job->done.load(std::memory_order_acquire) < job->ranges.size()) {
+            if (std::chrono::steady_clock::now() < until)
+                relax();
+            else
+                std::this_thread::yield();
+        }
     }
     call_python(state.give_back, lent);
 }
