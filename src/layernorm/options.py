@@ -22,6 +22,7 @@ What each one rounds (``docs/contract.md`` §2, "Options"):
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import Tensor
@@ -163,6 +164,12 @@ def residual_sum(op: str, x: Tensor, residual: Tensor) -> Tensor:
     """``x + residual`` rounded to ``x``'s dtype, as the kernels form ``residual_out``
     (the sum in the accumulation dtype, then one conversion: ``docs/contract.md`` §1),
     after the checks of the fused functions."""
+    _check(_check_residual, op, x, residual)
+    acc = accumulation_dtype(x.dtype)
+    return (x.to(acc) + residual.to(acc)).to(x.dtype)
+
+
+def _check_residual(op: str, x: Tensor, residual: Tensor) -> None:
     if not isinstance(residual, Tensor):
         raise TypeError(
             f"{op}: expected residual to be a torch.Tensor, got {type(residual).__name__}"
@@ -173,8 +180,17 @@ def residual_sum(op: str, x: Tensor, residual: Tensor) -> Tensor:
             f"{list(x.shape)} {x.dtype} and residual {list(residual.shape)} {residual.dtype}"
         )
     ops._check_device("residual", residual, x)
-    acc = accumulation_dtype(x.dtype)
-    return (x.to(acc) + residual.to(acc)).to(x.dtype)
+
+
+def _check(check, *args) -> None:  # type: ignore[no-untyped-def]
+    """``check(*args)``; under jit.trace without its TracerWarnings about shapes, which
+    the check reads for the shapes that the trace records (as ``ops._norm`` does)."""
+    if not torch.compiler.is_compiling() and torch._C._is_tracing():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            check(*args)
+    else:
+        check(*args)
 
 
 # ---------------------------------------------------------------------------------------
@@ -206,7 +222,8 @@ def cast_rms_norm(
       float32, then ``y = RN_x(RN_q(u · g))`` with ``q`` the promotion of ``x``'s and
       ``p``: two roundings of the product when ``q`` is wider than ``x``'s dtype (as
       Liger's kernel stores a float32 product into a half output).
-    - ``"none"`` (everything in ``x``'s dtype): ``e = RN_x(eps)``,
+    - ``"none"`` (everything in ``x``'s dtype): ``e = RN_x(RN_32(eps))`` (Liger's float32
+      scalar argument, cast),
       ``r = RN_x(1/sqrt(mean(h²) + e))`` (the mean and root in float64, then converted
       as torch converts float64: through float32 for the half types, which can round
       twice), ``u = RN_x(h · r)``, ``g = RN_p(w + RN_x(offset))`` with ``p`` the
@@ -228,9 +245,9 @@ def cast_rms_norm(
         u = ops._norm("rms_norm", h, None, shape, None, None, eps, True, backend)[0]
         scale = wide
     else:  # "none"
-        ops._check_input("input", h, shape, op)
+        _check(ops._check_input, "input", h, shape, op)
         dims = tuple(range(-len(shape), 0))
-        e = float(torch.tensor(eps, dtype=torch.float64).to(x.dtype))
+        e = _scalar(eps, x.dtype)
         ms = h.to(torch.float64).square().mean(dims, keepdim=True)
         r = torch.rsqrt(ms + e).to(x.dtype)
         u = h * r
@@ -250,7 +267,26 @@ def _gain(weight: Tensor, offset: float, dtype: torch.dtype, offset_dtype: torch
     w = weight.to(dtype)
     if not offset:
         return w
-    return w + torch.tensor(offset, dtype=torch.float64).to(offset_dtype).to(dtype)
+    return w + _scalar(offset, offset_dtype)
+
+
+#: (significand bits, exponent of the smallest normal)
+_FORMATS = {torch.float32: (24, -126), torch.bfloat16: (8, -126), torch.float16: (11, -14)}
+
+
+def _scalar(v: float, dtype: torch.dtype) -> float:
+    """A Python float as Liger's kernels see it in ``dtype``: rounded to float32 (a
+    scalar kernel argument), then to ``dtype`` (each to nearest-even; as torch converts
+    float64 to the half types); float64 keeps it. Plain Python, so that tracing and
+    export record a constant."""
+    if dtype == torch.float64:
+        return v
+    for fmt in (torch.float32, dtype):
+        p, emin = _FORMATS[fmt]
+        if v != 0 and math.isfinite(v):
+            ulp = math.ldexp(1.0, max(math.frexp(v)[1] - 1, emin) - (p - 1))
+            v = round(v / ulp) * ulp  # exact scaling; round() ties to even
+    return v
 
 
 # ---------------------------------------------------------------------------------------
