@@ -532,3 +532,29 @@ def test_export_and_jit_trace_run_on_new_inputs(option):
             for a, e in zip(got, want, strict=True):
                 assert a.dtype == e.dtype
                 assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# modules
+
+
+def test_module_attributes_are_the_functions_options():
+    """``offset``, ``out_dtype`` (and ``casting_mode`` on RMSNorm) set on a module give
+    the function's result with those options; torch's state_dict and repr are unchanged;
+    a module with options set refuses to script (the scripted forward is the plain norm)."""
+    x = torch.randn(2, 3, 4, 8, dtype=torch.bfloat16)
+    ln = layernorm.LayerNorm((4, 8))
+    rms = layernorm.RMSNorm((4, 8))
+    with torch.no_grad():
+        ln.weight.normal_()
+        rms.weight.normal_()
+    keys, text = list(ln.state_dict()), repr(ln)
+    ln.offset, ln.out_dtype = 1.0, torch.float32
+    rms.offset, rms.casting_mode = 1.0, "gemma"
+    assert list(ln.state_dict()) == keys and repr(ln) == text
+    want = layernorm.layer_norm(x, (4, 8), ln.weight, ln.bias, offset=1.0, out_dtype=torch.float32)
+    assert ln(x).dtype == torch.float32 and torch.equal(ln(x), want)
+    want = layernorm.rms_norm(x, (4, 8), rms.weight, None, offset=1.0, casting_mode="gemma")
+    assert torch.equal(rms(x), want)
+    with pytest.raises(ValueError, match="Unknown type annotation"):
+        torch.jit.script(rms)

@@ -2,7 +2,10 @@
 
 Constructors, parameters, state_dict keys, ``reset_parameters`` and ``repr`` are torch's
 own, so checkpoints load both ways and ``isinstance(m, torch.nn.LayerNorm)`` holds.
-The attribute ``backend`` (default ``None``, the automatic choice) picks a kernel backend.
+The attribute ``backend`` (default ``None``, the automatic choice) picks a kernel backend;
+``offset`` and ``out_dtype`` (and ``casting_mode`` on RMSNorm), set on an instance, are
+the functions' options (``docs/contract.md`` §2 "Options"); at their defaults (``0.0``,
+``None``) the call is the plain one.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class LayerNorm(torch.nn.LayerNorm):
     """
 
     backend: str | None = None
+    offset: float = 0.0
+    out_dtype: torch.dtype | None = None
 
     def forward(self, input: Tensor) -> Tensor:
         if torch.jit.is_scripting():
@@ -52,6 +57,11 @@ class LayerNorm(torch.nn.LayerNorm):
 
     @torch.jit.unused
     def _eager(self, input: Tensor) -> Tensor:
+        if self.offset or self.out_dtype is not None:
+            return layer_norm(
+                input, self.normalized_shape, self.weight, self.bias, self.eps,
+                backend=self.backend, offset=self.offset, out_dtype=self.out_dtype,
+            )  # fmt: skip
         return layer_norm(
             input, self.normalized_shape, self.weight, self.bias, self.eps, backend=self.backend
         )
@@ -82,6 +92,9 @@ class RMSNorm(torch.nn.RMSNorm):
     """
 
     backend: str | None = None
+    offset: float = 0.0
+    casting_mode: str | None = None
+    out_dtype: torch.dtype | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.jit.is_scripting():
@@ -90,4 +103,9 @@ class RMSNorm(torch.nn.RMSNorm):
 
     @torch.jit.unused
     def _eager(self, x: Tensor) -> Tensor:
+        if self.offset or self.casting_mode is not None or self.out_dtype is not None:
+            return rms_norm(
+                x, self.normalized_shape, self.weight, self.eps, backend=self.backend,
+                offset=self.offset, casting_mode=self.casting_mode, out_dtype=self.out_dtype,
+            )  # fmt: skip
         return rms_norm(x, self.normalized_shape, self.weight, self.eps, backend=self.backend)
