@@ -558,3 +558,111 @@ def test_module_attributes_are_the_functions_options():
     assert torch.equal(rms(x), want)
     with pytest.raises(ValueError, match="Unknown type annotation"):
         torch.jit.script(rms)
+
+
+# ---------------------------------------------------------------------------------------
+# memory_efficient
+
+UNIT = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def _ulp(t: torch.Tensor) -> torch.Tensor:
+    """A unit in the last place of each element of ``t`` (as float64) in its dtype."""
+    p, emin = FORMAT[t.dtype]
+    _, e = np.frexp(_np(t))
+    return torch.from_numpy(np.ldexp(1.0, np.maximum(e - 1, emin) - (p - 1)))
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_SINGLE, ids=str)
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+@pytest.mark.parametrize(("shape", "nshape"), [((7, 64), (64,)), ((2, 3, 4, 16), (4, 16))])
+def test_memory_efficient_dx_is_within_its_stated_bound(dtype, rms, affine, shape, nshape):
+    """``dx``, ``dweight``, ``dbias`` of ``memory_efficient=True`` against the float64
+    reference, within the bounds of :mod:`layernorm.recompute`; and autograd kept the
+    output, not the input."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(shape, generator=g) * 2 + 0.5).to(dtype).requires_grad_()
+    w = (torch.randn(nshape, generator=g) + 2).to(dtype).requires_grad_() if affine else None
+    b = torch.randn(nshape, generator=g).to(dtype).requires_grad_() if affine and not rms else None
+    dy = torch.randn(shape, generator=g).to(dtype)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        if rms:
+            y = layernorm.rms_norm(x, nshape, w, memory_efficient=True)
+        else:
+            y = layernorm.layer_norm(x, nshape, w, b, memory_efficient=True)
+    assert any(t is y or (t.data_ptr() == y.data_ptr() and t.shape == y.shape) for t in saved)
+    assert not any(t.data_ptr() == x.data_ptr() for t in saved)
+    assert torch.equal(y, (layernorm.rms_norm(x, nshape, w) if rms else
+                           layernorm.layer_norm(x, nshape, w, b)))  # fmt: skip
+    leaves = [t for t in (x, w, b) if t is not None]
+    grads = torch.autograd.grad(y, leaves, dy)
+
+    n = int(np.prod(nshape))
+    z = _np(x).reshape(-1, n)
+    gam = np.ones(n) if w is None else _np(w).reshape(-1)
+    bet = np.zeros(n) if b is None else _np(b).reshape(-1)
+    mean = 0.0 if rms else z.mean(1, keepdims=True)
+    v = z - mean
+    q = (v * v).mean(1, keepdims=True)
+    rstd = 1 / np.sqrt(q + layernorm._op.default_eps(dtype) if rms else q + 1e-5)
+    u = v * rstd
+    gg = _np(dy).reshape(-1, n)
+    gh = gg * gam
+    c1 = (gh * u).mean(1, keepdims=True)
+    c2 = 0.0 if rms else gh.mean(1, keepdims=True)
+    dx_ref = rstd * (gh - c2 - u * c1)
+    e, p = 2.0**-24, UNIT[dtype]
+    yy = _np(y).reshape(-1, n)
+    delta = (p * np.abs(yy) + 2 * e * np.abs(yy - bet)) / np.abs(gam) + e * np.abs(u)
+    log_n = np.log2(n)
+    bound = (rstd * (np.abs(c1) * delta + np.abs(u) * (np.abs(gh) * delta).mean(1, keepdims=True))
+             + rstd * (np.abs(gh) + np.abs(c2) + np.abs(u * c1)) * (log_n + 8) * e
+             + _np(_ulp(grads[0])).reshape(-1, n) / 2)  # fmt: skip
+    err = np.abs(_np(grads[0]).reshape(-1, n) - dx_ref)
+    assert (err <= bound).all(), float((err / bound).max())
+    if affine:
+        m = z.shape[0]
+        dw_ref = (gg * u).sum(0)
+        dw_bound = (np.abs(gg) * delta).sum(0) + (np.log2(m) + 4) * e * np.abs(gg * u).sum(0)
+        assert (
+            np.abs(_np(grads[1]).reshape(-1) - dw_ref) <= dw_bound + _np(_ulp(grads[1])).reshape(-1)
+        ).all()
+        if not rms:
+            db_ref = gg.sum(0)
+            db_bound = (np.log2(m) + 4) * e * np.abs(gg).sum(0) + _np(_ulp(grads[2])).reshape(-1)
+            assert (np.abs(_np(grads[2]).reshape(-1) - db_ref) <= db_bound).all()
+
+
+def test_memory_efficient_is_the_plain_call_where_it_does_not_apply():
+    """A zero in gamma, no gradient, torch.func, compile: the plain call, the same bits
+    (gradients included); double backward through a memory-efficient node raises."""
+    x = torch.randn(3, 8, requires_grad=True)
+    w = torch.randn(8).index_fill_(0, torch.tensor([2]), 0.0).requires_grad_()
+    y = layernorm.layer_norm(x, 8, w, memory_efficient=True)
+    assert "MemoryEfficient" not in type(y.grad_fn).__name__
+    plain = layernorm.layer_norm(x, 8, w)
+    assert torch.equal(y, plain)
+    dy = torch.randn(3, 8)
+    for a, e in zip(torch.autograd.grad(y, (x, w), dy), torch.autograd.grad(plain, (x, w), dy),
+                    strict=True):  # fmt: skip
+        assert torch.equal(a, e)
+    with torch.no_grad():
+        assert layernorm.rms_norm(x, 8, memory_efficient=True).grad_fn is None
+    w1 = torch.randn(8)
+
+    def loss(x, memory_efficient):
+        return (layernorm.rms_norm(x, 8, w1, memory_efficient=memory_efficient) * dy).sum()
+
+    assert torch.equal(grad(loss)(x.detach(), True), grad(loss)(x.detach(), False))
+    compiled = torch.compile(lambda t: layernorm.rms_norm(t, 8, w1, memory_efficient=True),
+                             fullgraph=True)  # fmt: skip
+    assert_close(compiled(x), layernorm.rms_norm(x, 8, w1), rtol=1e-6, atol=1e-6)
+    y = layernorm.rms_norm(x, 8, w1, memory_efficient=True)
+    (gx,) = torch.autograd.grad(y, x, dy, create_graph=True)
+    assert not gx.requires_grad  # once_differentiable: no graph for a second order
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        gx.sum().backward()
+    with pytest.raises(ValueError, match="does not combine"):
+        layernorm.rms_norm(x, 8, w1, memory_efficient=True, offset=1.0)

@@ -289,6 +289,7 @@ def layer_norm(
     offset: float = 0.0,
     out_dtype: torch.dtype | None = None,
     out: Tensor | None = None,
+    memory_efficient: bool = False,
 ) -> Tensor:
     r"""Layer normalization over the trailing ``normalized_shape`` dims of ``input``.
 
@@ -316,6 +317,10 @@ def layer_norm(
             Default: ``None``, the input's.
         out: a preallocated output, by torch's ``out=`` rules (dtype and device must
             match; a 0-element one is resized; no autograd). Default: ``None``.
+        memory_efficient: apex's: autograd saves the output instead of the input and the
+            backward recovers the normalized input from it, so ``dx`` is within a stated
+            bound rather than correctly rounded (:mod:`layernorm.recompute`); eager
+            autograd only, alone (not with the other options). Default: ``False``.
 
     Returns:
         a tensor shaped like ``input``, of its dtype (or ``out_dtype``; ``out`` when given).
@@ -330,10 +335,10 @@ def layer_norm(
         >>> layernorm.layer_norm(x, (3,), eps=1 / 3)
         tensor([[-1.,  0.,  1.]])
     """
-    if offset or out_dtype is not None or out is not None:
+    if offset or out_dtype is not None or out is not None or memory_efficient:
         return _options.norm(
             "layer_norm", input, None, normalized_shape, weight, bias, eps, False, backend,
-            offset=offset, out_dtype=out_dtype, out=out,
+            offset=offset, out_dtype=out_dtype, out=out, memory_efficient=memory_efficient,
         )[0]  # fmt: skip
     return _norm("layer_norm", input, None, normalized_shape, weight, bias, eps, False, backend)[0]
 
@@ -349,6 +354,7 @@ def rms_norm(
     casting_mode: str | None = None,
     out_dtype: torch.dtype | None = None,
     out: Tensor | None = None,
+    memory_efficient: bool = False,
 ) -> Tensor:
     r"""RMSNorm over the trailing ``normalized_shape`` dims: ``y = x / sqrt(mean(x²) + eps) ⊙ gamma``.
 
@@ -361,7 +367,7 @@ def rms_norm(
         eps: added inside the square root. Default: ``None``, the machine epsilon of the computation's dtype, as torch
             uses: ``torch.finfo(torch.float32).eps`` for float16/bfloat16/float32 input.
         backend: as in :func:`layer_norm`. Default: ``None``.
-        offset, out_dtype, out: as in :func:`layer_norm`.
+        offset, out_dtype, out, memory_efficient: as in :func:`layer_norm`.
         casting_mode: Liger's casting order, ``"llama"``, ``"gemma"`` or ``"none"``, with
             exact arithmetic between its casts (:func:`layernorm.options.cast_rms_norm`);
             not with ``out_dtype``. Default: ``None``, one rounding.
@@ -374,10 +380,17 @@ def rms_norm(
         >>> layernorm.rms_norm(torch.tensor([[3.0, 4.0]]), 2, eps=0.0)
         tensor([[0.8485, 1.1314]])
     """
-    if offset or casting_mode is not None or out_dtype is not None or out is not None:
+    if (
+        offset
+        or casting_mode is not None
+        or out_dtype is not None
+        or out is not None
+        or memory_efficient
+    ):
         return _options.norm(
             "rms_norm", input, None, normalized_shape, weight, None, eps, True, backend,
             offset=offset, casting_mode=casting_mode, out_dtype=out_dtype, out=out,
+            memory_efficient=memory_efficient,
         )[0]  # fmt: skip
     return _norm("rms_norm", input, None, normalized_shape, weight, None, eps, True, backend)[0]
 

@@ -17,6 +17,9 @@ What each one rounds (``docs/contract.md`` §2, "Options"):
   (exactly), then normalized, so the output is correctly rounded in ``out_dtype``.
 - ``out`` / ``residual_out``: preallocated outputs, by torch's ``out=`` rules
   (:func:`store`).
+- ``memory_efficient`` (layer_norm, rms_norm): apex's backward from the saved output,
+  :mod:`layernorm.recompute` (an ``autograd.Function``: the one option that is not a
+  composition).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 from torch import Tensor
 from torch._prims_common.wrappers import _maybe_resize_out
 
-from . import _op, ops
+from . import _op, ops, recompute
 from .backends.torch_ import accumulation_dtype
 
 __all__ = ["CASTING_MODES", "cast_rms_norm", "norm", "offset_gain", "residual_sum", "store"]
@@ -61,9 +64,21 @@ def norm(
     out_dtype: torch.dtype | None = None,
     out: Tensor | None = None,
     residual_out: Tensor | None = None,
+    memory_efficient: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """One call of ``op`` with options: the checks of every option first (before any
     work), then the composition. Returns ``(y, residual_out)`` as ``ops._norm`` does."""
+    if memory_efficient:
+        if offset or casting_mode is not None or out is not None:
+            raise ValueError(
+                f"{op}: memory_efficient=True does not combine with offset, casting_mode or out"
+            )
+        if out_dtype is not None and isinstance(x, Tensor):
+            _check_out_dtype(op, x, out_dtype)
+            eps = _op.default_eps(x.dtype) if eps is None else eps
+            x = x.to(out_dtype)
+        y = recompute.norm(op, x, normalized_shape, weight, bias, eps, rms, backend)
+        return y, None
     if not isinstance(x, Tensor):
         raise TypeError(f"{op}: expected input to be a torch.Tensor, got {type(x).__name__}")
     offset = _check_offset(op, offset, weight)

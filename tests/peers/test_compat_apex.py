@@ -10,7 +10,8 @@ compared cast to the dtype. A ``MixedFused*`` module keeps float32 parameters, s
 half input its output is float32 (apex's rule: the parameters' dtype), compared cast to
 the input's dtype at the case's thresholds. Beyond apex's tests: the module surface (defaults,
 ``normalized_shape`` as a ``torch.Size``, ``state_dict`` keys, ``repr``, the mixed
-modules' ``elementwise_affine`` rule) and the functions.
+modules' ``elementwise_affine`` rule) and the functions. ``memory_efficient`` runs on and
+off, as apex parametrizes it (on: autograd holds :mod:`layernorm.recompute`'s node).
 """
 
 from __future__ import annotations
@@ -24,15 +25,17 @@ import layernorm
 from layernorm.compat import apex
 
 
-def _run(rms, dtype, mixed, batch, contiguous, affine, fwd, bwd):
+def _run(rms, dtype, mixed, batch, contiguous, affine, fwd, bwd, memory_efficient):
     theirs_cls = torch.nn.RMSNorm if rms else torch.nn.LayerNorm
     kwargs = {"eps": 1e-5} if rms else {}
     theirs = theirs_cls(NORMALIZED_SHAPE, elementwise_affine=affine, **kwargs)
     if mixed:
-        ours = (apex.MixedFusedRMSNorm if rms else apex.MixedFusedLayerNorm)(NORMALIZED_SHAPE)
+        ours = (apex.MixedFusedRMSNorm if rms else apex.MixedFusedLayerNorm)(
+            NORMALIZED_SHAPE, memory_efficient=memory_efficient
+        )
     else:
         ours = (apex.FusedRMSNorm if rms else apex.FusedLayerNorm)(
-            NORMALIZED_SHAPE, elementwise_affine=affine
+            NORMALIZED_SHAPE, elementwise_affine=affine, memory_efficient=memory_efficient
         ).to(dtype)
     x, x_dtype = _inputs(batch, contiguous, dtype)
     x_theirs = x.detach().requires_grad_(True)
@@ -43,6 +46,7 @@ def _run(rms, dtype, mixed, batch, contiguous, affine, fwd, bwd):
     y_ours = ours(x_ours)
     out_dtype = torch.float32 if mixed else dtype
     assert y_ours.dtype == out_dtype
+    assert ("MemoryEfficient" in type(y_ours.grad_fn).__name__) == memory_efficient
     # at the input's dtype, as apex compares (its reference sees the unrounded input)
     assert_close(y_ours.to(dtype), y_theirs.to(dtype), **fwd)
     y_ours.backward(dy.to(out_dtype))
@@ -52,22 +56,26 @@ def _run(rms, dtype, mixed, batch, contiguous, affine, fwd, bwd):
         assert_close(ours.weight.grad, theirs.weight.grad.to(ours.weight.dtype), **bwd)
 
 
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["", "memory_efficient"])
 @pytest.mark.parametrize(
     ("dtype", "mixed", "batch", "contiguous", "affine", "fwd", "bwd"),
     list(_cases(LAYER_NORM_CASES)),
 )
-def test_fused_layer_norm(dtype, mixed, batch, contiguous, affine, fwd, bwd):
-    """apex ``_test_fused_layer_norm`` on ``FusedLayerNorm`` / ``MixedFusedLayerNorm``."""
-    _run(False, dtype, mixed, batch, contiguous, affine, fwd, bwd)
+def test_fused_layer_norm(dtype, mixed, batch, contiguous, affine, fwd, bwd, memory_efficient):
+    """apex ``_test_fused_layer_norm`` on ``FusedLayerNorm`` / ``MixedFusedLayerNorm``,
+    with ``memory_efficient`` off and on, as apex parametrizes it."""
+    _run(False, dtype, mixed, batch, contiguous, affine, fwd, bwd, memory_efficient)
 
 
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["", "memory_efficient"])
 @pytest.mark.parametrize(
     ("dtype", "mixed", "batch", "contiguous", "affine", "fwd", "bwd"),
     list(_cases(RMS_NORM_CASES)),
 )
-def test_fused_rms_norm(dtype, mixed, batch, contiguous, affine, fwd, bwd):
-    """apex ``_test_fused_rms_norm`` on ``FusedRMSNorm`` / ``MixedFusedRMSNorm``."""
-    _run(True, dtype, mixed, batch, contiguous, affine, fwd, bwd)
+def test_fused_rms_norm(dtype, mixed, batch, contiguous, affine, fwd, bwd, memory_efficient):
+    """apex ``_test_fused_rms_norm`` on ``FusedRMSNorm`` / ``MixedFusedRMSNorm``, with
+    ``memory_efficient`` off and on."""
+    _run(True, dtype, mixed, batch, contiguous, affine, fwd, bwd, memory_efficient)
 
 
 def test_modules_have_apexs_surface():

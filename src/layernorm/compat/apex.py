@@ -12,8 +12,9 @@ as apex's CUDA path:
   correctly rounded in it). Parameters narrower than the input raise ``ValueError``
   (``out_dtype`` narrower than the input: not yet supported).
 
-``memory_efficient`` is kept as an attribute and changes no value; the backward saves the
-input and per-row statistics (issue 23's memory-efficient backward is not built yet).
+``memory_efficient=True`` is :func:`layernorm.layer_norm`'s (:mod:`layernorm.recompute`):
+autograd saves the output, and the backward recovers the normalized input from it, within
+a stated bound (apex's semantics; the default backward is correctly rounded).
 apex itself runs torch's ``F.layer_norm`` / a float32 RMSNorm for CPU inputs; these run
 this library's exact kernels on every device.
 
@@ -62,13 +63,13 @@ def fused_layer_norm_affine(
     eps: float = 1e-6,
     memory_efficient: bool = False,
 ) -> Tensor:
-    return layer_norm(input, normalized_shape, weight, bias, eps)
+    return layer_norm(input, normalized_shape, weight, bias, eps, memory_efficient=memory_efficient)
 
 
 def fused_layer_norm(
     input: Tensor, normalized_shape: ShapeLike, eps: float = 1e-6, memory_efficient: bool = False
 ) -> Tensor:
-    return layer_norm(input, normalized_shape, None, None, eps)
+    return layer_norm(input, normalized_shape, None, None, eps, memory_efficient=memory_efficient)
 
 
 def mixed_dtype_fused_layer_norm_affine(
@@ -79,7 +80,10 @@ def mixed_dtype_fused_layer_norm_affine(
     eps: float = 1e-6,
     memory_efficient: bool = False,
 ) -> Tensor:
-    return layer_norm(input, normalized_shape, weight, bias, eps, out_dtype=_wider(input, weight))
+    return layer_norm(
+        input, normalized_shape, weight, bias, eps,
+        out_dtype=_wider(input, weight), memory_efficient=memory_efficient,
+    )  # fmt: skip
 
 
 def fused_rms_norm_affine(
@@ -89,13 +93,13 @@ def fused_rms_norm_affine(
     eps: float = 1e-6,
     memory_efficient: bool = False,
 ) -> Tensor:
-    return rms_norm(input, normalized_shape, weight, eps)
+    return rms_norm(input, normalized_shape, weight, eps, memory_efficient=memory_efficient)
 
 
 def fused_rms_norm(
     input: Tensor, normalized_shape: ShapeLike, eps: float = 1e-6, memory_efficient: bool = False
 ) -> Tensor:
-    return rms_norm(input, normalized_shape, None, eps)
+    return rms_norm(input, normalized_shape, None, eps, memory_efficient=memory_efficient)
 
 
 def mixed_dtype_fused_rms_norm_affine(
@@ -105,7 +109,10 @@ def mixed_dtype_fused_rms_norm_affine(
     eps: float = 1e-6,
     memory_efficient: bool = False,
 ) -> Tensor:
-    return rms_norm(input, normalized_shape, weight, eps, out_dtype=_wider(input, weight))
+    return rms_norm(
+        input, normalized_shape, weight, eps,
+        out_dtype=_wider(input, weight), memory_efficient=memory_efficient,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
@@ -120,7 +127,8 @@ class FusedLayerNorm(torch.nn.Module):
         normalized_shape: an int or a sequence (stored as a ``torch.Size``).
         eps: Default: ``1e-5``.
         elementwise_affine: learn ``weight`` (ones) and ``bias`` (zeros). Default: ``True``.
-        memory_efficient: kept; changes no value. Default: ``False``.
+        memory_efficient: save the output, not the input, for the backward
+            (:mod:`layernorm.recompute`). Default: ``False``.
     """
 
     def __init__(
@@ -151,7 +159,10 @@ class FusedLayerNorm(torch.nn.Module):
             init.zeros_(self.bias)
 
     def forward(self, input: Tensor) -> Tensor:
-        return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+        return layer_norm(
+            input, self.normalized_shape, self.weight, self.bias, self.eps,
+            memory_efficient=self.memory_efficient,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(
@@ -191,7 +202,10 @@ class FusedRMSNorm(torch.nn.Module):
             init.ones_(self.weight)
 
     def forward(self, input: Tensor) -> Tensor:
-        return rms_norm(input, self.normalized_shape, self.weight, self.eps)
+        return rms_norm(
+            input, self.normalized_shape, self.weight, self.eps,
+            memory_efficient=self.memory_efficient,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(
@@ -229,7 +243,7 @@ class MixedFusedLayerNorm(FusedLayerNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         return mixed_dtype_fused_layer_norm_affine(
-            input, self.weight, self.bias, self.normalized_shape, self.eps
+            input, self.weight, self.bias, self.normalized_shape, self.eps, self.memory_efficient
         )
 
 
@@ -254,5 +268,5 @@ class MixedFusedRMSNorm(FusedRMSNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         return mixed_dtype_fused_rms_norm_affine(
-            input, self.weight, self.normalized_shape, self.eps
+            input, self.weight, self.normalized_shape, self.eps, self.memory_efficient
         )
