@@ -666,3 +666,57 @@ def test_memory_efficient_is_the_plain_call_where_it_does_not_apply():
         gx.sum().backward()
     with pytest.raises(ValueError, match="does not combine"):
         layernorm.rms_norm(x, 8, w1, memory_efficient=True, offset=1.0)
+
+
+# ---------------------------------------------------------------------------------------
+# layer_norm_linear
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("shape", "nshape"), SHAPES[1:], ids=SHAPE_IDS[1:])
+def test_layer_norm_linear_is_the_composition(rms, dtype, shape, nshape):
+    """The output is ``F.linear(norm(x))`` bit for bit, the gradients of every input are
+    the composition's (up to the linear backward's summation order), and autograd keeps
+    x, the norm's parameters and the linear weight, never the norm's output."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(shape, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(nshape, generator=g).to(dtype).requires_grad_()
+    b = None if rms else torch.randn(nshape, generator=g).to(dtype).requires_grad_()
+    lw = torch.randn(5, shape[-1], generator=g).to(dtype).requires_grad_()
+    lb = torch.randn(5, generator=g).to(dtype).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = layernorm.layer_norm_linear(x, nshape, w, b, lw, lb, rms=rms)
+    assert "NormLinear" in type(out.grad_fn).__name__
+    assert {t.data_ptr() for t in saved} == {t.data_ptr() for t in (x, w, b, lw) if t is not None}
+    norm = layernorm.rms_norm(x, nshape, w) if rms else layernorm.layer_norm(x, nshape, w, b, 1e-5)
+    want = torch.nn.functional.linear(norm, lw, lb)
+    assert torch.equal(out, want)
+    dout = torch.randn(out.shape, generator=g).to(dtype)
+    leaves = [t for t in (x, w, b, lw, lb) if t is not None]
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
+    for a, e in zip(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(want, leaves, dout),
+                    strict=True):  # fmt: skip
+        assert_close(a, e, **tol)
+
+
+def test_layer_norm_linear_under_transforms_is_the_composition():
+    x = torch.randn(4, 8)
+    w, lw = torch.randn(8), torch.randn(3, 8)
+
+    def f(x, lw):
+        return layernorm.layer_norm_linear(x, 8, w, None, lw, rms=True).sum()
+
+    def composed(x, lw):
+        return torch.nn.functional.linear(layernorm.rms_norm(x, 8, w), lw).sum()
+
+    for a, e in zip(grad(f, (0, 1))(x, lw), grad(composed, (0, 1))(x, lw), strict=True):
+        assert_close(a, e)
+    compiled = torch.compile(
+        lambda x: layernorm.layer_norm_linear(x, 8, w, None, lw), fullgraph=True
+    )
+    assert_close(compiled(x), torch.nn.functional.linear(layernorm.layer_norm(x, 8, w), lw),
+                 rtol=1e-6, atol=1e-6)  # fmt: skip
+    with pytest.raises(ValueError, match="takes no bias"):
+        layernorm.layer_norm_linear(x, 8, w, w, lw, rms=True)
