@@ -248,31 +248,32 @@ def cast_rms_norm(
     every mode computes in float64 (nothing is narrowed to float32). The float64
     references of the three are ``tests/test_options.py::reference_cast_rms_norm``.
     """
-    h = x if residual is None else residual_sum(op, x, residual)
     shape = ops._normalized_shape(normalized_shape)
     wide = torch.promote_types(x.dtype, torch.float32)
-    if mode == "gemma":
+    kernel = "rms_norm" if residual is None else "add_rms_norm"
+    h: Tensor | None
+    if mode == "gemma":  # one fused call: the sum and the norm with the family's gain
         gain = None if weight is None else _gain(weight, offset, wide, wide)
-        return ops._norm("rms_norm", h, None, shape, gain, None, eps, True, backend)[0], (
-            None if residual is None else h
-        )
-    if mode == "llama":
-        u = ops._norm("rms_norm", h, None, shape, None, None, eps, True, backend)[0]
+        return ops._norm(kernel, x, residual, shape, gain, None, eps, True, backend)
+    if mode == "llama":  # the core u (and the sum) in one fused call
+        u, h = ops._norm(kernel, x, residual, shape, None, None, eps, True, backend)
         scale = wide
     else:  # "none"
-        _check(ops._check_input, "input", h, shape, op)
+        h = None if residual is None else residual_sum(op, x, residual)
+        z = x if h is None else h
+        _check(ops._check_input, "input", z, shape, op)
         dims = tuple(range(-len(shape), 0))
         e = _scalar(eps, x.dtype)
-        ms = h.to(torch.float64).square().mean(dims, keepdim=True)
+        ms = z.to(torch.float64).square().mean(dims, keepdim=True)
         r = torch.rsqrt(ms + e).to(x.dtype)
-        u = h * r
+        u = z * r
         scale = x.dtype
     if weight is None:
-        return u, None if residual is None else h
+        return u, h
     gain = _gain(weight, offset, torch.promote_types(weight.dtype, scale), scale)
     q = torch.promote_types(x.dtype, gain.dtype)
     y = (u.to(q) * gain).to(x.dtype)
-    return y, None if residual is None else h
+    return y, h
 
 
 def _gain(weight: Tensor, offset: float, dtype: torch.dtype, offset_dtype: torch.dtype) -> Tensor:
