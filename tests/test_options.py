@@ -720,3 +720,28 @@ def test_layer_norm_linear_under_transforms_is_the_composition():
                  rtol=1e-6, atol=1e-6)  # fmt: skip
     with pytest.raises(ValueError, match="takes no bias"):
         layernorm.layer_norm_linear(x, 8, w, w, lw, rms=True)
+
+
+def test_out_is_checked_before_any_work(monkeypatch):
+    """A wrong out= raises before the norm runs (the op is never called)."""
+    from layernorm import ops
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the norm ran")
+
+    monkeypatch.setattr(ops, "_norm", boom)
+    x = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match="Expected out tensor to have dtype"):
+        layernorm.layer_norm(x, 8, out=torch.empty(3, 8, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="Expected residual_out tensor to have device"):
+        layernorm.add_layer_norm(x, x, 8, residual_out=torch.empty(3, 8, device="meta"))
+    with pytest.raises(TypeError, match="argument 'out' must be Tensor"):
+        layernorm.rms_norm(x, 8, out=[1.0])
+
+
+def test_out_under_compile():
+    x = torch.randn(3, 8)
+    out = torch.empty(3, 8)
+    compiled = torch.compile(lambda x, o: layernorm.rms_norm(x, 8, out=o), fullgraph=True)
+    assert compiled(x, out) is out
+    assert_close(out, layernorm.rms_norm(x, 8), rtol=1e-6, atol=1e-6)

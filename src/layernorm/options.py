@@ -34,7 +34,15 @@ from torch._prims_common.wrappers import _maybe_resize_out
 from . import _op, ops, recompute
 from .backends.torch_ import accumulation_dtype
 
-__all__ = ["CASTING_MODES", "cast_rms_norm", "norm", "offset_gain", "residual_sum", "store"]
+__all__ = [
+    "CASTING_MODES",
+    "cast_rms_norm",
+    "check_out",
+    "norm",
+    "offset_gain",
+    "residual_sum",
+    "store",
+]
 
 #: Liger's casting modes; ``None`` is this library's (one rounding)
 CASTING_MODES = (None, "llama", "gemma", "none")
@@ -95,6 +103,12 @@ def norm(
             )
     if out is not None or residual_out is not None:
         _check_no_grad(op, x, residual, weight, bias)
+        if out is not None:
+            check_out(op, "out", out, x.dtype if out_dtype is None else out_dtype, x.device)
+        if residual_out is not None:
+            if residual is None:
+                raise TypeError(f"{op}: residual_out= is for the fused add_* functions")
+            check_out(op, "residual_out", residual_out, x.dtype, x.device)
     if eps is None:  # the input's rule, not the wider dtype's
         eps = _op.default_eps(x.dtype)
     compute = x.dtype if out_dtype is None else out_dtype
@@ -112,9 +126,7 @@ def norm(
             y = ops._norm(op, z, None, normalized_shape, gain, bias, eps, rms, backend)[0]
     if out is not None:
         y = store(op, "out", y, out)
-    if residual_out is not None:
-        if h is None:
-            raise TypeError(f"{op}: residual_out= is for the fused add_* functions")
+    if residual_out is not None and h is not None:
         h = store(op, "residual_out", h, residual_out)
     return y, h
 
@@ -317,24 +329,30 @@ def _check_no_grad(op: str, *tensors: Tensor | None) -> None:
         )
 
 
-def store(op: str, name: str, result: Tensor, out: Tensor) -> Tensor:
-    """``result`` written into the preallocated ``out``, by torch's rules for ``out=``:
-    ``out`` must be a tensor of the result's dtype (``RuntimeError``, torch's message) and
-    device; one of another shape is resized to the result's (a 0-element ``out``
-    silently, any other with torch's deprecation warning, as torch's reference
-    implementations do: ``torch._prims_common.wrappers._maybe_resize_out``). The result is computed first and then copied, so ``out`` may alias the input.
-    Returns ``out``."""
+def check_out(op: str, name: str, out: Tensor, dtype: torch.dtype, device: torch.device) -> None:
+    """torch's checks of a preallocated output, before any work: a tensor (``TypeError``)
+    of the result's dtype and device (``RuntimeError``, torch's messages)."""
     if not isinstance(out, Tensor):
         raise TypeError(f"{op}(): argument '{name}' must be Tensor, not {type(out).__name__}")
-    if out.dtype != result.dtype:
+    if out.dtype != dtype:
         raise RuntimeError(
-            f"Expected {name} tensor to have dtype {_short(result.dtype)}, but got "
+            f"Expected {name} tensor to have dtype {_short(dtype)}, but got "
             f"{_short(out.dtype)} instead"
         )
-    if out.device != result.device:
+    if out.device != device:
         raise RuntimeError(
-            f"Expected {name} tensor to have device {result.device}, but got {out.device} instead"
+            f"Expected {name} tensor to have device {device}, but got {out.device} instead"
         )
+
+
+def store(op: str, name: str, result: Tensor, out: Tensor) -> Tensor:
+    """``result`` written into the preallocated ``out`` (checked by :func:`check_out`), by
+    torch's rules for ``out=``: one of another shape is resized to the result's (a
+    0-element ``out`` silently, any other with torch's deprecation warning, as torch's
+    reference implementations do: ``torch._prims_common.wrappers._maybe_resize_out``).
+    The result is computed first and then copied, so ``out`` may alias the input.
+    Returns ``out``."""
+    check_out(op, name, out, result.dtype, result.device)
     _maybe_resize_out(out, result.shape)
     return out.copy_(result)
 
