@@ -424,6 +424,8 @@ OPTIONS = [
     ("llama-add", "add_rms_norm", {"casting_mode": "llama"}, torch.float32),
     ("out_dtype-layer", "layer_norm", {"out_dtype": torch.float64}, torch.float32),
     ("out_dtype-add-rms", "add_rms_norm", {"out_dtype": torch.float64}, torch.float32),
+    ("memory_efficient-layer", "layer_norm", {"memory_efficient": True}, torch.float32),
+    ("memory_efficient-rms", "rms_norm", {"memory_efficient": True}, torch.float32),
 ]
 OPTION_IDS = [o[0] for o in OPTIONS]
 #: (input shape, normalized_shape): 1-D to 4-D, multi-dim normalized shapes
@@ -745,3 +747,31 @@ def test_out_under_compile():
     compiled = torch.compile(lambda x, o: layernorm.rms_norm(x, 8, out=o), fullgraph=True)
     assert compiled(x, out) is out
     assert_close(out, layernorm.rms_norm(x, 8), rtol=1e-6, atol=1e-6)
+
+
+def test_layer_norm_linear_under_every_mechanism():
+    """vmap, jvp, export and jit.trace see the composition (float64 for the derivatives)."""
+    x = torch.randn(5, 2, 3, 8, dtype=torch.float64)
+    w, b = torch.randn(3, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
+    lw, lb = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+
+    def ours(x):
+        return layernorm.layer_norm_linear(x, (3, 8), w, b, lw, lb)
+
+    def composed(x):
+        return torch.nn.functional.linear(layernorm.layer_norm(x, (3, 8), w, b), lw, lb)
+
+    assert_close(vmap(ours)(x), composed(x))
+    t = torch.randn_like(x)
+    for a, e in zip(jvp(ours, (x,), (t,)), jvp(composed, (x,), (t,)), strict=True):
+        assert_close(a, e)
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return ours(x)
+
+    x2 = torch.randn_like(x)
+    program = torch.export.export(M(), (x,), strict=False)
+    traced = torch.jit.trace(M(), (x,), check_trace=False)
+    for got in (program.module()(x2), traced(x2)):
+        assert_close(got, composed(x2))
