@@ -119,7 +119,50 @@ def mixed_dtype_fused_rms_norm_affine(
 # Modules
 
 
-class FusedLayerNorm(torch.nn.Module):
+class _FusedNorm(torch.nn.Module):
+    """What apex's two modules share: ``normalized_shape`` as a ``torch.Size``, ``eps``,
+    ``elementwise_affine``, ``memory_efficient``, a ``weight`` of ones (and, with
+    ``_bias``, a ``bias`` of zeros) or ``None``, and apex's ``extra_repr``."""
+
+    _bias = False
+    weight: Tensor  # or None without elementwise_affine, as torch's modules type it
+    bias: Tensor
+
+    def __init__(
+        self,
+        normalized_shape: ShapeLike,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        memory_efficient: bool = False,
+    ) -> None:
+        super().__init__()
+        if isinstance(normalized_shape, numbers.Integral):
+            normalized_shape = (normalized_shape,)  # type: ignore[assignment]
+        self.normalized_shape = torch.Size(normalized_shape)  # type: ignore[arg-type]
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.memory_efficient = memory_efficient
+        names = ("weight", "bias") if self._bias else ("weight",)
+        for name in names:
+            if self.elementwise_affine:
+                setattr(self, name, Parameter(torch.empty(*self.normalized_shape)))
+            else:
+                self.register_parameter(name, None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.elementwise_affine:
+            init.ones_(self.weight)
+            if self._bias:
+                init.zeros_(self.bias)
+
+    def extra_repr(self) -> str:
+        return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(
+            **self.__dict__
+        )
+
+
+class FusedLayerNorm(_FusedNorm):
     r"""apex's ``FusedLayerNorm``: layer normalization over the trailing
     ``normalized_shape`` dims, :func:`layernorm.layer_norm` (output in the input's dtype).
 
@@ -131,32 +174,7 @@ class FusedLayerNorm(torch.nn.Module):
             (:mod:`layernorm.recompute`). Default: ``False``.
     """
 
-    def __init__(
-        self,
-        normalized_shape: ShapeLike,
-        eps: float = 1e-5,
-        elementwise_affine: bool = True,
-        memory_efficient: bool = False,
-    ) -> None:
-        super().__init__()
-        if isinstance(normalized_shape, numbers.Integral):
-            normalized_shape = (normalized_shape,)  # type: ignore[assignment]
-        self.normalized_shape = torch.Size(normalized_shape)  # type: ignore[arg-type]
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
-        self.memory_efficient = memory_efficient
-        if self.elementwise_affine:
-            self.weight = Parameter(torch.empty(*normalized_shape))  # type: ignore[misc]
-            self.bias = Parameter(torch.empty(*normalized_shape))  # type: ignore[misc]
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        if self.elementwise_affine:
-            init.ones_(self.weight)
-            init.zeros_(self.bias)
+    _bias = True
 
     def forward(self, input: Tensor) -> Tensor:
         return layer_norm(
@@ -164,53 +182,19 @@ class FusedLayerNorm(torch.nn.Module):
             memory_efficient=self.memory_efficient,
         )  # fmt: skip
 
-    def extra_repr(self) -> str:
-        return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(
-            **self.__dict__
-        )
 
-
-class FusedRMSNorm(torch.nn.Module):
+class FusedRMSNorm(_FusedNorm):
     r"""apex's ``FusedRMSNorm``: RMSNorm over the trailing ``normalized_shape`` dims,
     :func:`layernorm.rms_norm` (output in the input's dtype).
 
     Args: as :class:`FusedLayerNorm` (a ``weight`` of ones only).
     """
 
-    def __init__(
-        self,
-        normalized_shape: ShapeLike,
-        eps: float = 1e-5,
-        elementwise_affine: bool = True,
-        memory_efficient: bool = False,
-    ) -> None:
-        super().__init__()
-        if isinstance(normalized_shape, numbers.Integral):
-            normalized_shape = (normalized_shape,)  # type: ignore[assignment]
-        self.normalized_shape = torch.Size(normalized_shape)  # type: ignore[arg-type]
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
-        self.memory_efficient = memory_efficient
-        if self.elementwise_affine:
-            self.weight = Parameter(torch.empty(*normalized_shape))  # type: ignore[misc]
-        else:
-            self.register_parameter("weight", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        if self.elementwise_affine:
-            init.ones_(self.weight)
-
     def forward(self, input: Tensor) -> Tensor:
         return rms_norm(
             input, self.normalized_shape, self.weight, self.eps,
             memory_efficient=self.memory_efficient,
         )  # fmt: skip
-
-    def extra_repr(self) -> str:
-        return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(
-            **self.__dict__
-        )
 
 
 def _affine_only(name: str, kwargs: dict) -> None:
