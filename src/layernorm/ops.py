@@ -12,6 +12,11 @@ built for (``docs/contract.md`` §6):
 
 ``FAST_PATHS = False`` switches both off: every call then goes through the op (same
 bits).
+
+A call with a keyword option (``offset``, ``casting_mode``, ``out_dtype``, ``out``,
+``residual_out``, ``memory_efficient``) at other than its default goes to
+:mod:`layernorm.options` after one check; a call with every option at its default is
+the plain one above.
 """
 
 from __future__ import annotations
