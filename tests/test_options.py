@@ -10,6 +10,7 @@ on each option, against the eager call.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from fractions import Fraction
 
@@ -543,7 +544,8 @@ def test_export_and_jit_trace_run_on_new_inputs(option):
 def test_module_attributes_are_the_functions_options():
     """``offset``, ``out_dtype`` (and ``casting_mode`` on RMSNorm) set on a module give
     the function's result with those options; torch's state_dict and repr are unchanged;
-    a module with options set refuses to script (the scripted forward is the plain norm)."""
+    a module with options set scripts to a forward that raises (TorchScript runs the
+    plain norm); deep copies keep the options; unset, the module is the plain one."""
     x = torch.randn(2, 3, 4, 8, dtype=torch.bfloat16)
     ln = layernorm.LayerNorm((4, 8))
     rms = layernorm.RMSNorm((4, 8))
@@ -558,8 +560,16 @@ def test_module_attributes_are_the_functions_options():
     assert ln(x).dtype == torch.float32 and torch.equal(ln(x), want)
     want = layernorm.rms_norm(x, (4, 8), rms.weight, None, offset=1.0, casting_mode="gemma")
     assert torch.equal(rms(x), want)
-    with pytest.raises(ValueError, match="Unknown type annotation"):
-        torch.jit.script(rms)
+    scripted = torch.jit.script(rms)
+    with pytest.raises(torch.jit.Error, match="has no scripted forward"):
+        scripted(x)
+    copied = copy.deepcopy(ln)  # the copy's options route its own forward
+    assert copied.offset == 1.0 and torch.equal(copied(x), ln(x))
+    rms.offset, rms.casting_mode = 0.0, None  # back to the plain module
+    assert "_eager" not in rms.__dict__ and torch.equal(
+        rms(x), layernorm.rms_norm(x, (4, 8), rms.weight)
+    )
+    torch.jit.script(rms)(x)
 
 
 # ---------------------------------------------------------------------------------------
@@ -775,3 +785,30 @@ def test_layer_norm_linear_under_every_mechanism():
     traced = torch.jit.trace(M(), (x,), check_trace=False)
     for got in (program.module()(x2), traced(x2)):
         assert_close(got, composed(x2))
+
+
+def test_signatures_name_the_options():
+    """``inspect.signature`` shows each function's options as keyword-only parameters with
+    their defaults; a name a function does not take raises Python's TypeError."""
+    import inspect
+
+    want = {
+        "layer_norm": {"offset": 0.0, "out_dtype": None, "out": None, "memory_efficient": False},
+        "rms_norm": {"offset": 0.0, "casting_mode": None, "out_dtype": None, "out": None,
+                     "memory_efficient": False},
+        "add_layer_norm": {"offset": 0.0, "out_dtype": None, "out": None, "residual_out": None},
+        "add_rms_norm": {"offset": 0.0, "casting_mode": None, "out_dtype": None, "out": None,
+                         "residual_out": None},
+    }  # fmt: skip
+    for name, options in want.items():
+        params = inspect.signature(getattr(layernorm, name)).parameters
+        assert not any(p.kind is p.VAR_KEYWORD for p in params.values())
+        got = {k: p.default for k, p in params.items() if p.kind is p.KEYWORD_ONLY}
+        assert got == {"backend": None, **options}
+    x = torch.randn(2, 4)
+    with pytest.raises(
+        TypeError, match=r"layer_norm\(\) got an unexpected keyword argument 'casting_mode'"
+    ):
+        layernorm.layer_norm(x, 4, casting_mode="gemma")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'residual_out'"):
+        layernorm.rms_norm(x, 4, residual_out=x)

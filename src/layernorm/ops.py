@@ -13,10 +13,11 @@ built for (``docs/contract.md`` §6):
 ``FAST_PATHS = False`` switches both off: every call then goes through the op (same
 bits).
 
-A call with a keyword option (``offset``, ``casting_mode``, ``out_dtype``, ``out``,
-``residual_out``, ``memory_efficient``) at other than its default goes to
-:mod:`layernorm.options` after one check; a call with every option at its default is
-the plain one above.
+The keyword options (``offset``, ``casting_mode``, ``out_dtype``, ``out``,
+``residual_out``, ``memory_efficient``: :mod:`layernorm.options`) arrive as ``**options``,
+so a call without them costs one check (``if options``; explicit keyword-only parameters
+would cost a lookup of each default at every call); ``options.signed`` gives each
+function its full signature for ``inspect`` and ``help``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
@@ -291,10 +293,7 @@ def layer_norm(
     eps: float = 1e-5,
     *,
     backend: str | None = None,
-    offset: float = 0.0,
-    out_dtype: torch.dtype | None = None,
-    out: Tensor | None = None,
-    memory_efficient: bool = False,
+    **options: Any,
 ) -> Tensor:
     r"""Layer normalization over the trailing ``normalized_shape`` dims of ``input``.
 
@@ -340,11 +339,10 @@ def layer_norm(
         >>> layernorm.layer_norm(x, (3,), eps=1 / 3)
         tensor([[-1.,  0.,  1.]])
     """
-    if offset or out_dtype is not None or out is not None or memory_efficient:
-        return _options.norm(
-            "layer_norm", input, None, normalized_shape, weight, bias, eps, False, backend,
-            offset=offset, out_dtype=out_dtype, out=out, memory_efficient=memory_efficient,
-        )[0]  # fmt: skip
+    if options:
+        return _options.call(
+            "layer_norm", input, None, normalized_shape, weight, bias, eps, False, backend, options
+        )[0]
     return _norm("layer_norm", input, None, normalized_shape, weight, bias, eps, False, backend)[0]
 
 
@@ -355,11 +353,7 @@ def rms_norm(
     eps: float | None = None,
     *,
     backend: str | None = None,
-    offset: float = 0.0,
-    casting_mode: str | None = None,
-    out_dtype: torch.dtype | None = None,
-    out: Tensor | None = None,
-    memory_efficient: bool = False,
+    **options: Any,
 ) -> Tensor:
     r"""RMSNorm over the trailing ``normalized_shape`` dims: ``y = x / sqrt(mean(x²) + eps) ⊙ gamma``.
 
@@ -385,18 +379,10 @@ def rms_norm(
         >>> layernorm.rms_norm(torch.tensor([[3.0, 4.0]]), 2, eps=0.0)
         tensor([[0.8485, 1.1314]])
     """
-    if (
-        offset
-        or casting_mode is not None
-        or out_dtype is not None
-        or out is not None
-        or memory_efficient
-    ):
-        return _options.norm(
-            "rms_norm", input, None, normalized_shape, weight, None, eps, True, backend,
-            offset=offset, casting_mode=casting_mode, out_dtype=out_dtype, out=out,
-            memory_efficient=memory_efficient,
-        )[0]  # fmt: skip
+    if options:
+        return _options.call(
+            "rms_norm", input, None, normalized_shape, weight, None, eps, True, backend, options
+        )[0]
     return _norm("rms_norm", input, None, normalized_shape, weight, None, eps, True, backend)[0]
 
 
@@ -409,10 +395,7 @@ def add_layer_norm(
     eps: float = 1e-5,
     *,
     backend: str | None = None,
-    offset: float = 0.0,
-    out_dtype: torch.dtype | None = None,
-    out: Tensor | None = None,
-    residual_out: Tensor | None = None,
+    **options: Any,
 ) -> tuple[Tensor, Tensor]:
     """Fused residual add and layer norm: ``residual_out = x + residual``,
     ``y = layer_norm(residual_out)``, in one pass over memory where the backend allows.
@@ -432,10 +415,10 @@ def add_layer_norm(
         >>> h
         tensor([[1., 2., 3.]])
     """
-    if offset or out_dtype is not None or out is not None or residual_out is not None:
-        return _options.norm(  # type: ignore[return-value]
+    if options:
+        return _options.call(  # type: ignore[return-value]
             "add_layer_norm", x, residual, normalized_shape, weight, bias, eps, False, backend,
-            offset=offset, out_dtype=out_dtype, out=out, residual_out=residual_out,
+            options,
         )  # fmt: skip
     y, h = _norm("add_layer_norm", x, residual, normalized_shape, weight, bias, eps, False, backend)
     return y, h  # type: ignore[return-value]
@@ -449,11 +432,7 @@ def add_rms_norm(
     eps: float | None = None,
     *,
     backend: str | None = None,
-    offset: float = 0.0,
-    casting_mode: str | None = None,
-    out_dtype: torch.dtype | None = None,
-    out: Tensor | None = None,
-    residual_out: Tensor | None = None,
+    **options: Any,
 ) -> tuple[Tensor, Tensor]:
     """Fused residual add and RMSNorm: ``(rms_norm(x + residual), x + residual)``.
 
@@ -466,17 +445,14 @@ def add_rms_norm(
     Returns:
         ``(y, residual_out)``, both shaped like ``x``.
     """
-    if (
-        offset
-        or casting_mode is not None
-        or out_dtype is not None
-        or out is not None
-        or residual_out is not None
-    ):
-        return _options.norm(  # type: ignore[return-value]
+    if options:
+        return _options.call(  # type: ignore[return-value]
             "add_rms_norm", x, residual, normalized_shape, weight, None, eps, True, backend,
-            offset=offset, casting_mode=casting_mode, out_dtype=out_dtype, out=out,
-            residual_out=residual_out,
+            options,
         )  # fmt: skip
     y, h = _norm("add_rms_norm", x, residual, normalized_shape, weight, None, eps, True, backend)
     return y, h  # type: ignore[return-value]
+
+
+for _function, _names in _options.OPTIONS.items():
+    _options.signed(globals()[_function], _names)

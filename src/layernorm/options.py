@@ -24,8 +24,11 @@ What each one rounds (``docs/contract.md`` §2, "Options"):
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -36,11 +39,14 @@ from .backends.torch_ import accumulation_dtype
 
 __all__ = [
     "CASTING_MODES",
+    "OPTIONS",
+    "call",
     "cast_rms_norm",
     "check_out",
     "norm",
     "offset_gain",
     "residual_sum",
+    "signed",
     "store",
 ]
 
@@ -54,6 +60,59 @@ _WIDER = {
     torch.float32: (torch.float32, torch.float64),
     torch.float64: (torch.float64,),
 }
+
+
+#: each public function's options, with their defaults and types
+_ALL: dict[str, tuple[Any, Any]] = {
+    "offset": (0.0, "float"),
+    "casting_mode": (None, "str | None"),
+    "out_dtype": (None, "torch.dtype | None"),
+    "out": (None, "Tensor | None"),
+    "residual_out": (None, "Tensor | None"),
+    "memory_efficient": (False, "bool"),
+}
+OPTIONS = {
+    "layer_norm": ("offset", "out_dtype", "out", "memory_efficient"),
+    "rms_norm": ("offset", "casting_mode", "out_dtype", "out", "memory_efficient"),
+    "add_layer_norm": ("offset", "out_dtype", "out", "residual_out"),
+    "add_rms_norm": ("offset", "casting_mode", "out_dtype", "out", "residual_out"),
+}
+
+
+def call(
+    op: str,
+    x: Tensor,
+    residual: Tensor | None,
+    normalized_shape: ops.ShapeLike,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float | None,
+    rms: bool,
+    backend: str | None,
+    options: dict[str, Any],
+) -> tuple[Tensor, Tensor | None]:
+    """The public function ``op`` called with keyword ``options`` (a non-empty dict):
+    a name ``op`` does not take raises Python's ``TypeError``, then :func:`norm`."""
+    known = OPTIONS[op]
+    for name in options:
+        if name not in known:
+            raise TypeError(f"{op}() got an unexpected keyword argument '{name}'")
+    return norm(op, x, residual, normalized_shape, weight, bias, eps, rms, backend, **options)
+
+
+def signed(function: Callable[..., Any], names: tuple[str, ...]) -> None:
+    """Gives ``function`` (one of the four, which take ``**options``) the signature it
+    behaves as: ``**options`` replaced by the keyword-only ``names`` with their defaults,
+    for ``inspect.signature`` and ``help``."""
+    sig = inspect.signature(function)
+    params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    params += [
+        inspect.Parameter(
+            n, inspect.Parameter.KEYWORD_ONLY, default=_ALL[n][0], annotation=_ALL[n][1]
+        )
+        for n in names
+    ]
+    function.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
 
 
 def norm(
