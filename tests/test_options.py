@@ -800,11 +800,11 @@ def test_signatures_name_the_options():
         "add_rms_norm": {"offset": 0.0, "casting_mode": None, "out_dtype": None, "out": None,
                          "residual_out": None},
     }  # fmt: skip
-    for name, options in want.items():
+    for name, names in want.items():
         params = inspect.signature(getattr(layernorm, name)).parameters
         assert not any(p.kind is p.VAR_KEYWORD for p in params.values())
         got = {k: p.default for k, p in params.items() if p.kind is p.KEYWORD_ONLY}
-        assert got == {"backend": None, **options}
+        assert got == {"backend": None, **names}
     x = torch.randn(2, 4)
     with pytest.raises(
         TypeError, match=r"layer_norm\(\) got an unexpected keyword argument 'casting_mode'"
