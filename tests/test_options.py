@@ -812,3 +812,32 @@ def test_signatures_name_the_options():
         layernorm.layer_norm(x, 4, casting_mode="gemma")
     with pytest.raises(TypeError, match="unexpected keyword argument 'residual_out'"):
         layernorm.rms_norm(x, 4, residual_out=x)
+
+
+@pytest.mark.parametrize("option", OPTIONS, ids=OPTION_IDS)
+@pytest.mark.parametrize("layout", ["zero-rows", "zero-inner", "transposed"])
+def test_zero_size_and_strided_inputs(option, layout):
+    """Each option on zero-size inputs and on a transposed (non-contiguous) input: the
+    shape and dtype of the outputs, and the values and gradients of the same call on a
+    contiguous copy."""
+    _, name, kw, dtype = option
+    n = 8
+    if layout == "zero-rows":
+        x, r = torch.randn(0, n, dtype=dtype), torch.randn(0, n, dtype=dtype)
+    elif layout == "zero-inner":
+        x, r = torch.randn(3, 0, n, dtype=dtype), torch.randn(3, 0, n, dtype=dtype)
+    else:
+        x, r = torch.randn(n, 5, dtype=dtype).t(), torch.randn(n, 5, dtype=dtype).t()
+    w, b = torch.randn(n, dtype=dtype) * 0.2, torch.randn(n, dtype=dtype)
+    results = []
+    for xi, ri in ((x, r), (x.contiguous(), r.contiguous())):
+        leaves = [t.clone().requires_grad_() for t in (xi, ri, w, b)]
+        outs = _call(name, kw, (n,), *leaves)
+        total = sum((o.double() * (k + 1)).sum() for k, o in enumerate(outs))
+        grads = torch.autograd.grad(total, leaves, allow_unused=True, materialize_grads=True)
+        results.append((outs, grads))
+    for o in results[0][0]:
+        assert o.shape == x.shape
+    for a, e in zip(results[0][0] + results[0][1], results[1][0] + results[1][1], strict=True):
+        assert a.dtype == e.dtype
+        assert_close(a, e, rtol=1e-6, atol=1e-6)
