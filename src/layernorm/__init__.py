@@ -3,6 +3,8 @@
 Public API (docs/contract.md §2)::
 
     layer_norm, rms_norm, add_layer_norm, add_rms_norm     functions on torch tensors
+    layer_norm_linear                                       norm then F.linear, the norm's
+                                                            output recomputed in the backward
     LayerNorm, RMSNorm                                      drop-ins for torch's modules
     available_backends()                                    kernel backends usable here
     empty_cache()                                           release cached CPU output memory
@@ -17,6 +19,7 @@ from .backends import available_backends
 from .backends._host_memory import empty_cache
 from .nn import LayerNorm, RMSNorm, patch, unpatch
 from .ops import NormalizedShapeError, add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from .recompute import layer_norm_linear
 
 __all__ = [
     "LayerNorm",
@@ -27,6 +30,7 @@ __all__ = [
     "available_backends",
     "empty_cache",
     "layer_norm",
+    "layer_norm_linear",
     "patch",
     "reference",
     "rms_norm",

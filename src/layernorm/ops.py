@@ -12,6 +12,12 @@ built for (``docs/contract.md`` §6):
 
 ``FAST_PATHS = False`` switches both off: every call then goes through the op (same
 bits).
+
+The keyword options (``offset``, ``casting_mode``, ``out_dtype``, ``out``,
+``residual_out``, ``memory_efficient``: :mod:`layernorm.options`) arrive as ``**options``,
+so a call without them costs one check (``if options``; explicit keyword-only parameters
+would cost a lookup of each default at every call); ``options.signed`` gives each
+function its full signature for ``inspect`` and ``help``.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
@@ -26,6 +33,7 @@ from torch import Tensor
 
 from . import _op, backends
 from . import compiled as _compiled
+from . import options as _options
 
 __all__ = [
     "FAST_PATHS",
@@ -285,6 +293,7 @@ def layer_norm(
     eps: float = 1e-5,
     *,
     backend: str | None = None,
+    **options: Any,
 ) -> Tensor:
     r"""Layer normalization over the trailing ``normalized_shape`` dims of ``input``.
 
@@ -302,9 +311,23 @@ def layer_norm(
         eps: added to the variance inside the square root, ``>= 0``. Default: ``1e-5``.
         backend: ``"torch"``, ``"numba"`` or ``"triton"``; ``None`` picks the fastest
             correct one (or the ``LAYERNORM_BACKEND`` environment variable's). Default: ``None``.
+        offset: the gain is ``weight + offset`` (a weight stored as an offset, e.g. ``1.0``
+            for a zero-centred gain), formed in float64 and rounded once to the
+            accumulation dtype (:func:`layernorm.options.offset_gain`). Needs a weight.
+            Default: ``0.0``.
+        out_dtype: the output's dtype, at least as wide as the input's (float32 from a
+            bfloat16 input, say): the input is converted to it exactly and normalized, so
+            the output is correctly rounded in it. A narrower one raises ``ValueError``.
+            Default: ``None``, the input's.
+        out: a preallocated output, by torch's ``out=`` rules (dtype and device must
+            match; a 0-element one is resized; no autograd). Default: ``None``.
+        memory_efficient: apex's: autograd saves the output instead of the input and the
+            backward recovers the normalized input from it, so ``dx`` is within a stated
+            bound rather than correctly rounded (:mod:`layernorm.recompute`); eager
+            autograd only, alone (not with the other options). Default: ``False``.
 
     Returns:
-        a tensor shaped like ``input``, of its dtype.
+        a tensor shaped like ``input``, of its dtype (or ``out_dtype``; ``out`` when given).
 
     Shape:
         - Input: ``(*, *normalized_shape)``
@@ -316,6 +339,10 @@ def layer_norm(
         >>> layernorm.layer_norm(x, (3,), eps=1 / 3)
         tensor([[-1.,  0.,  1.]])
     """
+    if options:
+        return _options.call(
+            "layer_norm", input, None, normalized_shape, weight, bias, eps, False, backend, options
+        )[0]
     return _norm("layer_norm", input, None, normalized_shape, weight, bias, eps, False, backend)[0]
 
 
@@ -326,6 +353,7 @@ def rms_norm(
     eps: float | None = None,
     *,
     backend: str | None = None,
+    **options: Any,
 ) -> Tensor:
     r"""RMSNorm over the trailing ``normalized_shape`` dims: ``y = x / sqrt(mean(x²) + eps) ⊙ gamma``.
 
@@ -338,15 +366,23 @@ def rms_norm(
         eps: added inside the square root. Default: ``None``, the machine epsilon of the computation's dtype, as torch
             uses: ``torch.finfo(torch.float32).eps`` for float16/bfloat16/float32 input.
         backend: as in :func:`layer_norm`. Default: ``None``.
+        offset, out_dtype, out, memory_efficient: as in :func:`layer_norm`.
+        casting_mode: Liger's casting order, ``"llama"``, ``"gemma"`` or ``"none"``, with
+            exact arithmetic between its casts (:func:`layernorm.options.cast_rms_norm`);
+            not with ``out_dtype``. Default: ``None``, one rounding.
 
     Returns:
-        a tensor shaped like ``input``, of its dtype.
+        a tensor shaped like ``input``, of its dtype (or ``out_dtype``; ``out`` when given).
 
     Example::
 
         >>> layernorm.rms_norm(torch.tensor([[3.0, 4.0]]), 2, eps=0.0)
         tensor([[0.8485, 1.1314]])
     """
+    if options:
+        return _options.call(
+            "rms_norm", input, None, normalized_shape, weight, None, eps, True, backend, options
+        )[0]
     return _norm("rms_norm", input, None, normalized_shape, weight, None, eps, True, backend)[0]
 
 
@@ -359,13 +395,16 @@ def add_layer_norm(
     eps: float = 1e-5,
     *,
     backend: str | None = None,
+    **options: Any,
 ) -> tuple[Tensor, Tensor]:
     """Fused residual add and layer norm: ``residual_out = x + residual``,
     ``y = layer_norm(residual_out)``, in one pass over memory where the backend allows.
 
     Args:
         x, residual: tensors of one shape ``(*, *normalized_shape)`` and one dtype.
-        normalized_shape, weight, bias, eps, backend: as in :func:`layer_norm`.
+        normalized_shape, weight, bias, eps, backend, offset, out: as in :func:`layer_norm`.
+        out_dtype: ``y``'s dtype, as in :func:`layer_norm`; ``residual_out`` keeps ``x``'s.
+        residual_out: a preallocated ``residual_out``, by the rules of ``out``.
 
     Returns:
         ``(y, residual_out)``, both shaped like ``x``.
@@ -376,10 +415,13 @@ def add_layer_norm(
         >>> h
         tensor([[1., 2., 3.]])
     """
-    y, residual_out = _norm(
-        "add_layer_norm", x, residual, normalized_shape, weight, bias, eps, False, backend
-    )
-    return y, residual_out  # type: ignore[return-value]
+    if options:
+        return _options.call(  # type: ignore[return-value]
+            "add_layer_norm", x, residual, normalized_shape, weight, bias, eps, False, backend,
+            options,
+        )  # fmt: skip
+    y, h = _norm("add_layer_norm", x, residual, normalized_shape, weight, bias, eps, False, backend)
+    return y, h  # type: ignore[return-value]
 
 
 def add_rms_norm(
@@ -390,17 +432,27 @@ def add_rms_norm(
     eps: float | None = None,
     *,
     backend: str | None = None,
+    **options: Any,
 ) -> tuple[Tensor, Tensor]:
     """Fused residual add and RMSNorm: ``(rms_norm(x + residual), x + residual)``.
 
     Args:
         x, residual: tensors of one shape ``(*, *normalized_shape)`` and one dtype.
-        normalized_shape, weight, eps, backend: as in :func:`rms_norm`.
+        normalized_shape, weight, eps, backend, offset, casting_mode, out: as in
+            :func:`rms_norm` (a casting mode applies to the rounded ``x + residual``).
+        out_dtype, residual_out: as in :func:`add_layer_norm`.
 
     Returns:
         ``(y, residual_out)``, both shaped like ``x``.
     """
-    y, residual_out = _norm(
-        "add_rms_norm", x, residual, normalized_shape, weight, None, eps, True, backend
-    )
-    return y, residual_out  # type: ignore[return-value]
+    if options:
+        return _options.call(  # type: ignore[return-value]
+            "add_rms_norm", x, residual, normalized_shape, weight, None, eps, True, backend,
+            options,
+        )  # fmt: skip
+    y, h = _norm("add_rms_norm", x, residual, normalized_shape, weight, None, eps, True, backend)
+    return y, h  # type: ignore[return-value]
+
+
+for _function, _names in _options.OPTIONS.items():
+    _options.signed(globals()[_function], _names)

@@ -11,8 +11,8 @@ contiguous input and on the non-contiguous ``[::3, ::5, ::3]`` slice apex takes.
 
 Mapped: ``MixedFused*`` (float32 parameters, input in the dtype) is ours with float32
 parameters and a half input; apex runs it only in float32, here also in float16/bfloat16.
-Not mapped: ``memory_efficient`` (ours has one backward, which saves the input and the
-per-row statistics); the CUDA autocast and ONNX export tests (other suites own them).
+``memory_efficient`` runs on the shims (``test_compat_apex.py``), where apex's modules
+take it. Not mapped: the CUDA autocast and ONNX export tests (other suites own them).
 Shrunk: batch 65536 becomes 128.
 """
 

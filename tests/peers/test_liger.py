@@ -11,7 +11,8 @@ Sources (linkedin/Liger-Kernel, ``test/transformers/``):
 
 Their dtypes and (atol, rtol) tables are kept, and their shapes but (2, 128, 512),
 shrunk to (2, 32, 512). How Liger's RMSNorm options map
-onto ours (``rms_norm`` has no ``offset`` or ``casting_mode``; it computes in float32 and
+onto ours called without them (Liger's ``offset`` and ``casting_mode`` themselves run in
+``test_compat_liger.py``; here ours computes in float32 and
 rounds once):
 
 - ``offset=0, casting_mode="llama"`` (LlamaRMSNorm: normalize in float32, round, then

@@ -1,0 +1,427 @@
+"""The keyword options of the four functions (issue 23), as compositions on the op.
+
+A call with every option at its default never comes here: :mod:`layernorm.ops` sends it
+down the plain path after one check. Every option here is written as torch operations
+around the public op (``ops._norm``), so each keeps what the op has (every backend, the
+C++ front door, autograd, ``torch.compile``, ``torch.func``, forward AD, export and
+tracing: ``docs/contract.md`` §6) without a kernel or an autograd formula of its own.
+What each one rounds (``docs/contract.md`` §2, "Options"):
+
+- ``offset``: the gain is ``weight + offset``, formed in float64 and rounded once to the
+  accumulation dtype (exact in float64 for float32, bfloat16 and float16 weights when
+  ``offset`` is ``±1.0`` and ``|w| >= 2^-29`` or ``w == 0``; see :func:`offset_gain`). The
+  output is then correctly rounded for that gain, as for any weight.
+- ``casting_mode`` (RMSNorm): Liger's three casting orders, with the arithmetic between
+  two casts exact (:func:`cast_rms_norm`).
+- ``out_dtype``: an output at least as wide as the input: the input converted to it
+  (exactly), then normalized, so the output is correctly rounded in ``out_dtype``.
+- ``out`` / ``residual_out``: preallocated outputs, by torch's ``out=`` rules
+  (:func:`store`).
+- ``memory_efficient`` (layer_norm, rms_norm): apex's backward from the saved output,
+  :mod:`layernorm.recompute` (an ``autograd.Function``: the one option that is not a
+  composition).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._prims_common.wrappers import _maybe_resize_out
+
+from . import _op, ops, recompute
+from .backends.torch_ import accumulation_dtype
+
+__all__ = [
+    "CASTING_MODES",
+    "OPTIONS",
+    "call",
+    "cast_rms_norm",
+    "check_out",
+    "norm",
+    "offset_gain",
+    "residual_sum",
+    "signed",
+    "store",
+]
+
+#: Liger's casting modes; ``None`` is this library's (one rounding)
+CASTING_MODES = (None, "llama", "gemma", "none")
+
+#: the dtypes an input of each dtype converts to exactly
+_WIDER = {
+    torch.float16: (torch.float16, torch.float32, torch.float64),
+    torch.bfloat16: (torch.bfloat16, torch.float32, torch.float64),
+    torch.float32: (torch.float32, torch.float64),
+    torch.float64: (torch.float64,),
+}
+
+
+#: each public function's options, with their defaults and types
+_ALL: dict[str, tuple[Any, Any]] = {
+    "offset": (0.0, "float"),
+    "casting_mode": (None, "str | None"),
+    "out_dtype": (None, "torch.dtype | None"),
+    "out": (None, "Tensor | None"),
+    "residual_out": (None, "Tensor | None"),
+    "memory_efficient": (False, "bool"),
+}
+OPTIONS = {
+    "layer_norm": ("offset", "out_dtype", "out", "memory_efficient"),
+    "rms_norm": ("offset", "casting_mode", "out_dtype", "out", "memory_efficient"),
+    "add_layer_norm": ("offset", "out_dtype", "out", "residual_out"),
+    "add_rms_norm": ("offset", "casting_mode", "out_dtype", "out", "residual_out"),
+}
+
+
+def call(
+    op: str,
+    x: Tensor,
+    residual: Tensor | None,
+    normalized_shape: ops.ShapeLike,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float | None,
+    rms: bool,
+    backend: str | None,
+    options: dict[str, Any],
+) -> tuple[Tensor, Tensor | None]:
+    """The public function ``op`` called with keyword ``options`` (a non-empty dict):
+    a name ``op`` does not take raises Python's ``TypeError``, then :func:`norm`."""
+    known = OPTIONS[op]
+    for name in options:
+        if name not in known:
+            raise TypeError(f"{op}() got an unexpected keyword argument '{name}'")
+    return norm(op, x, residual, normalized_shape, weight, bias, eps, rms, backend, **options)
+
+
+def signed(function: Callable[..., Any], names: tuple[str, ...]) -> None:
+    """Gives ``function`` (one of the four, which take ``**options``) the signature it
+    behaves as: ``**options`` replaced by the keyword-only ``names`` with their defaults,
+    for ``inspect.signature`` and ``help``."""
+    sig = inspect.signature(function)
+    params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    params += [
+        inspect.Parameter(
+            n, inspect.Parameter.KEYWORD_ONLY, default=_ALL[n][0], annotation=_ALL[n][1]
+        )
+        for n in names
+    ]
+    function.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+
+
+def norm(
+    op: str,
+    x: Tensor,
+    residual: Tensor | None,
+    normalized_shape: ops.ShapeLike,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float | None,
+    rms: bool,
+    backend: str | None,
+    *,
+    offset: float = 0.0,
+    casting_mode: str | None = None,
+    out_dtype: torch.dtype | None = None,
+    out: Tensor | None = None,
+    residual_out: Tensor | None = None,
+    memory_efficient: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """One call of ``op`` with options: the checks of every option first (before any
+    work), then the composition. Returns ``(y, residual_out)`` as ``ops._norm`` does."""
+    if memory_efficient:
+        if offset or casting_mode is not None or out is not None:
+            raise ValueError(
+                f"{op}: memory_efficient=True does not combine with offset, casting_mode or out"
+            )
+        if out_dtype is not None and isinstance(x, Tensor):
+            _check_out_dtype(op, x, out_dtype)
+            eps = _op.default_eps(x.dtype) if eps is None else eps
+            x = x.to(out_dtype)
+        y = recompute.norm(op, x, normalized_shape, weight, bias, eps, rms, backend)
+        return y, None
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{op}: expected input to be a torch.Tensor, got {type(x).__name__}")
+    offset = _check_offset(op, offset, weight)
+    if casting_mode not in CASTING_MODES:
+        raise ValueError(
+            f"{op}: casting_mode must be one of {list(CASTING_MODES)}, got {casting_mode!r}"
+        )
+    if out_dtype is not None:
+        _check_out_dtype(op, x, out_dtype)
+        if casting_mode is not None:
+            raise ValueError(
+                f"{op}: casting_mode={casting_mode!r} fixes the output's dtype (the input's); "
+                "it does not combine with out_dtype"
+            )
+    if out is not None or residual_out is not None:
+        _check_no_grad(op, x, residual, weight, bias)
+        if out is not None:
+            check_out(op, "out", out, x.dtype if out_dtype is None else out_dtype, x.device)
+        if residual_out is not None:
+            if residual is None:
+                raise TypeError(f"{op}: residual_out= is for the fused add_* functions")
+            check_out(op, "residual_out", residual_out, x.dtype, x.device)
+    if eps is None:  # the input's rule, not the wider dtype's
+        eps = _op.default_eps(x.dtype)
+    compute = x.dtype if out_dtype is None else out_dtype
+
+    if casting_mode is not None:
+        y, h = cast_rms_norm(op, x, residual, normalized_shape, weight, eps, backend,
+                             offset, casting_mode)  # fmt: skip
+    else:
+        gain = weight if not offset else offset_gain(weight, offset, compute)  # type: ignore[arg-type]
+        if compute == x.dtype:
+            y, h = ops._norm(op, x, residual, normalized_shape, gain, bias, eps, rms, backend)
+        else:
+            h = None if residual is None else residual_sum(op, x, residual)
+            z = (x if h is None else h).to(compute)
+            y = ops._norm(op, z, None, normalized_shape, gain, bias, eps, rms, backend)[0]
+    if out is not None:
+        y = store(op, "out", y, out)
+    if residual_out is not None and h is not None:
+        h = store(op, "residual_out", h, residual_out)
+    return y, h
+
+
+# ---------------------------------------------------------------------------------------
+# offset
+
+
+def _check_offset(op: str, offset: float, weight: Tensor | None) -> float:
+    if isinstance(offset, bool) or not isinstance(offset, int | float):
+        raise TypeError(f"{op}: offset must be a float, got {type(offset).__name__}")
+    offset = float(offset)
+    if not math.isfinite(offset):
+        raise ValueError(f"{op}: offset must be finite, got offset={offset}")
+    if offset and weight is None:
+        raise ValueError(
+            f"{op}: offset={offset} needs a weight (the gain is weight + offset); "
+            "pass a weight of zeros for a constant gain"
+        )
+    return offset
+
+
+def offset_gain(weight: Tensor, offset: float, dtype: torch.dtype) -> Tensor:
+    """The gain ``weight + offset``: the sum formed in float64, rounded once to the
+    accumulation dtype of ``dtype`` (the dtype the norm computes in).
+
+    The float64 sum is exact, so the gain is the exact sum rounded once, when ``weight``
+    is float32, bfloat16 or float16 and ``offset`` is ``±1.0``, for ``w == 0`` and every
+    ``|w| >= 2^-29``: ``w``'s last bit is then at least ``2^-52`` and the sum has at most
+    53 significant bits (``tests/test_options.py::test_offset_gain_is_the_exact_sum_rounded_once``).
+    Below ``2^-29`` the float64 sum rounds (the gain is then within one float64 rounding of
+    the once-rounded sum). Differentiable: the gradient of ``weight`` is the gain's, in
+    ``weight``'s dtype.
+    """
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"expected weight to be a torch.Tensor, got {type(weight).__name__}")
+    if not weight.is_floating_point():
+        raise TypeError(f"offset expects a floating-point weight, got {weight.dtype}")
+    return (weight.to(torch.float64) + offset).to(accumulation_dtype(dtype))
+
+
+# ---------------------------------------------------------------------------------------
+# out_dtype
+
+
+def _check_out_dtype(op: str, x: Tensor, out_dtype: torch.dtype) -> None:
+    if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
+        raise TypeError(f"{op}: out_dtype must be a floating torch.dtype, got {out_dtype!r}")
+    if out_dtype not in _WIDER.get(x.dtype, (x.dtype,)):
+        raise ValueError(
+            f"{op}: out_dtype={out_dtype} is narrower than the input's {x.dtype} (it cannot "
+            "hold every value of it); an output narrower than the input needs the kernels "
+            "to round once into it, which they do not yet (issue 23)"
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# residual sums
+
+
+def residual_sum(op: str, x: Tensor, residual: Tensor) -> Tensor:
+    """``x + residual`` rounded to ``x``'s dtype, as the kernels form ``residual_out``
+    (the sum in the accumulation dtype, then one conversion: ``docs/contract.md`` §1),
+    after the checks of the fused functions."""
+    _check(_check_residual, op, x, residual)
+    acc = accumulation_dtype(x.dtype)
+    return (x.to(acc) + residual.to(acc)).to(x.dtype)
+
+
+def _check_residual(op: str, x: Tensor, residual: Tensor) -> None:
+    if not isinstance(residual, Tensor):
+        raise TypeError(
+            f"{op}: expected residual to be a torch.Tensor, got {type(residual).__name__}"
+        )
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ops.NormalizedShapeError(
+            f"{op}: residual must match input in shape and dtype, but got input "
+            f"{list(x.shape)} {x.dtype} and residual {list(residual.shape)} {residual.dtype}"
+        )
+    ops._check_device("residual", residual, x)
+
+
+def _check(check, *args) -> None:  # type: ignore[no-untyped-def]
+    """``check(*args)``; under jit.trace without its TracerWarnings about shapes, which
+    the check reads for the shapes that the trace records (as ``ops._norm`` does)."""
+    if not torch.compiler.is_compiling() and torch._C._is_tracing():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            check(*args)
+    else:
+        check(*args)
+
+
+# ---------------------------------------------------------------------------------------
+# casting modes
+
+
+def cast_rms_norm(
+    op: str,
+    x: Tensor,
+    residual: Tensor | None,
+    normalized_shape: ops.ShapeLike,
+    weight: Tensor | None,
+    eps: float,
+    backend: str | None,
+    offset: float,
+    mode: str,
+) -> tuple[Tensor, Tensor | None]:
+    """RMSNorm in one of Liger's casting orders (``liger_kernel/ops/rms_norm.py``), with
+    ``h`` the normalized input (``x``, or the rounded ``x + residual``), ``wide`` the
+    promotion of float32 and ``x``'s dtype, ``RN_t`` one rounding to dtype ``t`` and the
+    arithmetic between two roundings exact:
+
+    - ``"gemma"`` (everything in float32, then one cast): the gain
+      ``g = RN_wide(RN_wide(w) + RN_wide(offset))`` (Liger's float32 addition), then
+      ``y = RN_x(h · rstd · g)``: this library's one rounding with that gain.
+    - ``"llama"`` (only ``rstd`` in float32; the gain multiplies the cast core):
+      ``u = RN_x(h · rstd)`` (correctly rounded, the norm without a weight), the gain
+      ``g = RN_p(w + RN_wide(offset))`` in ``p``, the promotion of ``w``'s dtype and
+      float32, then ``y = RN_x(RN_q(u · g))`` with ``q`` the promotion of ``x``'s and
+      ``p``: two roundings of the product when ``q`` is wider than ``x``'s dtype (as
+      Liger's kernel stores a float32 product into a half output).
+    - ``"none"`` (everything in ``x``'s dtype): ``e = RN_x(RN_32(eps))`` (Liger's float32
+      scalar argument, cast),
+      ``r = RN_x(1/sqrt(mean(h²) + e))`` (the mean and root in float64, then converted
+      as torch converts float64: through float32 for the half types, which can round
+      twice), ``u = RN_x(h · r)``, ``g = RN_p(w + RN_x(offset))`` with ``p`` the
+      promotion of ``w``'s dtype and ``x``'s, ``y = RN_x(RN_q(u · g))``.
+
+    No weight: ``y = u`` (``"gemma"`` and ``"llama"``: the plain norm). For float64 input
+    every mode computes in float64 (nothing is narrowed to float32). The float64
+    references of the three are ``tests/test_options.py::reference_cast_rms_norm``.
+    """
+    shape = ops._normalized_shape(normalized_shape)
+    wide = torch.promote_types(x.dtype, torch.float32)
+    kernel = "rms_norm" if residual is None else "add_rms_norm"
+    h: Tensor | None
+    if mode == "gemma":  # one fused call: the sum and the norm with the family's gain
+        gain = None if weight is None else _gain(weight, offset, wide, wide)
+        return ops._norm(kernel, x, residual, shape, gain, None, eps, True, backend)
+    if mode == "llama":  # the core u (and the sum) in one fused call
+        u, h = ops._norm(kernel, x, residual, shape, None, None, eps, True, backend)
+        scale = wide
+    else:  # "none"
+        h = None if residual is None else residual_sum(op, x, residual)
+        z = x if h is None else h
+        _check(ops._check_input, "input", z, shape, op)
+        dims = tuple(range(-len(shape), 0))
+        e = _scalar(eps, x.dtype)
+        ms = z.to(torch.float64).square().mean(dims, keepdim=True)
+        r = torch.rsqrt(ms + e).to(x.dtype)
+        u = z * r
+        scale = x.dtype
+    if weight is None:
+        return u, h
+    gain = _gain(weight, offset, torch.promote_types(weight.dtype, scale), scale)
+    q = torch.promote_types(x.dtype, gain.dtype)
+    y = (u.to(q) * gain).to(x.dtype)
+    return y, h
+
+
+def _gain(weight: Tensor, offset: float, dtype: torch.dtype, offset_dtype: torch.dtype) -> Tensor:
+    """``RN_dtype(w + RN_offset_dtype(offset))``: the gain of a casting mode."""
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"expected weight to be a torch.Tensor, got {type(weight).__name__}")
+    w = weight.to(dtype)
+    if not offset:
+        return w
+    return w + _scalar(offset, offset_dtype)
+
+
+#: (significand bits, exponent of the smallest normal)
+_FORMATS = {torch.float32: (24, -126), torch.bfloat16: (8, -126), torch.float16: (11, -14)}
+
+
+def _scalar(v: float, dtype: torch.dtype) -> float:
+    """A Python float as Liger's kernels see it in ``dtype``: rounded to float32 (a
+    scalar kernel argument), then to ``dtype`` (each to nearest-even; as torch converts
+    float64 to the half types); float64 keeps it. Plain Python, so that tracing and
+    export record a constant."""
+    if dtype == torch.float64:
+        return v
+    for fmt in (torch.float32, dtype):
+        p, emin = _FORMATS[fmt]
+        if v != 0 and math.isfinite(v):
+            ulp = math.ldexp(1.0, max(math.frexp(v)[1] - 1, emin) - (p - 1))
+            v = round(v / ulp) * ulp  # exact scaling; round() ties to even
+    return v
+
+
+# ---------------------------------------------------------------------------------------
+# out=
+
+
+def _check_no_grad(op: str, *tensors: Tensor | None) -> None:
+    if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors):
+        raise RuntimeError(
+            f"{op}(): functions with out=... arguments don't support automatic "
+            "differentiation, but one of the arguments requires grad."
+        )
+
+
+def check_out(op: str, name: str, out: Tensor, dtype: torch.dtype, device: torch.device) -> None:
+    """torch's checks of a preallocated output, before any work: a tensor (``TypeError``)
+    of the result's dtype and device (``RuntimeError``, torch's messages)."""
+    if not isinstance(out, Tensor):
+        raise TypeError(f"{op}(): argument '{name}' must be Tensor, not {type(out).__name__}")
+    if out.dtype != dtype:
+        raise RuntimeError(
+            f"Expected {name} tensor to have dtype {_short(dtype)}, but got "
+            f"{_short(out.dtype)} instead"
+        )
+    if out.device != device:
+        raise RuntimeError(
+            f"Expected {name} tensor to have device {device}, but got {out.device} instead"
+        )
+
+
+def store(op: str, name: str, result: Tensor, out: Tensor) -> Tensor:
+    """``result`` written into the preallocated ``out`` (checked by :func:`check_out`), by
+    torch's rules for ``out=``: one of another shape is resized to the result's (a
+    0-element ``out`` silently, any other with torch's deprecation warning, as torch's
+    reference implementations do: ``torch._prims_common.wrappers._maybe_resize_out``).
+    The result is computed first and then copied, so ``out`` may alias the input.
+    Returns ``out``."""
+    check_out(op, name, out, result.dtype, result.device)
+    _maybe_resize_out(out, result.shape)
+    return out.copy_(result)
+
+
+def _short(dtype: torch.dtype) -> str:
+    """torch's scalar type name (``float``, ``c10::BFloat16``, ...) as its out= errors
+    print it."""
+    return {
+        torch.float32: "float",
+        torch.float64: "double",
+        torch.float16: "c10::Half",
+        torch.bfloat16: "c10::BFloat16",
+    }.get(dtype, str(dtype).removeprefix("torch."))

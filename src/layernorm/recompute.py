@@ -1,0 +1,253 @@
+"""Backwards that keep less (``docs/contract.md`` §2 "Options"): apex's
+``memory_efficient`` norm, which saves the output and recomputes the normalized input from
+it, and :func:`layer_norm_linear`, which saves the norm's input and recomputes its output.
+
+The plain backward (``docs/contract.md`` §1) saves the input ``z`` and recomputes the
+core ``u`` from it exactly. :class:`MemoryEfficientNorm` saves ``y`` (the output, which
+the next layer usually keeps anyway), the parameters and ``rstd``, and recovers the core
+as ``xhat = (y − beta) / gamma`` in the accumulation dtype. ``y`` is rounded, so ``xhat``
+is not ``u`` and ``dx`` is not correctly rounded: per element, with ``p`` the unit
+roundoff of ``y``'s dtype (``2^-24`` float32, ``2^-8`` bfloat16, ``2^-11`` float16) and
+``e = 2^-24`` (float32 arithmetic; ``2^-53`` for float64 input),
+
+    δ_i  = (p·|y_i| + 2e·|y_i − beta_i|) / |gamma_i| + e·|u_i|      (|xhat_i − u_i| ≤ δ_i)
+    |dx_i − dx_i,exact| ≤ rstd · (|c1|·δ_i + |u_i|·mean_j(|gh_j|·δ_j))
+                          + rstd · (|gh_i| + |c2| + |u_i·c1|) · (log2(N) + 8)·e
+                          + half a unit in the last place of dx_i in x's dtype
+
+(``c1``, ``c2``, ``gh`` as in §1; the second line is the float32 evaluation of the
+formula and its sums, the third the final rounding). ``dweight`` and ``dbias`` are the
+float32 sums ``Σ g·xhat`` and ``Σ g``. Tested against the float64 reference
+(``tests/test_options.py::test_memory_efficient_dx_is_within_its_stated_bound``).
+
+Where it applies: eager autograd, with a gradient asked for. A ``gamma`` with a zero
+cannot give back ``u`` there (``0/0``), so such a call saves the input as the plain one
+does (a check of the weight on the host); so do calls under ``torch.func`` transforms,
+forward AD, ``torch.compile``, export and tracing, and calls without a gradient (the
+values are the same either way; only what autograd keeps differs). The backward is
+once differentiable: with ``create_graph=True`` its gradients carry no graph, so a
+second-order gradient through it raises.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.autograd.forward_ad as _forward_ad
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from . import _op, ops
+from .backends.torch_ import accumulation_dtype
+
+__all__ = ["MemoryEfficientNorm", "NormLinear", "applies", "layer_norm_linear", "norm"]
+
+
+def applies(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
+    """Whether a call of the norm on these saves its output instead of its input: eager
+    autograd with something that requires grad, and a gamma without zeros."""
+    if _transformed():
+        return False
+    if not any(isinstance(t, Tensor) and t.requires_grad for t in (x, weight, bias)):
+        return False
+    return weight is None or not bool((weight == 0).any())
+
+
+def norm(
+    op: str,
+    x: Tensor,
+    normalized_shape: ops.ShapeLike,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float | None,
+    rms: bool,
+    backend: str | None,
+) -> Tensor:
+    """The norm with apex's ``memory_efficient=True``: :class:`MemoryEfficientNorm` where
+    :func:`applies`, else the plain call (the same values)."""
+    if not (isinstance(x, Tensor) and applies(x, weight, bias)):
+        return ops._norm(op, x, None, normalized_shape, weight, bias, eps, rms, backend)[0]
+    shape = ops._normalized_shape(normalized_shape)
+    ops._check_input("input", x, shape, op)
+    w = None if weight is None else ops._param("weight", weight, shape, x, op)
+    b = None if bias is None else ops._param("bias", bias, shape, x, op)
+    eps = ops._check_eps(_op.default_eps(x.dtype) if eps is None else eps)
+    name = "" if backend is None else ops._check_backend(backend)
+    y, _ = MemoryEfficientNorm.apply(x, weight, bias, w, b, eps, rms, name, shape)
+    return y
+
+
+class MemoryEfficientNorm(torch.autograd.Function):
+    """``(y, rstd)`` of the op on ``x``'s rows, saving ``y``, the parameters and ``rstd``
+    (not ``x``); the backward recovers the core from ``y`` (module docstring). ``weight``
+    and ``bias`` are the caller's (their gradients take their shapes), ``w`` and ``b``
+    the same as kernel arguments ((N,), contiguous)."""
+
+    @staticmethod
+    def forward(x, weight, bias, w, b, eps, rms, backend, shape):  # type: ignore[override]
+        rows = _op.rows(x, math.prod(shape))
+        y, _, _, rstd = _op.forward_call(rows, None, w, b, eps, rms, backend)
+        return y.view(x.shape), rstd
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # type: ignore[override]
+        x, weight, bias, w, b, _eps, rms, _, shape = inputs
+        y, rstd = output
+        ctx.save_for_backward(y, w, b, rstd)
+        ctx.rms = rms
+        ctx.shapes = (x.shape, shape)
+        ctx.dtypes = (
+            None if weight is None else weight.dtype,
+            None if bias is None else bias.dtype,
+        )
+        ctx.mark_non_differentiable(rstd)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, _drstd):  # type: ignore[override]
+        y, w, b, rstd = ctx.saved_tensors
+        x_shape, p_shape = ctx.shapes
+        acc = accumulation_dtype(y.dtype)
+        n = math.prod(p_shape)
+        g = dy.reshape(-1, n).to(acc)
+        xhat = y.reshape(-1, n).to(acc)
+        if b is not None:
+            xhat = xhat - b.to(acc)
+        gh = g
+        if w is not None:
+            gamma = w.to(acc)
+            xhat = xhat / gamma
+            gh = g * gamma
+        r = rstd.to(acc).unsqueeze(-1)
+        c1 = (gh * xhat).mean(-1, keepdim=True)
+        c2 = 0.0 if ctx.rms else gh.mean(-1, keepdim=True)
+        dz = r * (gh - c2 - xhat * c1)
+        dx = dz.to(y.dtype).reshape(x_shape) if ctx.needs_input_grad[0] else None
+        dweight = dbias = None
+        if ctx.needs_input_grad[1]:
+            dweight = (g * xhat).sum(0).reshape(p_shape).to(ctx.dtypes[0])
+        if ctx.needs_input_grad[2]:
+            dbias = g.sum(0).reshape(p_shape).to(ctx.dtypes[1])
+        return dx, dweight, dbias, None, None, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------
+# norm + linear
+
+
+def layer_norm_linear(
+    input: Tensor,
+    normalized_shape: ops.ShapeLike,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    linear_weight: Tensor,
+    linear_bias: Tensor | None = None,
+    eps: float | None = None,
+    *,
+    rms: bool = False,
+    backend: str | None = None,
+) -> Tensor:
+    r"""``F.linear(norm(input), linear_weight, linear_bias)`` with the norm's output
+    recomputed in the backward instead of saved (flash-attn's ``layer_norm_linear_fn``).
+
+    ``norm`` is :func:`layernorm.layer_norm` (``rms=False``) or :func:`layernorm.rms_norm`
+    (``rms=True``; ``bias`` must be ``None``). Autograd keeps ``input``, the norm's
+    parameters and ``linear_weight``, not the norm's output ``y`` (the size of ``input``);
+    the backward computes ``y`` again, the same bits (the kernels are deterministic and
+    batch invariant), so the values and gradients are those of the unfused composition
+    ``F.linear(layer_norm(...), ...)``: the output bit for bit, the gradients up to the
+    summation order of the linear's backward
+    (``tests/test_options.py::test_layer_norm_linear_is_the_composition``).
+
+    Where the saving does not apply (no gradient, ``torch.func`` transforms, forward AD,
+    ``torch.compile``, export, tracing) the call is the composition itself. The backward
+    is once differentiable.
+
+    Args:
+        input: ``(*, *normalized_shape)``; the linear acts on its last dim.
+        normalized_shape, weight, bias, backend: the norm's, as in
+            :func:`layernorm.layer_norm`.
+        eps: the norm's. Default: ``None``, the norm's default (``1e-5`` for layer norm,
+            the machine epsilon rule of :func:`layernorm.rms_norm`).
+        linear_weight: ``(out_features, in_features)``. linear_bias: ``(out_features,)``.
+            Default: ``None``.
+        rms: RMSNorm instead of layer norm. Default: ``False``.
+
+    Returns:
+        ``(*, out_features)``.
+    """
+    op = "rms_norm" if rms else "layer_norm"
+    if rms and bias is not None:
+        raise ValueError("layer_norm_linear: rms=True takes no bias")
+    if eps is None and not rms:
+        eps = 1e-5
+    tensors = (input, weight, bias, linear_weight, linear_bias)
+    if (
+        not isinstance(input, Tensor)
+        or not any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
+        or _transformed()
+    ):
+        y = ops._norm(op, input, None, normalized_shape, weight, bias, eps, rms, backend)[0]
+        return torch.nn.functional.linear(y, linear_weight, linear_bias)
+    shape = ops._normalized_shape(normalized_shape)
+    ops._check_input("input", input, shape, op)
+    return NormLinear.apply(input, weight, bias, linear_weight, linear_bias,
+                            (shape, eps, rms, backend))  # fmt: skip
+
+
+def _transformed() -> bool:
+    """Whether a mechanism other than eager autograd sees the call (or grad mode is off):
+    the plain call or composition runs there."""
+    return (
+        torch.compiler.is_compiling()
+        or torch._C._is_tracing()
+        or _forward_ad._current_level >= 0
+        or torch._C._functorch.peek_interpreter_stack() is not None
+        or not torch.is_grad_enabled()
+    )
+
+
+class NormLinear(torch.autograd.Function):
+    """The forward without a graph; the backward recomputes the norm with one and
+    differentiates through it (the op's exact backward) and through the linear."""
+
+    @staticmethod
+    def forward(x, weight, bias, linear_weight, linear_bias, config):  # type: ignore[override]
+        shape, eps, rms, backend = config
+        op = "rms_norm" if rms else "layer_norm"
+        y = ops._norm(op, x, None, shape, weight, bias, eps, rms, backend)[0]
+        return torch.nn.functional.linear(y, linear_weight, linear_bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # type: ignore[override]
+        x, weight, bias, linear_weight, linear_bias, config = inputs
+        ctx.save_for_backward(x, weight, bias, linear_weight)
+        ctx.config = config
+        ctx.has_linear_bias = linear_bias is not None
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):  # type: ignore[override]
+        x, weight, bias, linear_weight = ctx.saved_tensors
+        shape, eps, rms, backend = ctx.config
+        op = "rms_norm" if rms else "layer_norm"
+        need = ctx.needs_input_grad
+        leaves = [
+            t.detach().requires_grad_(n) if t is not None else None
+            for t, n in zip((x, weight, bias), need[:3], strict=True)
+        ]
+        with torch.enable_grad():
+            y = ops._norm(op, leaves[0], None, shape, leaves[1], leaves[2], eps, rms, backend)[0]
+        out_features = linear_weight.shape[0]
+        d2 = dout.reshape(-1, out_features)
+        dlinear_weight = d2.t().mm(y.detach().reshape(-1, y.shape[-1])) if need[3] else None
+        dlinear_bias = d2.sum(0) if need[4] and ctx.has_linear_bias else None
+        grads: list[Tensor | None] = [None, None, None]
+        wanted = [t for t, n in zip(leaves, need[:3], strict=True) if t is not None and n]
+        if wanted:
+            dy = dout.matmul(linear_weight.to(dout.dtype))
+            got = iter(torch.autograd.grad(y, wanted, dy))
+            grads = [next(got) if t is not None and n else None
+                     for t, n in zip(leaves, need[:3], strict=True)]  # fmt: skip
+        return (*grads, dlinear_weight, dlinear_bias, None)
