@@ -92,7 +92,6 @@ from ._numba_vectors import (
     normalize_row_checked,
     normalize_row_fast,
     normalize_row_fast_streaming,
-    row_sum,
     row_sum_sq,
     row_sums_centered,
     widen,
@@ -236,7 +235,8 @@ def _row_statistics(
 ):  # fmt: skip
     """Row ``i``'s input ``z`` (``residual_out = x + residual``, written first, when
     ``has_residual``), its statistics in float64 and the constants of its error bound
-    (docs/contract.md §3): ``(z, m1, delta, rstd_i, e_mean, k_c, k_p, k_w, k_y, flag)``,
+    (docs/contract.md §3): ``(z, m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y,
+    flag)`` with ``k_w = fl(rstd_i·w_rel)``,
     the forward's first three passes. ``flag`` is 1 when the bound on ``rstd`` is too
     loose to use (the row goes to the exact fallback).
 
@@ -246,7 +246,7 @@ def _row_statistics(
     ``eps`` is a float64.
     """
     zero = 0.0
-    n_float = np.float64(n)
+    inv_n = 1.0 / np.float64(n)  # depends on n alone: computed once per call
     z = x[i * x_stride : i * x_stride + n]
     if has_residual:
         z = residual_out[i * n : (i + 1) * n]
@@ -258,38 +258,42 @@ def _row_statistics(
         m1 = zero
         delta = zero
         s2 = row_sum_sq(z, zero)
-        var = s2 / n_float
+        var = s2 * inv_n
         e_mean = zero
         k_c = zero  # c = d = z, exactly
-        e_var = 1.01 * ((gamma + 2.0 * _U) * var + _U * var)
+        e_var = 1.01 * ((gamma + 4.0 * _U) * var)
     else:
-        m1 = row_sum(z, zero) / n_float
-        # One pass for Σd and Σd², d = z − m1: Σ(d − delta)² = Σd² − N·delta², and
-        # delta is a rounding error of m1, so the subtraction cancels nothing.
+        # The shift: the row's first element (the bound holds for any m1, and this one
+        # depends on the row alone). One pass for Σd and Σd², d = z − m1, and
+        # Σ(d − delta)² = Σd² − N·delta²: the cancellation is in e_var.
+        m1 = element_f64(z, 0) if n > 0 else zero
         s1, s2 = row_sums_centered(z, m1, zero)
-        delta = s1 / n_float
+        delta = s1 * inv_n
         if store_stats:
             mean[i] = m1 + delta
-        absolute = 1.001 * np.sqrt(n_float * s2)  # Σ|d| <= sqrt(N Σd²)
-        e_mean = 1.01 * ((gamma + 2.0 * _U) * absolute / n_float + _U * abs(delta))
-        var = max(s2 / n_float - delta * delta, zero)
+        s2_n = s2 * inv_n
+        d_n = 1.001 * np.sqrt(s2_n)  # Σ|d| / N <= sqrt(Σd² / N)
+        e_mean = 1.01 * ((gamma + 2.0 * _U) * d_n + 3.0 * _U * abs(delta))
+        var = max(s2_n - delta * delta, zero)
         k_c = 1.01 * _U
         e_var = 1.01 * (
-            (gamma + 3.0 * _U) * (s2 / n_float)
+            (gamma + 4.0 * _U) * s2_n
             + e_mean * (2.0 * abs(delta) + e_mean)
             + _U * (delta * delta + var)
         )
     s = var + eps
     e_s = e_var + 1.01 * _U * s
     flag = 1 if e_s >= 0.01 * s else 0  # (False for a NaN row: it stays NaN)
-    e_r = 0.51 * (e_s / (s - e_s)) + 2.01 * _U  # relative error of rstd
     rstd_i = 1.0 / np.sqrt(s)
     if store_stats:
         rstd[i] = rstd_i
+    # relative error of rstd: 0.51·e_s/(s − e_s) <= 0.52·e_s·rstd² when e_s < s/100
+    e_r = 0.52 * (e_s * (rstd_i * rstd_i)) + 2.01 * _U
     k_p = (2.01 * _U + 1.02 * e_r) * _SLACK
-    k_w = rstd_i * (1.0 + 1.02 * e_r) * _SLACK
+    w_rel = (1.0 + 1.02 * e_r) * _SLACK
+    k_w = rstd_i * w_rel
     k_y = 2.1 * _U * _SLACK
-    return z, m1, delta, rstd_i, e_mean, k_c, k_p, k_w, k_y, flag
+    return z, m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag
 
 
 @_jit(inline="always")
@@ -323,7 +327,7 @@ def _precise_statistics(z, m1, n, eps, rms):
     tree of TwoSums whose errors are all summed, here ``_LANES`` interleaved chains then
     :func:`_lane_total`, so ``γ`` of ``n + 2·_LANES`` terms), and the constants of
     :func:`_row_statistics`' bound with the smaller errors they leave
-    (docs/contract.md §3): ``(delta, rstd, e_mean, k_c, k_p, k_w, k_y, flag)`` for the
+    (docs/contract.md §3): ``(delta, rstd, e_mean, k_c, k_p, k_w, w_rel, k_y, flag)`` for the
     same ``m1``. Scalar code in ``_LANES`` independent chains: it runs for few rows."""
     n_float = np.float64(n)
     terms = n_float + 2.0 * _LANES
@@ -381,9 +385,10 @@ def _precise_statistics(z, m1, n, eps, rms):
     e_r = 0.51 * (e_s / (s - e_s)) + 2.01 * _U
     rstd_i = 1.0 / np.sqrt(s)
     k_p = (2.01 * _U + 1.02 * e_r) * _SLACK
-    k_w = rstd_i * (1.0 + 1.02 * e_r) * _SLACK
+    w_rel = (1.0 + 1.02 * e_r) * _SLACK
+    k_w = rstd_i * w_rel
     k_y = 2.1 * _U * _SLACK
-    return delta, rstd_i, e_mean, k_c, k_p, k_w, k_y, flag
+    return delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag
 
 
 @_jit(inline="always")
@@ -399,7 +404,7 @@ def _forward_row(
     segment of its own); where it leaves an element open, the pass with the bound per
     element (``normalize_row_checked``) rewrites that segment only (the passes have no
     reductions: segments change no bits). Returns the row's fallback flag."""
-    z, m1, delta, rstd_i, e_mean, k_c, k_p, k_w, k_y, flag = _row_statistics(
+    z, m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag = _row_statistics(
         i, x, x_stride, residual, residual_stride, has_residual, residual_out,
         mean, rstd, n, eps, rms, store_stats,
     )  # fmt: skip
@@ -414,7 +419,7 @@ def _forward_row(
                     mean[i] = mean_i
                 rstd[i] = rstd_scaled
             return np.uint8(0)
-    a, b = _folded(delta, rstd_i, e_mean, k_c, k_p, k_w)
+    a, b = _folded(delta, e_mean, k_c, k_p, k_w, w_rel)
     checked = np.int32(0)
     if flag == 0 and weight_max < np.inf:
         bound_a, bound_b, tiny = _fast_bounds(a, b, k_y, weight_max, bias_max)
@@ -446,8 +451,10 @@ def _forward_row(
     if (flag | checked) != 0:
         # rare: once more with compensated statistics, whose bound is some 50 times
         # tighter; what is still open goes to the exact fallback
-        delta, rstd_i, e_mean, k_c, k_p, k_w, k_y, flag = _precise_statistics(z, m1, n, eps, rms)
-        a, b = _folded(delta, rstd_i, e_mean, k_c, k_p, k_w)
+        delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag = _precise_statistics(
+            z, m1, n, eps, rms
+        )
+        a, b = _folded(delta, e_mean, k_c, k_p, k_w, w_rel)
         checked = normalize_row_checked(z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y)
     return np.uint8(flag | checked)
 
@@ -523,16 +530,20 @@ def _fast_bounds(a, b, k_y, weight_max, bias_max):
     - ``E <= bound_a + |p|·bound_b``, from ``|yh| <= |p|(1 + u) + |beta|``;
     - ``E <= |yh|·FAST_MARGIN`` wherever ``|yh| >= tiny``, from
       ``|p| <= |yh|(1 + 2u) + |beta|``: ``E <= A + |yh|·B`` with
-      ``A = w_max·a + beta_max·b``, ``B = b(1 + 2u) + k_y``, so
-      ``tiny = A / (FAST_MARGIN - B)`` (``inf`` unless ``B <= FAST_MARGIN / 2``).
+      ``A = w_max·a + beta_max·b``, ``B = b(1 + 2u) + k_y``, so any
+      ``tiny >= A / (FAST_MARGIN - B)`` will do; with ``g = B / FAST_MARGIN <= 1/2``
+      (else ``tiny = inf``), ``1 / (1 - g) <= 1 + 2g`` gives
+      ``tiny = A·(1 + 2g) / FAST_MARGIN``, without a division (FAST_MARGIN is a
+      power of two).
 
     Each is rounded up by the slack (their own roundings are a few ``u``)."""
     bound_a = (weight_max * a + bias_max * k_y * (1.0 + 2.0 * _U)) * _SLACK
     bound_b = (b + k_y * (1.0 + 2.0 * _U)) * _SLACK
-    growth = b * (1.0 + 2.0 * _U) + k_y
+    growth = (b * (1.0 + 2.0 * _U) + k_y) * (1.0 / FAST_MARGIN)
     tiny = np.inf
-    if growth <= 0.5 * FAST_MARGIN:
-        tiny = (weight_max * a + bias_max * b) / (FAST_MARGIN - growth) * (_SLACK * _SLACK)
+    if growth <= 0.5:
+        tiny = (weight_max * a + bias_max * b) * (1.0 / FAST_MARGIN) * (1.0 + 2.0 * growth)
+        tiny *= _SLACK * _SLACK
     return bound_a, bound_b, tiny
 
 
@@ -579,12 +590,13 @@ def _largest_parameters(weight, bias):
 
 
 @_jit(inline="always")
-def _folded(delta, rstd_i, e_mean, k_c, k_p, k_w):
+def _folded(delta, e_mean, k_c, k_p, k_w, w_rel):
     """The bound's per-element terms ``(k_c(|c| + |d|) + e_mean)·|w|·k_w + |p|·k_p`` as
     ``|w|·a + |p|·b`` (docs/contract.md §3), from ``|d| <= |c|/(1 - u) + |delta|`` and
-    ``|c|·|w|·rstd <= |p|/(1 - u)²``, with ``k_w / rstd = (1 + 1.02 e_r)·slack``."""
+    ``|c|·|w|·rstd <= |p|/(1 - u)²``, with ``k_w = fl(rstd·w_rel) <= rstd·w_rel·(1 + u)``
+    (``w_rel = (1 + 1.02 e_r)·slack``)."""
     a = (e_mean + k_c * abs(delta)) * k_w
-    b = k_p + k_c * (2.0 + 1.01 * _U) * (1.0 + 2.01 * _U) * (k_w / rstd_i) * _SLACK
+    b = k_p + k_c * (2.0 + 1.01 * _U) * (1.0 + 3.01 * _U) * w_rel * _SLACK
     return a, b
 
 
