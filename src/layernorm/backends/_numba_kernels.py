@@ -392,11 +392,59 @@ def _precise_statistics(z, m1, n, eps, rms):
 
 
 @_jit(inline="always")
-def _forward_row(
-    i, x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y,
-    mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, stream,
+def _row_constants(
+    i, x, x_stride, residual, residual_stride, has_residual, residual_out,
+    mean, rstd, n, eps, rms, store_stats, weight_max, bias_max,
 ):  # fmt: skip
-    """Row ``i`` of the forward: its statistics and its output, each element rounded once.
+    """Row ``i``'s statistics and the constants of both output passes' bounds:
+    ``(z, m1, delta, rstd_i, a, b, k_y, bound_a, bound_b, tiny, flag)`` (
+    :func:`_row_statistics`, :func:`_folded`, :func:`_fast_bounds`; the last three are
+    meaningless when ``weight_max`` is infinite, and then unused)."""
+    z, m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag = _row_statistics(
+        i, x, x_stride, residual, residual_stride, has_residual, residual_out,
+        mean, rstd, n, eps, rms, store_stats,
+    )  # fmt: skip
+    a, b = _folded(delta, e_mean, k_c, k_p, k_w, w_rel)
+    bound_a, bound_b, tiny = _fast_bounds(a, b, k_y, weight_max, bias_max)
+    return z, m1, delta, rstd_i, a, b, k_y, bound_a, bound_b, tiny, flag
+
+
+@_jit(inline="always")
+def _forward_rows(
+    x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y,
+    mean, rstd, m, n, eps, rms, stream, store_stats, flags,
+):  # fmt: skip
+    """Every row's output and fallback flag (:func:`_forward_row`), software-pipelined:
+    row ``i + 1``'s statistics come before row ``i``'s output pass in program order, so
+    the CPU overlaps the one's dependent chain (the sums, the square root, the bound's
+    constants) with the other's independent vector work. Each row's values depend on
+    that row alone: the same bits in any order."""
+    weight_max, bias_max = _largest_parameters(weight, bias)
+    if m == 0:
+        return
+    row = _row_constants(
+        0, x, x_stride, residual, residual_stride, has_residual, residual_out,
+        mean, rstd, n, eps, rms, store_stats, weight_max, bias_max,
+    )  # fmt: skip
+    for i in range(m):
+        following = row
+        if i + 1 < m:
+            following = _row_constants(
+                i + 1, x, x_stride, residual, residual_stride, has_residual, residual_out,
+                mean, rstd, n, eps, rms, store_stats, weight_max, bias_max,
+            )  # fmt: skip
+        flags[i] = _forward_row(
+            i, row, weight, bias, y, mean, rstd, n, eps, rms, store_stats, weight_max, stream
+        )  # fmt: skip
+        row = following
+
+
+@_jit(inline="always")
+def _forward_row(
+    i, row, weight, bias, y, mean, rstd, n, eps, rms, store_stats, weight_max, stream,
+):  # fmt: skip
+    """Row ``i``'s output from its constants ``row`` (:func:`_row_constants`), each
+    element rounded once.
     The output pass runs over segments of at most :data:`SEGMENT` elements: first the
     cheap pass (``_numba_vectors.normalize_row_fast``, with :func:`_fast_bounds` from the
     largest ``|weight|`` and ``|bias|``; skipped when one is not finite, ``weight_max =
@@ -404,10 +452,7 @@ def _forward_row(
     segment of its own); where it leaves an element open, the pass with the bound per
     element (``normalize_row_checked``) rewrites that segment only (the passes have no
     reductions: segments change no bits). Returns the row's fallback flag."""
-    z, m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag = _row_statistics(
-        i, x, x_stride, residual, residual_stride, has_residual, residual_out,
-        mean, rstd, n, eps, rms, store_stats,
-    )  # fmt: skip
+    z, m1, delta, rstd_i, a, b, k_y, bound_a, bound_b, tiny, flag = row
     y_i = y[i * n : (i + 1) * n]
     in_range = _RANGE_LOW < rstd_i < _RANGE_HIGH and abs(m1) < np.inf
     if _is_float64(y_i) and not in_range:
@@ -419,33 +464,37 @@ def _forward_row(
                     mean[i] = mean_i
                 rstd[i] = rstd_scaled
             return np.uint8(0)
-    a, b = _folded(delta, e_mean, k_c, k_p, k_w, w_rel)
     checked = np.int32(0)
     if flag == 0 and weight_max < np.inf:
-        bound_a, bound_b, tiny = _fast_bounds(a, b, k_y, weight_max, bias_max)
         streaming = stream and _X86
-        start = 0
-        stop = _vector_head(y_i) if streaming else min(n, SEGMENT)
-        while start < n:
-            z_s, y_s = z[start:stop], y_i[start:stop]
-            w_s, b_s = weight[start:stop], bias[start:stop]
-            if streaming and start > 0:  # after the head: aligned
-                open_ = normalize_row_fast_streaming(
-                    z_s, y_s, m1, delta, rstd_i, w_s, b_s, bound_a, bound_b, tiny
+        if n <= SEGMENT and not streaming:  # one segment: the row itself, no slicing
+            if normalize_row_fast(z, y_i, m1, delta, rstd_i, weight, bias, bound_a, bound_b, tiny):
+                checked = normalize_row_checked(
+                    z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y
                 )  # fmt: skip
+        else:
+            start = 0
+            stop = _vector_head(y_i) if streaming else min(n, SEGMENT)
+            while start < n:
+                z_s, y_s = z[start:stop], y_i[start:stop]
+                w_s, b_s = weight[start:stop], bias[start:stop]
+                if streaming and start > 0:  # after the head: aligned
+                    open_ = normalize_row_fast_streaming(
+                        z_s, y_s, m1, delta, rstd_i, w_s, b_s, bound_a, bound_b, tiny
+                    )  # fmt: skip
+                    if open_ != 0:
+                        _store_fence()  # the streamed stores land before their rewrite
+                else:
+                    open_ = normalize_row_fast(
+                        z_s, y_s, m1, delta, rstd_i, w_s, b_s, bound_a, bound_b, tiny
+                    )  # fmt: skip
                 if open_ != 0:
-                    _store_fence()  # the streamed stores land before their rewrite
-            else:
-                open_ = normalize_row_fast(
-                    z_s, y_s, m1, delta, rstd_i, w_s, b_s, bound_a, bound_b, tiny
-                )  # fmt: skip
-            if open_ != 0:
-                checked |= normalize_row_checked(
-                    z_s, y_s, m1, delta, rstd_i, w_s, b_s, a, b, k_y
-                )  # fmt: skip
-            start, stop = stop, min(n, stop + SEGMENT)
-        if streaming:
-            _store_fence()
+                    checked |= normalize_row_checked(
+                        z_s, y_s, m1, delta, rstd_i, w_s, b_s, a, b, k_y
+                    )  # fmt: skip
+                start, stop = stop, min(n, stop + SEGMENT)
+            if streaming:
+                _store_fence()
     else:
         checked = normalize_row_checked(z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y)
     if (flag | checked) != 0:
@@ -609,12 +658,10 @@ def forward_kernel(
     (:func:`_forward_row`), for one span of rows of a call that ``numba_`` spreads over
     its threads; ``stream``: outputs far larger than the caches (streaming stores, the
     same bits)."""
-    weight_max, bias_max = _largest_parameters(weight, bias)
-    for i in range(m):
-        flags[i] = _forward_row(
-            i, x, x_stride, residual, residual_stride, has_residual, residual_out, weight,
-            bias, y, mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, stream,
-        )  # fmt: skip
+    _forward_rows(
+        x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y,
+        mean, rstd, m, n, eps, rms, stream, store_stats, flags,
+    )  # fmt: skip
 
 
 @_jit()
@@ -624,12 +671,10 @@ def forward_kernel_serial(
 ):  # fmt: skip
     """:func:`forward_kernel` in the calling thread (no parallel region to launch): the
     same row function, so the same bits."""
-    weight_max, bias_max = _largest_parameters(weight, bias)
-    for i in range(m):
-        flags[i] = _forward_row(
-            i, x, x_stride, residual, residual_stride, has_residual, residual_out, weight,
-            bias, y, mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, False,
-        )  # fmt: skip
+    _forward_rows(
+        x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y,
+        mean, rstd, m, n, eps, rms, False, store_stats, flags,
+    )  # fmt: skip
 
 
 @_jit()
