@@ -108,7 +108,7 @@ SEGMENT = 1024
 #: these kernels. numba keys its on-disk cache on this file alone, so a change to that one
 #: must change this line, or a stale cached kernel would keep running the old code;
 #: ``tests/test_numba_vectors.py`` fails until it does.
-VECTORS_SHA256 = "86faaf3eda7651f6"
+VECTORS_SHA256 = "a920d78188e711e4"
 
 
 def _jit(*signature, **options):
@@ -578,8 +578,8 @@ def _fast_bounds(a, b, k_y, weight_max, bias_max):
 
     - ``E <= bound_a + |p|·bound_b``, from ``|yh| <= |p|(1 + u) + |beta|``;
     - ``E <= |yh|·FAST_MARGIN`` wherever ``|yh| >= tiny``, from
-      ``|p| <= |yh|(1 + 2u) + |beta|``: ``E <= A + |yh|·B`` with
-      ``A = w_max·a + beta_max·b``, ``B = b(1 + 2u) + k_y``, so any
+      ``|p| <= |yh|(1 + 2u) + |beta|``: ``bound_a + |p|·bound_b <= A + |yh|·B`` with
+      ``A = bound_a + beta_max·bound_b``, ``B = (1 + 2u)·bound_b``, so any
       ``tiny >= A / (FAST_MARGIN - B)`` will do; with ``g = B / FAST_MARGIN <= 1/2``
       (else ``tiny = inf``), ``1 / (1 - g) <= 1 + 2g`` gives
       ``tiny = A·(1 + 2g) / FAST_MARGIN``, without a division (FAST_MARGIN is a
@@ -588,10 +588,10 @@ def _fast_bounds(a, b, k_y, weight_max, bias_max):
     Each is rounded up by the slack (their own roundings are a few ``u``)."""
     bound_a = (weight_max * a + bias_max * k_y * (1.0 + 2.0 * _U)) * _SLACK
     bound_b = (b + k_y * (1.0 + 2.0 * _U)) * _SLACK
-    growth = (b * (1.0 + 2.0 * _U) + k_y) * (1.0 / FAST_MARGIN)
+    growth = bound_b * (1.0 + 2.0 * _U) * (1.0 / FAST_MARGIN)
     tiny = np.inf
     if growth <= 0.5:
-        tiny = (weight_max * a + bias_max * b) * (1.0 / FAST_MARGIN) * (1.0 + 2.0 * growth)
+        tiny = (bound_a + bias_max * bound_b) * (1.0 / FAST_MARGIN) * (1.0 + 2.0 * growth)
         tiny *= _SLACK * _SLACK
     return bound_a, bound_b, tiny
 
