@@ -35,12 +35,14 @@ same way, from five float64 row sums (:func:`_backward_sums`), the statistics of
 recomputed with ``eps``, Ziv's test per element (:func:`_dx_row_checked`) and flags for
 ``_exact.fix_backward_rows``. Row sums add blocks of ``_numba_vectors.SUM_BLOCK``
 elements in the accumulation dtype and the block totals in float64, so their error does
-not grow with N. Statistics are the corrected
-two-pass: ``m1 = mean(z)``, ``d = z - m1``, ``delta = mean(d)``, ``mean = m1 + delta``,
-``var = mean((d - delta)²)``, computed as ``mean(d²) - delta²`` so that ``sum(d)`` and
-``sum(d²)`` share one pass (``delta`` is a rounding error of ``m1``: the subtraction
-cancels nothing). A row is read once from memory; the two reduction passes and the output
-pass re-read it from cache.
+not grow with N. The forward's statistics are
+shifted: ``m1`` is the row's first element, ``d = z - m1``, ``delta = mean(d)``,
+``mean = m1 + delta``, ``var = mean(d²) - delta²`` from one pass for ``sum(d)`` and
+``sum(d²)``, the cancellation in that difference inside the bound (docs/contract.md §3);
+a row whose bound that leaves too loose goes to the compensated two-pass statistics. A
+row is read once from memory; the output pass re-reads it from cache. Rows are
+software-pipelined (:func:`_forward_rows`): row ``i + 1``'s statistics before row
+``i``'s output.
 
 Determinism. Every row sum goes through :mod:`layernorm.backends._numba_vectors`,
 whose summation order is written out in LLVM IR and depends on N alone: not on M, the
