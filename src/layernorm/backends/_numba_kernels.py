@@ -94,6 +94,7 @@ from ._numba_vectors import (
     normalize_row_checked,
     normalize_row_fast,
     normalize_row_fast_streaming,
+    row_sum,
     row_sum_sq,
     row_sums_centered,
     widen,
@@ -323,15 +324,19 @@ def _lane_total(total, compensation):
 
 
 @_jit()
-def _precise_statistics(z, m1, n, eps, rms):
+def _precise_statistics(z, n, eps, rms):
     """Row statistics again, for a row the fast pass flagged, by compensated sums
     (Ogita, Rump and Oishi's Sum2: error at most ``u·|sum| + γ_{n}²·Σ|terms|`` for any
     tree of TwoSums whose errors are all summed, here ``_LANES`` interleaved chains then
     :func:`_lane_total`, so ``γ`` of ``n + 2·_LANES`` terms), and the constants of
     :func:`_row_statistics`' bound with the smaller errors they leave
-    (docs/contract.md §3): ``(delta, rstd, e_mean, k_c, k_p, k_w, w_rel, k_y, flag)`` for the
-    same ``m1``. Scalar code in ``_LANES`` independent chains: it runs for few rows."""
+    (docs/contract.md §3): ``(m1, delta, rstd, e_mean, k_c, k_p, k_w, w_rel, k_y, flag)``
+    with a shift of their own, ``m1 = fl(Σz/N)`` (0 for RMSNorm): the bound holds for
+    any shift, but stage 1's (the row's first element) would leave ``delta`` of the
+    order of the spread, whose ``4u|delta|`` would loosen ``e_mean`` here. Scalar code
+    in ``_LANES`` independent chains: it runs for few rows."""
     n_float = np.float64(n)
+    m1 = 0.0 if rms else row_sum(z, 0.0) / n_float
     terms = n_float + 2.0 * _LANES
     g = terms * _U / (1.0 - terms * _U)
     g2 = g * g
@@ -390,7 +395,7 @@ def _precise_statistics(z, m1, n, eps, rms):
     w_rel = (1.0 + 1.02 * e_r) * _SLACK
     k_w = rstd_i * w_rel
     k_y = 2.1 * _U * _SLACK
-    return delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag
+    return m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag
 
 
 @_jit(inline="always")
@@ -502,8 +507,8 @@ def _forward_row(
     if (flag | checked) != 0:
         # rare: once more with compensated statistics, whose bound is some 50 times
         # tighter; what is still open goes to the exact fallback
-        delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag = _precise_statistics(
-            z, m1, n, eps, rms
+        m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag = _precise_statistics(
+            z, n, eps, rms
         )
         a, b = _folded(delta, e_mean, k_c, k_p, k_w, w_rel)
         checked = normalize_row_checked(z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y)
