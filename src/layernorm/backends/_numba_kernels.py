@@ -111,7 +111,7 @@ SEGMENT = 1024
 #: these kernels. numba keys its on-disk cache on this file alone, so a change to that one
 #: must change this line, or a stale cached kernel would keep running the old code;
 #: ``tests/test_numba_vectors.py`` fails until it does.
-VECTORS_SHA256 = "d323ff3272307a1b"
+VECTORS_SHA256 = "f85c17cf259373a6"
 
 
 def _jit(*signature, **options):

@@ -770,9 +770,10 @@ def normalize_row_fast(typingctx, z, y, m1, delta, rstd, weight, bias, bound_a, 
     element stored is ``yh``'s correct rounding, hence (``yh`` within the bound) the exact
     value's.
 
-    - float32: ``E = bound_a + |p| * bound_b`` (per-row constants that make it at least
-      :func:`normalize_row_checked`'s ``E``), and Ziv's test: ``yh - E`` and ``yh + E``
-      round to the same float32. Stored: ``RN32(yh)``.
+    - float32: ``E = fma(|p|, bound_b, bound_a)`` (per-row constants that make it at
+      least :func:`normalize_row_checked`'s ``E``, with slack for this rounding), and
+      Ziv's test: ``yh - E`` and ``yh + E`` round to the same float32 (their patterns'
+      xor, OR-ed over the row, is 0). Stored: ``RN32(yh)``.
     - bfloat16, float16: the caller's ``tiny`` is such that ``|yh| >= tiny`` implies
       ``E <= |yh| * FAST_MARGIN`` (``E = 0`` at ``yh = 0`` when ``tiny = 0``); then
       every float32 within ``E`` of ``yh`` has a pattern within one of
