@@ -36,11 +36,11 @@ def stage_counts(dtype: torch.dtype, m: int, n: int, offset: float, rms: bool):
         segments = opened = precise = 0
         weight_max, bias_max = kernels._largest_parameters(w, b)
         for i in range(m):
-            z, m1, delta, rstd_i, e_mean, k_c, k_p, k_w, k_y, flag = kernels._row_statistics(
-                i, x, n, x, 0, False, x, unused, unused, n, 1e-5, rms, False
-            )
-            a, b_ = kernels._folded(delta, rstd_i, e_mean, k_c, k_p, k_w)
-            bound_a, bound_b, tiny = kernels._fast_bounds(a, b_, k_y, weight_max, bias_max)
+            row = kernels._row_constants(
+                i, x, n, x, 0, False, x, unused, unused, n, 1e-5, rms, False, weight_max,
+                bias_max,
+            )  # fmt: skip
+            z, m1, delta, rstd_i, a, b_, k_y, bound_a, bound_b, tiny, flag = row
             checked = 0
             y_i = y[i * n : (i + 1) * n]
             for start in range(0, n, kernels.SEGMENT):
