@@ -656,6 +656,16 @@ def _backward_sums(typingctx, dy, z, w, m1, zero):
     return types.UniTuple(types.float64, 5)(dy, z, w, m1, zero), codegen
 
 
+def _mul_add(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+    """``a * b + c`` (doubles, scalars or vectors): one rounding where the CPU fuses
+    them (``llvm.fmuladd``), else two. For bounds only: the bits may differ by CPU."""
+    suffix = f"v{a.type.count}f64" if isinstance(a.type, ir.VectorType) else "f64"
+    function = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(a.type, [a.type] * 3), "llvm.fmuladd." + suffix
+    )
+    return builder.call(function, [a, b, c])
+
+
 @intrinsic
 def _dx_row_checked(
     typingctx, dy, z, dresidual_out, dx, weight, dweight_partial, dbias_partial,
@@ -667,10 +677,12 @@ def _dx_row_checked(
         gh = dy * weight;  d = z - m1;  c = d - delta
         t1 = gh - c2;  t2 = rstd * t1;  t3 = k * c;  t4 = t2 - t3
         y = (t4 + dresidual_out) + 0.0              (an exact zero is +0.0)
-        E = (k_t1 |t1| + k_c |c| + k_0)(1 + 2^-30) + 3.1u(1 + 2^-30)|y|
+        E = k_t1 |t1| + (k_c |c| + (k_y |y| + k_0)),  k_y = 3.1u(1 + 2^-30)
         dweight_partial += dy * (c * rstd);  dbias_partial += dy
 
-    in float64 (the scalars are doubles; rows are widened exactly). Returns 1 when
+    in float64 (the scalars are doubles; rows are widened exactly; ``E``'s three steps are
+    fused multiply-adds where the CPU has them, and the caller's ``k_t1``, ``k_c``, ``k_0``
+    carry the slack ``1 + 2^-30``, which covers ``E``'s own roundings). Returns 1 when
     ``y - E`` and ``y + E`` round to different values of dx's dtype for some element
     (the row needs the exact fallback), else 0; for a float64 ``dx``, no test (0)."""
     sig = types.int32(
@@ -715,11 +727,10 @@ def _dx_row_checked(
             store_partial(dbp, builder.fadd(dbp.load(index, lanes, double), g), index, lanes)
             if not check:
                 return
-            slack, k_y = _splat_all(builder, [double(_SLACK), double(3.1 * _U * _SLACK)], lanes)
-            bound = builder.fmul(k_t1, _fabs(builder, t1))
-            bound = builder.fadd(bound, builder.fmul(k_c, _fabs(builder, c)))
-            bound = builder.fadd(bound, k_0)
-            bound = builder.fadd(builder.fmul(bound, slack), builder.fmul(k_y, _fabs(builder, y)))
+            (k_y,) = _splat_all(builder, [double(3.1 * _U * _SLACK)], lanes)
+            bound = _mul_add(builder, k_y, _fabs(builder, y), k_0)
+            bound = _mul_add(builder, k_c, _fabs(builder, c), bound)
+            bound = _mul_add(builder, k_t1, _fabs(builder, t1), bound)
             if half:
                 # r = RN32(y). When E < |r| 2^-25 (below half of r's gaps to its float32
                 # neighbours), [y - E, y + E] holds no float32 but r, and every rounding
@@ -838,53 +849,72 @@ def _fast_gamma(n):
 
 
 @_jit(inline="always")
-def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, gamma, n, eps, rms):
+def _backward_factors(n, gamma):
+    """The per-call factors of :func:`_backward_constants` for rows of ``n`` elements
+    whose sums err by at most ``gamma`` times the sums of their |terms|:
+    ``(1/N, f_mean, f_c2, f_a, f_var)``, with which a row's bound terms need no division
+    (docs/contract.md §3): ``γD/N``-type terms become ``f·sqrt(S)``, since
+    ``D/N = 1.001·sqrt(S_dd)/sqrt(N)``. Each factor carries the 1.01 of the term it
+    stands for, which covers the roundings of evaluating it (fewer than 20, 10^-14)."""
+    n_float = np.float64(n)
+    inv_n = 1.0 / n_float
+    rn = 1.0 / np.sqrt(n_float)
+    f_mean = 1.01 * 1.001 * (gamma + 2.0 * _U) * rn  # e_mean = f_mean·sqrt(S_dd) + ...
+    f_c2 = 1.01 * 1.001 * gamma * rn  # e_c2 = f_c2·sqrt(S_gg) + ...
+    f_a = 1.01 * 1.001 * (gamma + 2.01 * _U) * inv_n  # e_a = f_a·sqrt(S_gg)·sqrt(S_dd) + ...
+    f_var = 1.01 * (gamma + 3.0 * _U)  # e_var = f_var·S_dd/N + ...
+    return inv_n, f_mean, f_c2, f_a, f_var
+
+
+@_jit(inline="always")
+def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms):
     """A row's constants for :func:`_dx_row_checked` from its five sums
-    (:func:`_backward_sums`), whose errors are at most ``gamma`` times the sums of their
-    |terms|, and the row's flag (docs/contract.md §3):
-    ``(delta, rstd, c2, k, k_t1, k_c, k_0, flag)``; ``flag`` is 1 when the bound on
-    ``rstd`` is too loose to use."""
+    (:func:`_backward_sums`) and the call's :func:`_backward_factors`, and the row's flag
+    (docs/contract.md §3): ``(delta, rstd, c2, k, k_t1, k_c, k_0, flag)``, the three
+    ``k_*`` times the slack ``1 + 2^-30``; ``flag`` is 1 when the bound on ``rstd`` is
+    too loose to use. Two divisions and three square roots a row (``delta``, ``var`` and
+    ``rstd`` are divided as the forward does: ``dweight`` uses them); the rest multiplies
+    by the per-call factors. Every name is the contract's quantity or a bound on it."""
     zero = 0.0
     n_float = np.float64(n)
-    d_abs = 1.001 * np.sqrt(n_float * s_dd)  # >= Σ|d|
-    g_abs = 1.001 * np.sqrt(n_float * s_gg)  # >= Σ|gh|
-    p_abs = 1.001 * np.sqrt(s_gg) * np.sqrt(s_dd)  # >= Σ|gh·d|
+    inv_n, f_mean, f_c2, f_a, f_var = factors
+    root_dd = np.sqrt(s_dd)  # Σ|d| <= D = 1.001·sqrt(N·S_dd) = 1.001·sqrt(N)·root_dd
+    root_gg = np.sqrt(s_gg)  # Σ|gh| <= G likewise; Σ|gh·d| <= P = 1.001·root_gg·root_dd
     if rms:
         delta = zero
         e_mean = zero
         var = s_dd / n_float
-        e_var = 1.01 * ((gamma + 3.0 * _U) * var + _U * var)
+        e_var = f_var * var + 1.01 * _U * var
         c2 = zero
         e_c2 = zero
-        a1 = s_gd / n_float
+        a1 = s_gd * inv_n
         a2 = zero
         alpha = zero  # c = z, exactly
     else:
         delta = s_d / n_float
-        e_mean = 1.01 * ((gamma + 2.0 * _U) * d_abs / n_float + _U * abs(delta))
-        var = max(s_dd / n_float - delta * delta, zero)
-        e_var = 1.01 * (
-            (gamma + 3.0 * _U) * (s_dd / n_float)
-            + e_mean * (2.0 * abs(delta) + e_mean)
-            + _U * (delta * delta + var)
+        e_mean = f_mean * root_dd + 1.01 * _U * abs(delta)
+        q = s_dd / n_float
+        var = max(q - delta * delta, zero)
+        e_var = (
+            f_var * q
+            + 1.01 * (e_mean * (2.0 * abs(delta) + e_mean) + _U * (delta * delta + var))
         )
-        c2 = s_g / n_float
-        e_c2 = 1.01 * (gamma * g_abs / n_float + _U * abs(c2))
-        a1 = s_gd / n_float
+        c2 = s_g * inv_n  # (a division's rounding and 1/N's: 2.01u, times 1.01)
+        e_c2 = f_c2 * root_gg + 2.04 * _U * abs(c2)
+        a1 = s_gd * inv_n
         a2 = delta * c2
         alpha = 2.04 * _U
     a = a1 - a2
-    e_a = 1.01 * (
-        _U * (abs(a) + abs(a1) + abs(a2))
-        + (gamma + 2.01 * _U) * p_abs / n_float
-        + e_mean * abs(c2)
-        + (abs(delta) + e_mean) * e_c2
+    e_a = f_a * root_gg * root_dd + 1.01 * (
+        _U * (abs(a) + 2.01 * abs(a1) + abs(a2)) + e_mean * abs(c2) + (abs(delta) + e_mean) * e_c2
     )
     s = var + eps
     e_s = e_var + 1.01 * _U * s
     flag = 1 if e_s >= 0.01 * s else 0  # (False for a NaN row: it stays NaN)
-    e_r = 0.51 * (e_s / (s - e_s)) + 2.01 * _U  # relative error of rstd
     rstd = 1.0 / np.sqrt(s)
+    # the relative error of rstd: 0.51·e_s/(s − e_s) + 2.01u <= 0.52·e_s·rstd² + 2.01u
+    # where e_s < s/100 (else the row is flagged, and these constants go unused)
+    e_r = 0.52 * (e_s * (rstd * rstd)) + 2.01 * _U
     k = rstd * rstd * rstd * a
     r_hi = rstd * (1.0 + 1.01 * e_r)  # >= the exact rstd
     e_k = 3.02 * _U * abs(k) + r_hi * r_hi * r_hi * (3.03 * e_r * abs(a) + e_a)
@@ -894,7 +924,23 @@ def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, gamma, n, eps, rms):
     k_t1 = r_hi * (e_r + _U) + 2.02 * _U * rstd
     k_c = abs(k) * (alpha + 2.02 * _U) + e_k * (1.0 + alpha)
     k_0 = r_hi * e_c2 + beta * (abs(k) + e_k)
-    return delta, rstd, c2, k, k_t1, k_c, k_0, flag
+    return delta, rstd, c2, k, k_t1 * _SLACK, k_c * _SLACK, k_0 * _SLACK, flag
+
+
+@_jit(inline="always")
+def _row_constants(i, dy, dy_stride, x, x_stride, weight, mean, n, eps, rms, factors):
+    """Row ``i``'s ``m1`` (the forward's mean: any finite value will do, the bound covers
+    it; 0 for RMSNorm, where ``d = z`` exactly), its :func:`_chunked_backward_sums` and
+    :func:`_backward_constants`: ``(m1, delta, rstd, c2, k, k_t1, k_c, k_0, flag)``."""
+    m1 = 0.0
+    if not rms:
+        m1 = np.float64(mean[i])
+        if not np.isfinite(m1):
+            m1 = 0.0
+    dy_i = dy[i * dy_stride : i * dy_stride + n]
+    x_i = x[i * x_stride : i * x_stride + n]
+    s_d, s_dd, s_g, s_gg, s_gd = _chunked_backward_sums(dy_i, x_i, weight, m1, n)
+    return (m1, *_backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms))
 
 
 @_jit()
@@ -906,30 +952,30 @@ def _backward_block(
     ``(block+1)*ROW_BLOCK - 1``; ``+ dresidual_out``: without a residual, one row of
     ``-0.0`` with a stride of 0), each row's fallback flag ``flags[i]``, and the block's
     partial sums ``dweight_partial[block*N:(block+1)*N] = sum(dy * u)``,
-    ``dbias_partial[...] = sum(dy)``, in row order.
+    ``dbias_partial[...] = sum(dy)``, in row order. ``weight``: float64.
 
-    Each row: :func:`_backward_sums` from ``m1`` = the forward's mean (any finite value
-    will do: the bound covers it; 0 for RMSNorm, where ``d = z`` exactly), the constants
-    (:func:`_backward_constants`) and :func:`_dx_row_checked`.
+    Each row: :func:`_row_constants`, then :func:`_dx_row_checked`. The next row's
+    constants are computed before this row's dx pass, so that their chain of dependent
+    divisions and square roots overlaps that pass instead of stalling the next one
+    (the order of the work changes, not the arithmetic: the same bits).
     """
-    zero = 0.0
     for k in range(block * n, (block + 1) * n):
         dweight_partial[k] = 0.0
         dbias_partial[k] = 0.0
     dweight_block = dweight_partial[block * n : (block + 1) * n]
     dbias_block = dbias_partial[block * n : (block + 1) * n]
-    for i in range(block * ROW_BLOCK, min(m, (block + 1) * ROW_BLOCK)):
-        m1 = zero
-        if not rms:
-            m1 = np.float64(mean[i])
-            if not np.isfinite(m1):
-                m1 = zero
+    factors = _backward_factors(n, _fast_gamma(n))
+    first = block * ROW_BLOCK
+    last = min(m, first + ROW_BLOCK)
+    ahead = _row_constants(first, dy, dy_stride, x, x_stride, weight, mean, n, eps, rms, factors)
+    for i in range(first, last):
+        m1, delta, rstd_i, c2, k, k_t1, k_c, k_0, flag = ahead
+        if i + 1 < last:
+            ahead = _row_constants(
+                i + 1, dy, dy_stride, x, x_stride, weight, mean, n, eps, rms, factors
+            )
         dy_i = dy[i * dy_stride : i * dy_stride + n]
         x_i = x[i * x_stride : i * x_stride + n]
-        s_d, s_dd, s_g, s_gg, s_gd = _chunked_backward_sums(dy_i, x_i, weight, m1, n)
-        delta, rstd_i, c2, k, k_t1, k_c, k_0, flag = _backward_constants(
-            s_d, s_dd, s_g, s_gg, s_gd, _fast_gamma(n), n, eps, rms
-        )
         dresidual_out_i = dresidual_out[i * dresidual_out_stride : i * dresidual_out_stride + n]
         dx_i = dx[i * n : (i + 1) * n]
         checked = _dx_row_checked(
@@ -941,7 +987,7 @@ def _backward_block(
             # tighter (the partial sums already have the row's terms: a throwaway pair)
             s_d, s_dd, s_g, s_gg, s_gd, gamma = _precise_backward_sums(dy_i, x_i, weight, m1, n)
             delta, rstd_i, c2, k, k_t1, k_c, k_0, flag = _backward_constants(
-                s_d, s_dd, s_g, s_gg, s_gd, gamma, n, eps, rms
+                s_d, s_dd, s_g, s_gg, s_gd, _backward_factors(n, gamma), n, eps, rms
             )
             throwaway = np.zeros(n)
             checked = _dx_row_checked(
