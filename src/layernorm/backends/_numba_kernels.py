@@ -927,37 +927,43 @@ def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms):
     return delta, rstd, c2, k, k_t1 * _SLACK, k_c * _SLACK, k_0 * _SLACK, flag
 
 
-@_jit(inline="always")
-def _row_constants(i, dy, dy_stride, x, x_stride, weight, mean, n, eps, rms, factors):
-    """Row ``i``'s ``m1`` (the forward's mean: any finite value will do, the bound covers
-    it; 0 for RMSNorm, where ``d = z`` exactly), its :func:`_chunked_backward_sums` and
-    :func:`_backward_constants`: ``(m1, delta, rstd, c2, k, k_t1, k_c, k_0, flag)``."""
-    m1 = 0.0
-    if not rms:
-        m1 = np.float64(mean[i])
-        if not np.isfinite(m1):
-            m1 = 0.0
-    dy_i = dy[i * dy_stride : i * dy_stride + n]
-    x_i = x[i * x_stride : i * x_stride + n]
-    s_d, s_dd, s_g, s_gg, s_gd = _chunked_backward_sums(dy_i, x_i, weight, m1, n)
-    return (m1, *_backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms))
+#: Rows whose constants :func:`_backward_block` computes together (one vector of doubles)
+_BATCH = 8
+#: What a batch's scratch holds per row (``_BATCH`` columns each), in this order
+_SUMS, _CONSTANTS = 6, 8  # m1 and the five sums; delta, rstd, c2, k, k_t1, k_c, k_0, flag
+
+
+@_jit()
+def _batch_constants(scratch, b, factors, n, eps, rms):
+    """:func:`_backward_constants` of the ``b`` rows of a batch, from their sums in
+    ``scratch[1:6, :b]`` into ``scratch[6:14, :b]`` (the flag as 0.0 or 1.0): one loop,
+    which LLVM vectorizes across the rows (the same IEEE operations on each lane: the
+    same bits as one row at a time, and an eighth of the instructions)."""
+    s_d, s_dd, s_g, s_gg, s_gd = scratch[1], scratch[2], scratch[3], scratch[4], scratch[5]
+    delta, rstd, c2, k = scratch[6], scratch[7], scratch[8], scratch[9]
+    k_t1, k_c, k_0, flag = scratch[10], scratch[11], scratch[12], scratch[13]
+    for j in range(b):
+        row = _backward_constants(s_d[j], s_dd[j], s_g[j], s_gg[j], s_gd[j], factors, n, eps, rms)
+        delta[j], rstd[j], c2[j], k[j], k_t1[j], k_c[j], k_0[j] = row[:7]
+        flag[j] = np.float64(row[7])
 
 
 @_jit()
 def _backward_block(
     block, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean,
-    dx, dweight_partial, dbias_partial, flags, m, n, eps, rms,
+    dx, dweight_partial, dbias_partial, flags, m, n, eps, rms, scratch,
 ):  # fmt: skip
     """dx for the rows of block ``block`` (rows ``block*ROW_BLOCK`` to
     ``(block+1)*ROW_BLOCK - 1``; ``+ dresidual_out``: without a residual, one row of
     ``-0.0`` with a stride of 0), each row's fallback flag ``flags[i]``, and the block's
     partial sums ``dweight_partial[block*N:(block+1)*N] = sum(dy * u)``,
-    ``dbias_partial[...] = sum(dy)``, in row order. ``weight``: float64.
+    ``dbias_partial[...] = sum(dy)``, in row order. ``scratch``: (14, ``_BATCH``) float64.
 
-    Each row: :func:`_row_constants`, then :func:`_dx_row_checked`. The next row's
-    constants are computed before this row's dx pass, so that their chain of dependent
-    divisions and square roots overlaps that pass instead of stalling the next one
-    (the order of the work changes, not the arithmetic: the same bits).
+    In batches of :data:`_BATCH` rows: each row's ``m1`` (the forward's mean: any finite
+    value will do, the bound covers it; 0 for RMSNorm, where ``d = z`` exactly) and
+    :func:`_chunked_backward_sums`, the batch's constants together
+    (:func:`_batch_constants`), then each row's :func:`_dx_row_checked`. The rows'
+    arithmetic is unchanged (the same bits); only the constants' scalar work is shared.
     """
     for k in range(block * n, (block + 1) * n):
         dweight_partial[k] = 0.0
@@ -965,36 +971,54 @@ def _backward_block(
     dweight_block = dweight_partial[block * n : (block + 1) * n]
     dbias_block = dbias_partial[block * n : (block + 1) * n]
     factors = _backward_factors(n, _fast_gamma(n))
-    first = block * ROW_BLOCK
-    last = min(m, first + ROW_BLOCK)
-    ahead = _row_constants(first, dy, dy_stride, x, x_stride, weight, mean, n, eps, rms, factors)
-    for i in range(first, last):
-        m1, delta, rstd_i, c2, k, k_t1, k_c, k_0, flag = ahead
-        if i + 1 < last:
-            ahead = _row_constants(
-                i + 1, dy, dy_stride, x, x_stride, weight, mean, n, eps, rms, factors
+    last = min(m, (block + 1) * ROW_BLOCK)
+    for first in range(block * ROW_BLOCK, last, _BATCH):
+        b = min(_BATCH, last - first)
+        for j in range(b):
+            i = first + j
+            m1 = 0.0
+            if not rms:
+                m1 = np.float64(mean[i])
+                if not np.isfinite(m1):
+                    m1 = 0.0
+            dy_i = dy[i * dy_stride : i * dy_stride + n]
+            x_i = x[i * x_stride : i * x_stride + n]
+            scratch[0, j] = m1
+            (scratch[1, j], scratch[2, j], scratch[3, j], scratch[4, j], scratch[5, j]) = (
+                _chunked_backward_sums(dy_i, x_i, weight, m1, n)
             )
-        dy_i = dy[i * dy_stride : i * dy_stride + n]
-        x_i = x[i * x_stride : i * x_stride + n]
-        dresidual_out_i = dresidual_out[i * dresidual_out_stride : i * dresidual_out_stride + n]
-        dx_i = dx[i * n : (i + 1) * n]
-        checked = _dx_row_checked(
-            dy_i, x_i, dresidual_out_i, dx_i, weight, dweight_block, dbias_block,
-            m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
-        )  # fmt: skip
-        if (flag | checked) != 0:
-            # rare: once more with compensated sums, whose bound is some 100 times
-            # tighter (the partial sums already have the row's terms: a throwaway pair)
-            s_d, s_dd, s_g, s_gg, s_gd, gamma = _precise_backward_sums(dy_i, x_i, weight, m1, n)
-            delta, rstd_i, c2, k, k_t1, k_c, k_0, flag = _backward_constants(
-                s_d, s_dd, s_g, s_gg, s_gd, _backward_factors(n, gamma), n, eps, rms
-            )
-            throwaway = np.zeros(n)
+        _batch_constants(scratch, b, factors, n, eps, rms)
+        for j in range(b):
+            i = first + j
+            m1 = scratch[0, j]
+            delta, rstd_i, c2, k = scratch[6, j], scratch[7, j], scratch[8, j], scratch[9, j]
+            k_t1, k_c, k_0 = scratch[10, j], scratch[11, j], scratch[12, j]
+            flag = 1 if scratch[13, j] != 0.0 else 0
+            dy_i = dy[i * dy_stride : i * dy_stride + n]
+            x_i = x[i * x_stride : i * x_stride + n]
+            dresidual_out_i = dresidual_out[
+                i * dresidual_out_stride : i * dresidual_out_stride + n
+            ]
+            dx_i = dx[i * n : (i + 1) * n]
             checked = _dx_row_checked(
-                dy_i, x_i, dresidual_out_i, dx_i, weight, throwaway, throwaway,
+                dy_i, x_i, dresidual_out_i, dx_i, weight, dweight_block, dbias_block,
                 m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
             )  # fmt: skip
-        flags[i] = np.uint8(flag | checked)
+            if (flag | checked) != 0:
+                # rare: once more with compensated sums, whose bound is some 100 times
+                # tighter (the partial sums already have the row's terms: a throwaway pair)
+                s_d, s_dd, s_g, s_gg, s_gd, gamma = _precise_backward_sums(
+                    dy_i, x_i, weight, m1, n
+                )
+                delta, rstd_i, c2, k, k_t1, k_c, k_0, flag = _backward_constants(
+                    s_d, s_dd, s_g, s_gg, s_gd, _backward_factors(n, gamma), n, eps, rms
+                )
+                throwaway = np.zeros(n)
+                checked = _dx_row_checked(
+                    dy_i, x_i, dresidual_out_i, dx_i, weight, throwaway, throwaway,
+                    m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
+                )  # fmt: skip
+            flags[i] = np.uint8(flag | checked)
 
 
 @_jit()
@@ -1004,10 +1028,11 @@ def backward_kernel(
 ):  # fmt: skip
     """:func:`_backward_block` for every block of rows of one span of blocks of a call
     that ``numba_`` spreads over its threads."""
+    scratch = np.empty((_SUMS + _CONSTANTS, _BATCH), np.float64)
     for block in range((m + ROW_BLOCK - 1) // ROW_BLOCK):
         _backward_block(
             block, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight,
-            mean, dx, dweight_partial, dbias_partial, flags, m, n, eps, rms,
+            mean, dx, dweight_partial, dbias_partial, flags, m, n, eps, rms, scratch,
         )  # fmt: skip
 
 
@@ -1017,10 +1042,11 @@ def backward_kernel_serial(
     dx, dweight_partial, dbias_partial, flags, m, n, eps, rms,
 ):  # fmt: skip
     """:func:`backward_kernel` in the calling thread."""
+    scratch = np.empty((_SUMS + _CONSTANTS, _BATCH), np.float64)
     for block in range((m + ROW_BLOCK - 1) // ROW_BLOCK):
         _backward_block(
             block, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight,
-            mean, dx, dweight_partial, dbias_partial, flags, m, n, eps, rms,
+            mean, dx, dweight_partial, dbias_partial, flags, m, n, eps, rms, scratch,
         )  # fmt: skip
 
 
