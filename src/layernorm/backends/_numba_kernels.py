@@ -677,6 +677,8 @@ def _dx_row_checked(
         gh = dy * weight;  d = z - m1;  c = d - delta
         t1 = gh - c2;  t2 = rstd * t1;  t3 = k * c;  t4 = t2 - t3
         y = (t4 + dresidual_out) + 0.0              (an exact zero is +0.0)
+
+    (``dresidual_out`` None: ``y = t4 + 0.0``, the same bits as a row of ``-0.0``)
         E = k_t1 |t1| + (k_c |c| + (k_y |y| + k_0)),  k_y = 3.1u(1 + 2^-30)
         dweight_partial += dy * (c * rstd);  dbias_partial += dy
 
@@ -691,7 +693,10 @@ def _dx_row_checked(
     )  # fmt: skip
 
     def codegen(context, builder, sig, args):
-        rows = [Row(context, builder, sig.args[i], args[i]) for i in range(7)]
+        rows = [
+            None if sig.args[i] == types.none else Row(context, builder, sig.args[i], args[i])
+            for i in range(7)
+        ]
         dy, z, dres, dx, w, dwp, dbp = rows
         double = ir.DoubleType()
         width = vector_lanes(double)
@@ -708,7 +713,7 @@ def _dx_row_checked(
 
         def element(index, lanes):
             m1, delta, rstd, c2, k, k_t1, k_c, k_0 = _splat_all(builder, args[7:], lanes)
-            g, zv, rho, wv = (row.load(index, lanes, double) for row in (dy, z, dres, w))
+            g, zv, wv = (row.load(index, lanes, double) for row in (dy, z, w))
             gh = builder.fmul(g, wv)
             d = builder.fsub(zv, m1)
             c = builder.fsub(d, delta)
@@ -717,7 +722,9 @@ def _dx_row_checked(
             t3 = builder.fmul(k, c)
             t4 = builder.fsub(t2, t3)
             zero = ir.Constant(t4.type, None)
-            y = builder.fadd(builder.fadd(t4, rho), zero)
+            if dres is not None:
+                t4 = builder.fadd(t4, dres.load(index, lanes, double))
+            y = builder.fadd(t4, zero)
             half = check and dx.dtype in (types.uint16, types.int16)
             dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
             u = builder.fmul(c, rstd)
@@ -949,15 +956,31 @@ def _batch_constants(scratch, b, factors, n, eps, rms):
 
 
 @_jit()
+def _no_residual(dresidual_out, stride, n):
+    """Whether ``dresidual_out`` is the backward's "no residual gradient": one row of
+    ``-0.0`` with a stride of 0 (``numba_.backward`` passes it; ``v + -0.0 == v``
+    bitwise, so the dx pass may skip the addition)."""
+    if stride != 0:
+        return False
+    for k in range(n):
+        value = element_f64(dresidual_out, k)
+        if value != 0.0 or math.copysign(1.0, value) > 0.0:
+            return False
+    return True
+
+
+@_jit()
 def _backward_block(
     block, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean,
-    dx, dweight_partial, dbias_partial, flags, m, n, eps, rms, scratch,
+    dx, dweight_partial, dbias_partial, flags, m, n, eps, rms, scratch, plain,
 ):  # fmt: skip
     """dx for the rows of block ``block`` (rows ``block*ROW_BLOCK`` to
     ``(block+1)*ROW_BLOCK - 1``; ``+ dresidual_out``: without a residual, one row of
     ``-0.0`` with a stride of 0), each row's fallback flag ``flags[i]``, and the block's
     partial sums ``dweight_partial[block*N:(block+1)*N] = sum(dy * u)``,
-    ``dbias_partial[...] = sum(dy)``, in row order. ``scratch``: (14, ``_BATCH``) float64.
+    ``dbias_partial[...] = sum(dy)``, in row order. ``scratch``: (14, ``_BATCH``) float64;
+    ``plain``: there is no residual gradient (:func:`_no_residual`), and the dx pass
+    skips it.
 
     In batches of :data:`_BATCH` rows: each row's ``m1`` (the forward's mean: any finite
     value will do, the bound covers it; 0 for RMSNorm, where ``d = z`` exactly) and
@@ -1000,10 +1023,16 @@ def _backward_block(
                 i * dresidual_out_stride : i * dresidual_out_stride + n
             ]
             dx_i = dx[i * n : (i + 1) * n]
-            checked = _dx_row_checked(
-                dy_i, x_i, dresidual_out_i, dx_i, weight, dweight_block, dbias_block,
-                m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
-            )  # fmt: skip
+            if plain:
+                checked = _dx_row_checked(
+                    dy_i, x_i, None, dx_i, weight, dweight_block, dbias_block,
+                    m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
+                )  # fmt: skip
+            else:
+                checked = _dx_row_checked(
+                    dy_i, x_i, dresidual_out_i, dx_i, weight, dweight_block, dbias_block,
+                    m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
+                )  # fmt: skip
             if (flag | checked) != 0:
                 # rare: once more with compensated sums, whose bound is some 100 times
                 # tighter (the partial sums already have the row's terms: a throwaway pair)
@@ -1029,10 +1058,11 @@ def backward_kernel(
     """:func:`_backward_block` for every block of rows of one span of blocks of a call
     that ``numba_`` spreads over its threads."""
     scratch = np.empty((_SUMS + _CONSTANTS, _BATCH), np.float64)
+    plain = _no_residual(dresidual_out, dresidual_out_stride, n)
     for block in range((m + ROW_BLOCK - 1) // ROW_BLOCK):
         _backward_block(
             block, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight,
-            mean, dx, dweight_partial, dbias_partial, flags, m, n, eps, rms, scratch,
+            mean, dx, dweight_partial, dbias_partial, flags, m, n, eps, rms, scratch, plain,
         )  # fmt: skip
 
 
@@ -1043,10 +1073,11 @@ def backward_kernel_serial(
 ):  # fmt: skip
     """:func:`backward_kernel` in the calling thread."""
     scratch = np.empty((_SUMS + _CONSTANTS, _BATCH), np.float64)
+    plain = _no_residual(dresidual_out, dresidual_out_stride, n)
     for block in range((m + ROW_BLOCK - 1) // ROW_BLOCK):
         _backward_block(
             block, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight,
-            mean, dx, dweight_partial, dbias_partial, flags, m, n, eps, rms, scratch,
+            mean, dx, dweight_partial, dbias_partial, flags, m, n, eps, rms, scratch, plain,
         )  # fmt: skip
 
 
@@ -1168,14 +1199,15 @@ def _backward_arrays(
     storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride,
     weight, mean, dx, m, n, rms, flags,
 ):  # fmt: skip
-    """The views over the addresses and the per-block partial sums (see
+    """The views over the addresses, the weight widened to float64 (exactly; the passes
+    over a row then load it without a conversion) and the per-block partial sums (see
     :func:`backward_kernel`)."""
     blocks = (m + ROW_BLOCK - 1) // ROW_BLOCK
     return (
         _view(dy, (m - 1) * dy_stride + n, storage_tag),
         _view(x, (m - 1) * x_stride + n, storage_tag),
         _view(dresidual_out, (m - 1) * dresidual_out_stride + n, storage_tag),
-        _view(weight, n, acc_tag),
+        _view(weight, n, acc_tag).astype(np.float64),  # widened once, not per row
         _view(mean, 0 if rms else m, acc_tag),
         _view(dx, m * n, storage_tag),
         np.empty(blocks * n, np.float64),
