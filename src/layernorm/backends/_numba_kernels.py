@@ -656,6 +656,56 @@ def _backward_sums(typingctx, dy, z, w, m1, zero):
     return types.UniTuple(types.float64, 5)(dy, z, w, m1, zero), codegen
 
 
+def _on_boundary(builder: ir.IRBuilder, single: ir.Value, dtype: types.Type, lanes: int):
+    """i1 (per lane) where the float32 ``single`` is a rounding boundary of the 16-bit
+    ``dtype``: bfloat16, low 16 bits 0x8000 (its midpoints and overflow threshold);
+    float16, the midpoint of ``RN16(single)`` and a neighbour (exact sums in float32), or
+    at least 65504 in magnitude (the overflow threshold, 65520, and beyond)."""
+    i32 = ir.IntType(32)
+    bits = builder.bitcast(single, _shaped(i32, single))
+    if dtype == types.uint16:
+        low16 = builder.and_(bits, _constant(i32, 0xFFFF, single))
+        return builder.icmp_unsigned("==", low16, _constant(i32, 0x8000, single))
+    h = narrow(builder, single, dtype)
+    one = _constant(ir.IntType(16), 1, single)
+    (largest,) = _splat_all(builder, [ir.FloatType()(65504.0)], lanes)
+    (halve,) = _splat_all(builder, [ir.FloatType()(0.5)], lanes)
+    clear = _constant(i32, 0x7FFFFFFF, single)
+    magnitude = builder.bitcast(builder.and_(bits, clear), single.type)
+    on = builder.fcmp_ordered(">=", magnitude, largest)
+    value = widen(builder, h, dtype)
+    for step in (builder.sub(h, one), builder.add(h, one)):
+        neighbour = widen(builder, step, dtype)
+        midpoint = builder.fmul(builder.fadd(value, neighbour), halve)
+        on = builder.or_(on, builder.fcmp_ordered("==", single, midpoint))
+    return on
+
+
+def _narrow_off_boundary(builder: ir.IRBuilder, single: ir.Value, dtype: types.Type):
+    """The float32 ``single`` rounded to the 16-bit ``dtype``, right wherever it is not a
+    rounding boundary (:func:`_on_boundary`): float16 by ``fptrunc``; bfloat16 by adding
+    half a unit to the pattern, with no tie rule (a tie is a boundary), a NaN becoming
+    ``narrow``'s 0x7FC0."""
+    if dtype == types.int16:
+        return narrow(builder, single, dtype)
+    i32 = ir.IntType(32)
+    bits = builder.bitcast(single, _shaped(i32, single))
+    rounded = builder.lshr(
+        builder.add(bits, _constant(i32, 0x8000, single)), _constant(i32, 16, single)
+    )
+    upper = builder.trunc(rounded, _shaped(ir.IntType(16), single))
+    is_nan = builder.fcmp_unordered("uno", single, single)
+    return builder.select(is_nan, _constant(ir.IntType(16), 0x7FC0, single), upper)
+
+
+def _any_lane(builder: ir.IRBuilder, mask: ir.Value) -> ir.Value:
+    """i1: whether any lane of the i1 ``mask`` (a vector or a scalar) is set."""
+    if not isinstance(mask.type, ir.VectorType):
+        return mask
+    packed = builder.bitcast(mask, ir.IntType(mask.type.count))
+    return builder.icmp_unsigned("!=", packed, ir.IntType(mask.type.count)(0))
+
+
 def _mul_add(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
     """``a * b + c`` (doubles, scalars or vectors): one rounding where the CPU fuses
     them (``llvm.fmuladd``), else two. For bounds only: the bits may differ by CPU."""
@@ -726,7 +776,17 @@ def _dx_row_checked(
                 t4 = builder.fadd(t4, dres.load(index, lanes, double))
             y = builder.fadd(t4, zero)
             half = check and dx.dtype in (types.uint16, types.int16)
-            dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
+            if half:
+                single = builder.fptrunc(y, _shaped(ir.FloatType(), y))
+                on = _on_boundary(builder, single, dx.dtype, lanes)
+                # RN16(RN32(y)) is RN16(y) unless RN32(y) is a boundary (none lies
+                # strictly between y and its nearest float32): rounded twice, cheaply,
+                # and the rare vector with a boundary rounded once, through round-to-odd
+                dx.store_raw(_narrow_off_boundary(builder, single, dx.dtype), index, lanes)
+                with builder.if_then(_any_lane(builder, on), likely=False):
+                    dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
+            else:
+                dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
             u = builder.fmul(c, rstd)
             store_partial(
                 dwp, builder.fadd(dwp.load(index, lanes, double), builder.fmul(g, u)), index, lanes
@@ -743,25 +803,6 @@ def _dx_row_checked(
                 # neighbours), [y - E, y + E] holds no float32 but r, and every rounding
                 # boundary of the half types is a float32: the rounding is decided
                 # unless r is one and |y - r| <= E.
-                single = builder.fptrunc(y, _shaped(ir.FloatType(), y))
-                bits = builder.bitcast(single, _shaped(i32, y))
-                if dx.dtype == types.uint16:  # bfloat16 boundaries: low 16 bits 0x8000
-                    low16 = builder.and_(bits, _constant(i32, 0xFFFF, y))
-                    on = builder.icmp_unsigned("==", low16, _constant(i32, 0x8000, y))
-                else:  # float16: r is the midpoint of RN16(r) and a neighbour (exact sums
-                    # in float32), or at least 65504 (the overflow threshold)
-                    h = narrow(builder, single, dx.dtype)
-                    one = _constant(ir.IntType(16), 1, y)
-                    (largest,) = _splat_all(builder, [double(65504.0)], lanes)
-                    (halve,) = _splat_all(builder, [ir.FloatType()(0.5)], lanes)
-                    on = builder.fcmp_ordered(
-                        ">=", _fabs(builder, builder.fpext(single, y.type)), largest
-                    )
-                    value = widen(builder, h, dx.dtype)
-                    for step in (builder.sub(h, one), builder.add(h, one)):
-                        neighbour = widen(builder, step, dx.dtype)
-                        midpoint = builder.fmul(builder.fadd(value, neighbour), halve)
-                        on = builder.or_(on, builder.fcmp_ordered("==", single, midpoint))
                 r = builder.fpext(single, y.type)
                 inside = builder.fcmp_ordered("<=", _fabs(builder, builder.fsub(y, r)), bound)
                 on = builder.and_(on, inside)
