@@ -821,11 +821,8 @@ def _dx_row_checked(
             builder.store(builder.or_(builder.load(flags), differ), flags)
 
         _elementwise(builder, dx.length, width, element)
-        vector = builder.load(flags)
-        result = builder.extract_element(vector, i32(0))
-        for lane in range(1, width):
-            result = builder.or_(result, builder.extract_element(vector, i32(lane)))
-        return result
+        packed = builder.bitcast(builder.load(flags), ir.IntType(32 * width))
+        return builder.zext(builder.icmp_unsigned("!=", packed, packed.type(0)), i32)
 
     return sig, codegen
 
@@ -943,9 +940,8 @@ def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms):
         e_mean = f_mean * root_dd + 1.01 * _U * abs(delta)
         q = s_dd / n_float
         var = max(q - delta * delta, zero)
-        e_var = (
-            f_var * q
-            + 1.01 * (e_mean * (2.0 * abs(delta) + e_mean) + _U * (delta * delta + var))
+        e_var = f_var * q + 1.01 * (
+            e_mean * (2.0 * abs(delta) + e_mean) + _U * (delta * delta + var)
         )
         c2 = s_g * inv_n  # (a division's rounding and 1/N's: 2.01u, times 1.01)
         e_c2 = f_c2 * root_gg + 2.04 * _U * abs(c2)
@@ -1060,9 +1056,7 @@ def _backward_block(
             flag = 1 if scratch[13, j] != 0.0 else 0
             dy_i = dy[i * dy_stride : i * dy_stride + n]
             x_i = x[i * x_stride : i * x_stride + n]
-            dresidual_out_i = dresidual_out[
-                i * dresidual_out_stride : i * dresidual_out_stride + n
-            ]
+            dresidual_out_i = dresidual_out[i * dresidual_out_stride : i * dresidual_out_stride + n]
             dx_i = dx[i * n : (i + 1) * n]
             if plain:
                 checked = _dx_row_checked(
@@ -1077,9 +1071,7 @@ def _backward_block(
             if (flag | checked) != 0:
                 # rare: once more with compensated sums, whose bound is some 100 times
                 # tighter (the partial sums already have the row's terms: a throwaway pair)
-                s_d, s_dd, s_g, s_gg, s_gd, gamma = _precise_backward_sums(
-                    dy_i, x_i, weight, m1, n
-                )
+                s_d, s_dd, s_g, s_gg, s_gd, gamma = _precise_backward_sums(dy_i, x_i, weight, m1, n)
                 delta, rstd_i, c2, k, k_t1, k_c, k_0, flag = _backward_constants(
                     s_d, s_dd, s_g, s_gg, s_gd, _backward_factors(n, gamma), n, eps, rms
                 )
