@@ -728,7 +728,9 @@ def _dx_row_checked(
         t1 = gh - c2;  t2 = rstd * t1;  t3 = k * c;  t4 = t2 - t3
         y = (t4 + dresidual_out) + 0.0              (an exact zero is +0.0)
 
-    (``dresidual_out`` None: ``y = t4 + 0.0``, the same bits as a row of ``-0.0``)
+    (``dresidual_out`` None: ``y = t4 + 0.0``, the same bits as a row of ``-0.0``, and
+    ``E`` without its ``k_y`` term, which the caller folds into ``k_t1`` and ``k_c``:
+    :func:`_backward_constants`' ``plain``)
         E = k_t1 |t1| + (k_c |c| + (k_y |y| + k_0)),  k_y = 3.1u(1 + 2^-30)
         dweight_partial += dy * (c * rstd);  dbias_partial += dy
 
@@ -794,8 +796,10 @@ def _dx_row_checked(
             store_partial(dbp, builder.fadd(dbp.load(index, lanes, double), g), index, lanes)
             if not check:
                 return
-            (k_y,) = _splat_all(builder, [double(3.1 * _U * _SLACK)], lanes)
-            bound = _mul_add(builder, k_y, _fabs(builder, y), k_0)
+            bound = k_0
+            if dres is not None:  # (else the caller folded 3.1u|y| into k_t1, k_c)
+                (k_y,) = _splat_all(builder, [double(3.1 * _U * _SLACK)], lanes)
+                bound = _mul_add(builder, k_y, _fabs(builder, y), k_0)
             bound = _mul_add(builder, k_c, _fabs(builder, c), bound)
             bound = _mul_add(builder, k_t1, _fabs(builder, t1), bound)
             if half:
@@ -912,12 +916,15 @@ def _backward_factors(n, gamma):
 
 
 @_jit(inline="always")
-def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms):
+def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms, plain):
     """A row's constants for :func:`_dx_row_checked` from its five sums
     (:func:`_backward_sums`) and the call's :func:`_backward_factors`, and the row's flag
     (docs/contract.md §3): ``(delta, rstd, c2, k, k_t1, k_c, k_0, flag)``, the three
     ``k_*`` times the slack ``1 + 2^-30``; ``flag`` is 1 when the bound on ``rstd`` is
-    too loose to use. Two divisions and three square roots a row (``delta``, ``var`` and
+    too loose to use. ``plain`` (no residual gradient: ``y = t4``, and
+    ``|y| <= (1 + u)²(rstd|t1| + |k||c|)``): ``E``'s ``3.1u|y|`` term is folded into
+    ``k_t1`` and ``k_c`` (as ``3.11u·rstd`` and ``3.11u|k|``), and the dx pass leaves it
+    out. Two divisions and three square roots a row (``delta``, ``var`` and
     ``rstd`` are divided as the forward does: ``dweight`` uses them); the rest multiplies
     by the per-call factors. Every name is the contract's quantity or a bound on it."""
     zero = 0.0
@@ -968,6 +975,9 @@ def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms):
     k_t1 = r_hi * (e_r + _U) + 2.02 * _U * rstd
     k_c = abs(k) * (alpha + 2.02 * _U) + e_k * (1.0 + alpha)
     k_0 = r_hi * e_c2 + beta * (abs(k) + e_k)
+    if plain:
+        k_t1 += 3.11 * _U * rstd
+        k_c += 3.11 * _U * abs(k)
     return delta, rstd, c2, k, k_t1 * _SLACK, k_c * _SLACK, k_0 * _SLACK, flag
 
 
@@ -978,7 +988,7 @@ _SUMS, _CONSTANTS = 6, 8  # m1 and the five sums; delta, rstd, c2, k, k_t1, k_c,
 
 
 @_jit()
-def _batch_constants(scratch, b, factors, n, eps, rms):
+def _batch_constants(scratch, b, factors, n, eps, rms, plain):
     """:func:`_backward_constants` of the ``b`` rows of a batch, from their sums in
     ``scratch[1:6, :b]`` into ``scratch[6:14, :b]`` (the flag as 0.0 or 1.0): one loop,
     which LLVM vectorizes across the rows (the same IEEE operations on each lane: the
@@ -987,7 +997,9 @@ def _batch_constants(scratch, b, factors, n, eps, rms):
     delta, rstd, c2, k = scratch[6], scratch[7], scratch[8], scratch[9]
     k_t1, k_c, k_0, flag = scratch[10], scratch[11], scratch[12], scratch[13]
     for j in range(b):
-        row = _backward_constants(s_d[j], s_dd[j], s_g[j], s_gg[j], s_gd[j], factors, n, eps, rms)
+        row = _backward_constants(
+            s_d[j], s_dd[j], s_g[j], s_gg[j], s_gd[j], factors, n, eps, rms, plain
+        )
         delta[j], rstd[j], c2[j], k[j], k_t1[j], k_c[j], k_0[j] = row[:7]
         flag[j] = np.float64(row[7])
 
@@ -1047,7 +1059,7 @@ def _backward_block(
             (scratch[1, j], scratch[2, j], scratch[3, j], scratch[4, j], scratch[5, j]) = (
                 _chunked_backward_sums(dy_i, x_i, weight, m1, n)
             )
-        _batch_constants(scratch, b, factors, n, eps, rms)
+        _batch_constants(scratch, b, factors, n, eps, rms, plain)
         for j in range(b):
             i = first + j
             m1 = scratch[0, j]
@@ -1073,7 +1085,7 @@ def _backward_block(
                 # tighter (the partial sums already have the row's terms: a throwaway pair)
                 s_d, s_dd, s_g, s_gg, s_gd, gamma = _precise_backward_sums(dy_i, x_i, weight, m1, n)
                 delta, rstd_i, c2, k, k_t1, k_c, k_0, flag = _backward_constants(
-                    s_d, s_dd, s_g, s_gg, s_gd, _backward_factors(n, gamma), n, eps, rms
+                    s_d, s_dd, s_g, s_gg, s_gd, _backward_factors(n, gamma), n, eps, rms, False
                 )
                 throwaway = np.zeros(n)
                 checked = _dx_row_checked(
