@@ -901,7 +901,7 @@ def _fast_gamma(n):
 def _backward_factors(n, gamma):
     """The per-call factors of :func:`_backward_constants` for rows of ``n`` elements
     whose sums err by at most ``gamma`` times the sums of their |terms|:
-    ``(1/N, f_mean, f_c2, f_a, f_var)``, with which a row's bound terms need no division
+    ``(f_mean, f_c2, f_a, f_var)``, with which a row's bound terms need no division
     (docs/contract.md §3): ``γD/N``-type terms become ``f·sqrt(S)``, since
     ``D/N = 1.001·sqrt(S_dd)/sqrt(N)``. Each factor carries the 1.01 of the term it
     stands for, which covers the roundings of evaluating it (fewer than 20, 10^-14)."""
@@ -912,7 +912,7 @@ def _backward_factors(n, gamma):
     f_c2 = 1.01 * 1.001 * gamma * rn  # e_c2 = f_c2·sqrt(S_gg) + ...
     f_a = 1.01 * 1.001 * (gamma + 2.01 * _U) * inv_n  # e_a = f_a·sqrt(S_gg)·sqrt(S_dd) + ...
     f_var = 1.01 * (gamma + 3.0 * _U)  # e_var = f_var·S_dd/N + ...
-    return inv_n, f_mean, f_c2, f_a, f_var
+    return f_mean, f_c2, f_a, f_var
 
 
 @_jit(inline="always")
@@ -924,12 +924,14 @@ def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms, plain)
     too loose to use. ``plain`` (no residual gradient: ``y = t4``, and
     ``|y| <= (1 + u)²(rstd|t1| + |k||c|)``): ``E``'s ``3.1u|y|`` term is folded into
     ``k_t1`` and ``k_c`` (as ``3.11u·rstd`` and ``3.11u|k|``), and the dx pass leaves it
-    out. Two divisions and three square roots a row (``delta``, ``var`` and
-    ``rstd`` are divided as the forward does: ``dweight`` uses them); the rest multiplies
-    by the per-call factors. Every name is the contract's quantity or a bound on it."""
+    out. The values that ``dx`` and ``dweight`` use (``delta``, ``var``, ``rstd``,
+    ``c2``, ``a1``) are computed as they always were (four divisions by N and
+    ``1/sqrt``: float64 dx keeps its bits); the bound's terms multiply by the per-call
+    factors instead, with two more square roots. Every name is the contract's quantity
+    or a bound on it."""
     zero = 0.0
     n_float = np.float64(n)
-    inv_n, f_mean, f_c2, f_a, f_var = factors
+    f_mean, f_c2, f_a, f_var = factors
     root_dd = np.sqrt(s_dd)  # Σ|d| <= D = 1.001·sqrt(N·S_dd) = 1.001·sqrt(N)·root_dd
     root_gg = np.sqrt(s_gg)  # Σ|gh| <= G likewise; Σ|gh·d| <= P = 1.001·root_gg·root_dd
     if rms:
@@ -939,7 +941,7 @@ def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms, plain)
         e_var = f_var * var + 1.01 * _U * var
         c2 = zero
         e_c2 = zero
-        a1 = s_gd * inv_n
+        a1 = s_gd / n_float
         a2 = zero
         alpha = zero  # c = z, exactly
     else:
@@ -950,14 +952,14 @@ def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms, plain)
         e_var = f_var * q + 1.01 * (
             e_mean * (2.0 * abs(delta) + e_mean) + _U * (delta * delta + var)
         )
-        c2 = s_g * inv_n  # (a division's rounding and 1/N's: 2.01u, times 1.01)
-        e_c2 = f_c2 * root_gg + 2.04 * _U * abs(c2)
-        a1 = s_gd * inv_n
+        c2 = s_g / n_float
+        e_c2 = f_c2 * root_gg + 1.01 * _U * abs(c2)
+        a1 = s_gd / n_float
         a2 = delta * c2
         alpha = 2.04 * _U
     a = a1 - a2
     e_a = f_a * root_gg * root_dd + 1.01 * (
-        _U * (abs(a) + 2.01 * abs(a1) + abs(a2)) + e_mean * abs(c2) + (abs(delta) + e_mean) * e_c2
+        _U * (abs(a) + abs(a1) + abs(a2)) + e_mean * abs(c2) + (abs(delta) + e_mean) * e_c2
     )
     s = var + eps
     e_s = e_var + 1.01 * _U * s
