@@ -727,16 +727,17 @@ def _dx_row_checked(
         gh = dy * weight;  d = z - m1;  c = d - delta
         t1 = gh - c2;  t2 = rstd * t1;  t3 = k * c;  t4 = t2 - t3
         y = (t4 + dresidual_out) + 0.0              (an exact zero is +0.0)
-
-    (``dresidual_out`` None: ``y = t4 + 0.0``, the same bits as a row of ``-0.0``, and
-    ``E`` without its ``k_y`` term, which the caller folds into ``k_t1`` and ``k_c``:
-    :func:`_backward_constants`' ``plain``)
         E = k_t1 |t1| + (k_c |c| + (k_y |y| + k_0)),  k_y = 3.1u(1 + 2^-30)
         dweight_partial += dy * (c * rstd);  dbias_partial += dy
 
     in float64 (the scalars are doubles; rows are widened exactly; ``E``'s three steps are
     fused multiply-adds where the CPU has them, and the caller's ``k_t1``, ``k_c``, ``k_0``
-    carry the slack ``1 + 2^-30``, which covers ``E``'s own roundings). Returns 1 when
+    carry the slack ``1 + 2^-30``, which covers ``E``'s own roundings). With
+    ``dresidual_out`` None: ``y = t4 + 0.0``, the same bits as a row of ``-0.0``, and
+    ``E`` without its ``k_y`` term, which the caller folds into ``k_t1`` and ``k_c``
+    (:func:`_backward_constants`' ``plain``). bfloat16 and float16 ``dx`` are stored as
+    ``RN16(RN32(y))`` where ``RN32(y)`` is not a rounding boundary, and a vector with
+    one is stored again, each element rounded once (:func:`narrow_once`). Returns 1 when
     ``y - E`` and ``y + E`` round to different values of dx's dtype for some element
     (the row needs the exact fallback), else 0; for a float64 ``dx``, no test (0)."""
     sig = types.int32(
