@@ -577,20 +577,23 @@ def narrow_once(builder: ir.IRBuilder, value: ir.Value, dtype: types.Type) -> ir
 
 
 class _Flags:
-    """Whether a row pass left any element open: an i32 per lane, OR-ed over the row."""
+    """Whether a row pass left any element open: a lane per element, OR-ed over the row,
+    nonzero where open; i32 lanes (i1 or i32 values ORed in) or, with ``mask``, i1 lanes
+    (i1 values only: a mask register's OR, no widening per vector)."""
 
-    def __init__(self, builder: ir.IRBuilder, width: int):
+    def __init__(self, builder: ir.IRBuilder, width: int, mask: bool = False):
         self.builder = builder
         self.width = width
-        self.vector = ir.VectorType(_I32, width)
+        self.element = ir.IntType(1) if mask else _I32
+        self.vector = ir.VectorType(self.element, width)
         self.lanes = cgutils.alloca_once_value(builder, ir.Constant(self.vector, [0] * width))
 
     def add(self, differ: ir.Value) -> None:
-        """ORs in ``differ`` (i1 or i32, a vector of ``width`` lanes or a scalar)."""
+        """ORs in ``differ`` (a vector of ``width`` lanes or a scalar)."""
         builder = self.builder
         scalar = differ.type.element if isinstance(differ.type, ir.VectorType) else differ.type
-        if scalar != _I32:
-            differ = builder.zext(differ, _shaped(_I32, differ))
+        if scalar != self.element:
+            differ = builder.zext(differ, _shaped(self.element, differ))
         if not isinstance(differ.type, ir.VectorType):
             differ = builder.insert_element(
                 ir.Constant(self.vector, [0] * self.width), differ, _I32(0)
@@ -598,12 +601,15 @@ class _Flags:
         builder.store(builder.or_(builder.load(self.lanes), differ), self.lanes)
 
     def any(self) -> ir.Value:
-        """1 (i32) when any lane was set, else 0."""
+        """1 (i32) when any lane is nonzero, else 0."""
         vector = self.builder.load(self.lanes)
+        if self.element != _I32:
+            bits = self.builder.bitcast(vector, ir.IntType(self.width))
+            return self.builder.zext(self.builder.icmp_unsigned("!=", bits, bits.type(0)), _I32)
         result = self.builder.extract_element(vector, _I32(0))
         for k in range(1, self.width):
             result = self.builder.or_(result, self.builder.extract_element(vector, _I32(k)))
-        return result
+        return self.builder.zext(self.builder.icmp_unsigned("!=", result, _I32(0)), _I32)
 
 
 def _as_bits(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
@@ -734,6 +740,15 @@ def _splat_constant(builder: ir.IRBuilder, value: float, lanes: int) -> ir.Value
     )
 
 
+def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+    """``a * b + c`` of doubles (scalars or vectors alike) rounded once (``llvm.fma``)."""
+    kind = f"v{a.type.count}f64" if isinstance(a.type, ir.VectorType) else "f64"
+    function = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(a.type, [a.type] * 3), f"llvm.fma.{kind}"
+    )
+    return builder.call(function, [a, b, c])
+
+
 def _near_boundary(builder: ir.IRBuilder, single: ir.Value, dtype: types.Type) -> ir.Value:
     """i1 (per lane) where the float32 ``single``'s pattern is within one of a ``dtype``
     rounding boundary's (:data:`_BOUNDARY_BITS`): ``(bits - (H - 1)) & mask <u 3``."""
@@ -790,7 +805,8 @@ def _fast_pass(context, builder, sig, args, streaming: bool) -> ir.Value:
     """:func:`normalize_row_fast`'s code (``streaming``: non-temporal vector stores)."""
     z, y, w, b = (Row(context, builder, sig.args[k], args[k]) for k in (0, 1, 5, 6))
     double = ir.DoubleType()
-    flags = _Flags(builder, lanes(double))
+    # float32: the xors of the ends' patterns (i32); 16-bit: an i1 mask per element
+    flags = _Flags(builder, lanes(double), mask=y.dtype != types.float32)
 
     def element(index: ir.Value, lanes: int) -> None:
         m1, delta, rstd, bound_a, bound_b, tiny = _splat_all(builder, args[2:5] + args[7:], lanes)
@@ -812,13 +828,16 @@ def _fast_pass(context, builder, sig, args, streaming: bool) -> ir.Value:
             stored = narrow(builder, single, y.dtype)
         y.store_raw(stored, index, lanes, streaming)
         if y.dtype == types.float32:
-            bound = builder.fadd(bound_a, builder.fmul(_fabs(builder, p), bound_b))
+            bound = _fma(builder, _fabs(builder, p), bound_b, bound_a)
             ends = [builder.fsub(yh, bound), builder.fadd(yh, bound)]
             low, high = (_as_bits(builder, builder.fptrunc(v, single.type)) for v in ends)
-            differ = builder.icmp_unsigned("!=", low, high)
+            differ = builder.xor(low, high)  # nonzero where they differ
         else:
             magnitude = _fabs(builder, yh)
-            small = builder.fcmp_ordered("<", magnitude, tiny)
+            if y.dtype == types.uint16:  # a NaN too: the checked pass writes narrow's 0x7FC0
+                small = builder.fcmp_unordered("<", magnitude, tiny)
+            else:
+                small = builder.fcmp_ordered("<", magnitude, tiny)
             if y.dtype == types.int16:  # float16's subnormals (0 itself is exact here)
                 normal = ir.Constant(magnitude.type, None)
                 subnormal = builder.and_(
@@ -829,8 +848,6 @@ def _fast_pass(context, builder, sig, args, streaming: bool) -> ir.Value:
                 )
                 small = builder.or_(small, subnormal)
             differ = builder.or_(small, _near_boundary(builder, single, y.dtype))
-            if y.dtype == types.uint16:  # NaN: the checked pass writes narrow's 0x7FC0
-                differ = builder.or_(differ, builder.fcmp_unordered("uno", yh, yh))
         flags.add(differ)
 
     _elementwise(builder, y.length, flags.width, element)
