@@ -135,6 +135,27 @@ def test_values_within_2_to_the_minus_40_of_a_midpoint(backend, dtype):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_midpoints_without_a_residual(backend, dtype):
+    # RMSNorm of z = (1, -1, ...) with eps = 0: rstd = 1, u = z, and dy = (a, b, ...)
+    # gives dz = (a + b)/2 everywhere; a = 1 + ulp, b = 1 + 2 ulp make it the tie
+    # 1 + 3 ulp/2, which rounds to even, 1 + 2 ulp. eps = 2**-k moves rstd below 1 and
+    # every dz below the tie by about 2**-(k+1) (relative), so it rounds to 1 + ulp:
+    # rounded once, not through float32 (whose nearest value is the tie itself for
+    # k >= 24). No residual gradient (numba's dx pass then skips it); 68 columns: whole
+    # vectors and a tail.
+    ulp = _ulp_one(dtype)
+    n = 68
+    z = torch.tensor([[1.0, -1.0] * (n // 2)]).to(dtype)
+    dy = torch.tensor([[1.0 + ulp, 1.0 + 2 * ulp] * (n // 2)]).to(dtype)
+    dx = _assert_correctly_rounded(backend, dy, z, None, None, 0.0, True)
+    assert dx.double().unique().tolist() == [1.0 + 2 * ulp]
+    for k in range(26, 51, 4):
+        dx = _assert_correctly_rounded(backend, dy, z, None, None, 2.0**-k, True)
+        assert dx.double().unique().tolist() == [1.0 + ulp], k
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_an_exact_zero_is_positive(backend, dtype):
     # a constant gradient: gh - mean(gh) = 0 and mean(gh v) = 0, so dz = 0 exactly
     g = torch.Generator().manual_seed(13)

@@ -715,6 +715,66 @@ def _backward_sums(typingctx, dy, z, w, m1, zero):
     return types.UniTuple(types.float64, 5)(dy, z, w, m1, zero), codegen
 
 
+def _on_boundary(builder: ir.IRBuilder, single: ir.Value, dtype: types.Type, lanes: int):
+    """i1 (per lane) where the float32 ``single`` is a rounding boundary of the 16-bit
+    ``dtype``: bfloat16, low 16 bits 0x8000 (its midpoints and overflow threshold);
+    float16, the midpoint of ``RN16(single)`` and a neighbour (exact sums in float32), or
+    at least 65504 in magnitude (the overflow threshold, 65520, and beyond)."""
+    i32 = ir.IntType(32)
+    bits = builder.bitcast(single, _shaped(i32, single))
+    if dtype == types.uint16:
+        low16 = builder.and_(bits, _constant(i32, 0xFFFF, single))
+        return builder.icmp_unsigned("==", low16, _constant(i32, 0x8000, single))
+    h = narrow(builder, single, dtype)
+    one = _constant(ir.IntType(16), 1, single)
+    (largest,) = _splat_all(builder, [ir.FloatType()(65504.0)], lanes)
+    (halve,) = _splat_all(builder, [ir.FloatType()(0.5)], lanes)
+    clear = _constant(i32, 0x7FFFFFFF, single)
+    magnitude = builder.bitcast(builder.and_(bits, clear), single.type)
+    on = builder.fcmp_ordered(">=", magnitude, largest)
+    value = widen(builder, h, dtype)
+    for step in (builder.sub(h, one), builder.add(h, one)):
+        neighbour = widen(builder, step, dtype)
+        midpoint = builder.fmul(builder.fadd(value, neighbour), halve)
+        on = builder.or_(on, builder.fcmp_ordered("==", single, midpoint))
+    return on
+
+
+def _narrow_off_boundary(builder: ir.IRBuilder, single: ir.Value, dtype: types.Type):
+    """The float32 ``single`` rounded to the 16-bit ``dtype``, right wherever it is not a
+    rounding boundary (:func:`_on_boundary`): float16 by ``fptrunc``; bfloat16 by adding
+    half a unit to the pattern, with no tie rule (a tie is a boundary), a NaN becoming
+    ``narrow``'s 0x7FC0."""
+    if dtype == types.int16:
+        return narrow(builder, single, dtype)
+    i32 = ir.IntType(32)
+    bits = builder.bitcast(single, _shaped(i32, single))
+    rounded = builder.lshr(
+        builder.add(bits, _constant(i32, 0x8000, single)), _constant(i32, 16, single)
+    )
+    upper = builder.trunc(rounded, _shaped(ir.IntType(16), single))
+    is_nan = builder.fcmp_unordered("uno", single, single)
+    return builder.select(is_nan, _constant(ir.IntType(16), 0x7FC0, single), upper)
+
+
+def _any_lane(builder: ir.IRBuilder, mask: ir.Value) -> ir.Value:
+    """i1: whether any lane of the i1 ``mask`` (a vector or a scalar) is set."""
+    if not isinstance(mask.type, ir.VectorType):
+        return mask
+    packed = builder.bitcast(mask, ir.IntType(mask.type.count))
+    return builder.icmp_unsigned("!=", packed, ir.IntType(mask.type.count)(0))
+
+
+def _mul_add(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+    """``a * b + c`` (doubles, scalars or vectors): one rounding where the CPU fuses
+    them (``llvm.fmuladd``), else two. For bounds only: the bits may differ by CPU."""
+    suffix = f"v{a.type.count}f64" if isinstance(a.type, ir.VectorType) else "f64"
+    function = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(a.type, [a.type] * 3), "llvm.fmuladd." + suffix
+    )
+    return builder.call(function, [a, b, c])
+
+
 @intrinsic
 def _dx_row_checked(
     typingctx, dy, z, dresidual_out, dx, weight, dweight_partial, dbias_partial,
@@ -726,10 +786,16 @@ def _dx_row_checked(
         gh = dy * weight;  d = z - m1;  c = d - delta
         t1 = gh - c2;  t2 = rstd * t1;  t3 = k * c;  t4 = t2 - t3
         y = (t4 + dresidual_out) + 0.0              (an exact zero is +0.0)
-        E = (k_t1 |t1| + k_c |c| + k_0)(1 + 2^-30) + 3.1u(1 + 2^-30)|y|
+
+    (``dresidual_out`` None: ``y = t4 + 0.0``, the same bits as a row of ``-0.0``, and
+    ``E`` without its ``k_y`` term, which the caller folds into ``k_t1`` and ``k_c``:
+    :func:`_backward_constants`' ``plain``)
+        E = k_t1 |t1| + (k_c |c| + (k_y |y| + k_0)),  k_y = 3.1u(1 + 2^-30)
         dweight_partial += dy * (c * rstd);  dbias_partial += dy
 
-    in float64 (the scalars are doubles; rows are widened exactly). Returns 1 when
+    in float64 (the scalars are doubles; rows are widened exactly; ``E``'s three steps are
+    fused multiply-adds where the CPU has them, and the caller's ``k_t1``, ``k_c``, ``k_0``
+    carry the slack ``1 + 2^-30``, which covers ``E``'s own roundings). Returns 1 when
     ``y - E`` and ``y + E`` round to different values of dx's dtype for some element
     (the row needs the exact fallback), else 0; for a float64 ``dx``, no test (0)."""
     sig = types.int32(
@@ -738,7 +804,10 @@ def _dx_row_checked(
     )  # fmt: skip
 
     def codegen(context, builder, sig, args):
-        rows = [Row(context, builder, sig.args[i], args[i]) for i in range(7)]
+        rows = [
+            None if sig.args[i] == types.none else Row(context, builder, sig.args[i], args[i])
+            for i in range(7)
+        ]
         dy, z, dres, dx, w, dwp, dbp = rows
         double = ir.DoubleType()
         width = vector_lanes(double)
@@ -755,7 +824,7 @@ def _dx_row_checked(
 
         def element(index, lanes):
             m1, delta, rstd, c2, k, k_t1, k_c, k_0 = _splat_all(builder, args[7:], lanes)
-            g, zv, rho, wv = (row.load(index, lanes, double) for row in (dy, z, dres, w))
+            g, zv, wv = (row.load(index, lanes, double) for row in (dy, z, w))
             gh = builder.fmul(g, wv)
             d = builder.fsub(zv, m1)
             c = builder.fsub(d, delta)
@@ -764,9 +833,21 @@ def _dx_row_checked(
             t3 = builder.fmul(k, c)
             t4 = builder.fsub(t2, t3)
             zero = ir.Constant(t4.type, None)
-            y = builder.fadd(builder.fadd(t4, rho), zero)
+            if dres is not None:
+                t4 = builder.fadd(t4, dres.load(index, lanes, double))
+            y = builder.fadd(t4, zero)
             half = check and dx.dtype in (types.uint16, types.int16)
-            dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
+            if half:
+                single = builder.fptrunc(y, _shaped(ir.FloatType(), y))
+                on = _on_boundary(builder, single, dx.dtype, lanes)
+                # RN16(RN32(y)) is RN16(y) unless RN32(y) is a boundary (none lies
+                # strictly between y and its nearest float32): rounded twice, cheaply,
+                # and the rare vector with a boundary rounded once, through round-to-odd
+                dx.store_raw(_narrow_off_boundary(builder, single, dx.dtype), index, lanes)
+                with builder.if_then(_any_lane(builder, on), likely=False):
+                    dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
+            else:
+                dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
             u = builder.fmul(c, rstd)
             store_partial(
                 dwp, builder.fadd(dwp.load(index, lanes, double), builder.fmul(g, u)), index, lanes
@@ -774,35 +855,17 @@ def _dx_row_checked(
             store_partial(dbp, builder.fadd(dbp.load(index, lanes, double), g), index, lanes)
             if not check:
                 return
-            slack, k_y = _splat_all(builder, [double(_SLACK), double(3.1 * _U * _SLACK)], lanes)
-            bound = builder.fmul(k_t1, _fabs(builder, t1))
-            bound = builder.fadd(bound, builder.fmul(k_c, _fabs(builder, c)))
-            bound = builder.fadd(bound, k_0)
-            bound = builder.fadd(builder.fmul(bound, slack), builder.fmul(k_y, _fabs(builder, y)))
+            bound = k_0
+            if dres is not None:  # (else the caller folded 3.1u|y| into k_t1, k_c)
+                (k_y,) = _splat_all(builder, [double(3.1 * _U * _SLACK)], lanes)
+                bound = _mul_add(builder, k_y, _fabs(builder, y), k_0)
+            bound = _mul_add(builder, k_c, _fabs(builder, c), bound)
+            bound = _mul_add(builder, k_t1, _fabs(builder, t1), bound)
             if half:
                 # r = RN32(y). When E < |r| 2^-25 (below half of r's gaps to its float32
                 # neighbours), [y - E, y + E] holds no float32 but r, and every rounding
                 # boundary of the half types is a float32: the rounding is decided
                 # unless r is one and |y - r| <= E.
-                single = builder.fptrunc(y, _shaped(ir.FloatType(), y))
-                bits = builder.bitcast(single, _shaped(i32, y))
-                if dx.dtype == types.uint16:  # bfloat16 boundaries: low 16 bits 0x8000
-                    low16 = builder.and_(bits, _constant(i32, 0xFFFF, y))
-                    on = builder.icmp_unsigned("==", low16, _constant(i32, 0x8000, y))
-                else:  # float16: r is the midpoint of RN16(r) and a neighbour (exact sums
-                    # in float32), or at least 65504 (the overflow threshold)
-                    h = narrow(builder, single, dx.dtype)
-                    one = _constant(ir.IntType(16), 1, y)
-                    (largest,) = _splat_all(builder, [double(65504.0)], lanes)
-                    (halve,) = _splat_all(builder, [ir.FloatType()(0.5)], lanes)
-                    on = builder.fcmp_ordered(
-                        ">=", _fabs(builder, builder.fpext(single, y.type)), largest
-                    )
-                    value = widen(builder, h, dx.dtype)
-                    for step in (builder.sub(h, one), builder.add(h, one)):
-                        neighbour = widen(builder, step, dx.dtype)
-                        midpoint = builder.fmul(builder.fadd(value, neighbour), halve)
-                        on = builder.or_(on, builder.fcmp_ordered("==", single, midpoint))
                 r = builder.fpext(single, y.type)
                 inside = builder.fcmp_ordered("<=", _fabs(builder, builder.fsub(y, r)), bound)
                 on = builder.and_(on, inside)
@@ -821,11 +884,8 @@ def _dx_row_checked(
             builder.store(builder.or_(builder.load(flags), differ), flags)
 
         _elementwise(builder, dx.length, width, element)
-        vector = builder.load(flags)
-        result = builder.extract_element(vector, i32(0))
-        for lane in range(1, width):
-            result = builder.or_(result, builder.extract_element(vector, i32(lane)))
-        return result
+        packed = builder.bitcast(builder.load(flags), ir.IntType(32 * width))
+        return builder.zext(builder.icmp_unsigned("!=", packed, packed.type(0)), i32)
 
     return sig, codegen
 
@@ -897,53 +957,74 @@ def _fast_gamma(n):
 
 
 @_jit(inline="always")
-def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, gamma, n, eps, rms):
+def _backward_factors(n, gamma):
+    """The per-call factors of :func:`_backward_constants` for rows of ``n`` elements
+    whose sums err by at most ``gamma`` times the sums of their |terms|:
+    ``(1/N, f_mean, f_c2, f_a, f_var)``, with which a row's bound terms need no division
+    (docs/contract.md §3): ``γD/N``-type terms become ``f·sqrt(S)``, since
+    ``D/N = 1.001·sqrt(S_dd)/sqrt(N)``. Each factor carries the 1.01 of the term it
+    stands for, which covers the roundings of evaluating it (fewer than 20, 10^-14)."""
+    n_float = np.float64(n)
+    inv_n = 1.0 / n_float
+    rn = 1.0 / np.sqrt(n_float)
+    f_mean = 1.01 * 1.001 * (gamma + 2.0 * _U) * rn  # e_mean = f_mean·sqrt(S_dd) + ...
+    f_c2 = 1.01 * 1.001 * gamma * rn  # e_c2 = f_c2·sqrt(S_gg) + ...
+    f_a = 1.01 * 1.001 * (gamma + 2.01 * _U) * inv_n  # e_a = f_a·sqrt(S_gg)·sqrt(S_dd) + ...
+    f_var = 1.01 * (gamma + 3.0 * _U)  # e_var = f_var·S_dd/N + ...
+    return inv_n, f_mean, f_c2, f_a, f_var
+
+
+@_jit(inline="always")
+def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms, plain):
     """A row's constants for :func:`_dx_row_checked` from its five sums
-    (:func:`_backward_sums`), whose errors are at most ``gamma`` times the sums of their
-    |terms|, and the row's flag (docs/contract.md §3):
-    ``(delta, rstd, c2, k, k_t1, k_c, k_0, flag)``; ``flag`` is 1 when the bound on
-    ``rstd`` is too loose to use."""
+    (:func:`_backward_sums`) and the call's :func:`_backward_factors`, and the row's flag
+    (docs/contract.md §3): ``(delta, rstd, c2, k, k_t1, k_c, k_0, flag)``, the three
+    ``k_*`` times the slack ``1 + 2^-30``; ``flag`` is 1 when the bound on ``rstd`` is
+    too loose to use. ``plain`` (no residual gradient: ``y = t4``, and
+    ``|y| <= (1 + u)²(rstd|t1| + |k||c|)``): ``E``'s ``3.1u|y|`` term is folded into
+    ``k_t1`` and ``k_c`` (as ``3.11u·rstd`` and ``3.11u|k|``), and the dx pass leaves it
+    out. Two divisions and three square roots a row (``delta``, ``var`` and
+    ``rstd`` are divided as the forward does: ``dweight`` uses them); the rest multiplies
+    by the per-call factors. Every name is the contract's quantity or a bound on it."""
     zero = 0.0
     n_float = np.float64(n)
-    d_abs = 1.001 * np.sqrt(n_float * s_dd)  # >= Σ|d|
-    g_abs = 1.001 * np.sqrt(n_float * s_gg)  # >= Σ|gh|
-    p_abs = 1.001 * np.sqrt(s_gg) * np.sqrt(s_dd)  # >= Σ|gh·d|
+    inv_n, f_mean, f_c2, f_a, f_var = factors
+    root_dd = np.sqrt(s_dd)  # Σ|d| <= D = 1.001·sqrt(N·S_dd) = 1.001·sqrt(N)·root_dd
+    root_gg = np.sqrt(s_gg)  # Σ|gh| <= G likewise; Σ|gh·d| <= P = 1.001·root_gg·root_dd
     if rms:
         delta = zero
         e_mean = zero
         var = s_dd / n_float
-        e_var = 1.01 * ((gamma + 3.0 * _U) * var + _U * var)
+        e_var = f_var * var + 1.01 * _U * var
         c2 = zero
         e_c2 = zero
-        a1 = s_gd / n_float
+        a1 = s_gd * inv_n
         a2 = zero
         alpha = zero  # c = z, exactly
     else:
         delta = s_d / n_float
-        e_mean = 1.01 * ((gamma + 2.0 * _U) * d_abs / n_float + _U * abs(delta))
-        var = max(s_dd / n_float - delta * delta, zero)
-        e_var = 1.01 * (
-            (gamma + 3.0 * _U) * (s_dd / n_float)
-            + e_mean * (2.0 * abs(delta) + e_mean)
-            + _U * (delta * delta + var)
+        e_mean = f_mean * root_dd + 1.01 * _U * abs(delta)
+        q = s_dd / n_float
+        var = max(q - delta * delta, zero)
+        e_var = f_var * q + 1.01 * (
+            e_mean * (2.0 * abs(delta) + e_mean) + _U * (delta * delta + var)
         )
-        c2 = s_g / n_float
-        e_c2 = 1.01 * (gamma * g_abs / n_float + _U * abs(c2))
-        a1 = s_gd / n_float
+        c2 = s_g * inv_n  # (a division's rounding and 1/N's: 2.01u, times 1.01)
+        e_c2 = f_c2 * root_gg + 2.04 * _U * abs(c2)
+        a1 = s_gd * inv_n
         a2 = delta * c2
         alpha = 2.04 * _U
     a = a1 - a2
-    e_a = 1.01 * (
-        _U * (abs(a) + abs(a1) + abs(a2))
-        + (gamma + 2.01 * _U) * p_abs / n_float
-        + e_mean * abs(c2)
-        + (abs(delta) + e_mean) * e_c2
+    e_a = f_a * root_gg * root_dd + 1.01 * (
+        _U * (abs(a) + 2.01 * abs(a1) + abs(a2)) + e_mean * abs(c2) + (abs(delta) + e_mean) * e_c2
     )
     s = var + eps
     e_s = e_var + 1.01 * _U * s
     flag = 1 if e_s >= 0.01 * s else 0  # (False for a NaN row: it stays NaN)
-    e_r = 0.51 * (e_s / (s - e_s)) + 2.01 * _U  # relative error of rstd
     rstd = 1.0 / np.sqrt(s)
+    # the relative error of rstd: 0.51·e_s/(s − e_s) + 2.01u <= 0.52·e_s·rstd² + 2.01u
+    # where e_s < s/100 (else the row is flagged, and these constants go unused)
+    e_r = 0.52 * (e_s * (rstd * rstd)) + 2.01 * _U
     k = rstd * rstd * rstd * a
     r_hi = rstd * (1.0 + 1.01 * e_r)  # >= the exact rstd
     e_k = 3.02 * _U * abs(k) + r_hi * r_hi * r_hi * (3.03 * e_r * abs(a) + e_a)
@@ -953,61 +1034,124 @@ def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, gamma, n, eps, rms):
     k_t1 = r_hi * (e_r + _U) + 2.02 * _U * rstd
     k_c = abs(k) * (alpha + 2.02 * _U) + e_k * (1.0 + alpha)
     k_0 = r_hi * e_c2 + beta * (abs(k) + e_k)
-    return delta, rstd, c2, k, k_t1, k_c, k_0, flag
+    if plain:
+        k_t1 += 3.11 * _U * rstd
+        k_c += 3.11 * _U * abs(k)
+    return delta, rstd, c2, k, k_t1 * _SLACK, k_c * _SLACK, k_0 * _SLACK, flag
+
+
+#: Rows whose constants :func:`_backward_block` computes together (one vector of doubles)
+_BATCH = 8
+#: What a batch's scratch holds per row (``_BATCH`` columns each), in this order
+_SUMS, _CONSTANTS = 6, 8  # m1 and the five sums; delta, rstd, c2, k, k_t1, k_c, k_0, flag
+
+
+@_jit()
+def _batch_constants(scratch, b, factors, n, eps, rms, plain):
+    """:func:`_backward_constants` of the ``b`` rows of a batch, from their sums in
+    ``scratch[1:6, :b]`` into ``scratch[6:14, :b]`` (the flag as 0.0 or 1.0): one loop,
+    which LLVM vectorizes across the rows (the same IEEE operations on each lane: the
+    same bits as one row at a time, and an eighth of the instructions)."""
+    s_d, s_dd, s_g, s_gg, s_gd = scratch[1], scratch[2], scratch[3], scratch[4], scratch[5]
+    delta, rstd, c2, k = scratch[6], scratch[7], scratch[8], scratch[9]
+    k_t1, k_c, k_0, flag = scratch[10], scratch[11], scratch[12], scratch[13]
+    for j in range(b):
+        row = _backward_constants(
+            s_d[j], s_dd[j], s_g[j], s_gg[j], s_gd[j], factors, n, eps, rms, plain
+        )
+        delta[j], rstd[j], c2[j], k[j], k_t1[j], k_c[j], k_0[j] = row[:7]
+        flag[j] = np.float64(row[7])
+
+
+@_jit()
+def _no_residual(dresidual_out, stride, n):
+    """Whether ``dresidual_out`` is the backward's "no residual gradient": one row of
+    ``-0.0`` with a stride of 0 (``numba_.backward`` passes it; ``v + -0.0 == v``
+    bitwise, so the dx pass may skip the addition)."""
+    if stride != 0:
+        return False
+    for k in range(n):
+        value = element_f64(dresidual_out, k)
+        if value != 0.0 or math.copysign(1.0, value) > 0.0:
+            return False
+    return True
 
 
 @_jit()
 def _backward_block(
     block, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean,
-    dx, dweight_partial, dbias_partial, flags, m, n, eps, rms,
+    dx, dweight_partial, dbias_partial, flags, m, n, eps, rms, scratch, plain,
 ):  # fmt: skip
     """dx for the rows of block ``block`` (rows ``block*ROW_BLOCK`` to
     ``(block+1)*ROW_BLOCK - 1``; ``+ dresidual_out``: without a residual, one row of
     ``-0.0`` with a stride of 0), each row's fallback flag ``flags[i]``, and the block's
     partial sums ``dweight_partial[block*N:(block+1)*N] = sum(dy * u)``,
-    ``dbias_partial[...] = sum(dy)``, in row order.
+    ``dbias_partial[...] = sum(dy)``, in row order. ``scratch``: (14, ``_BATCH``) float64;
+    ``plain``: there is no residual gradient (:func:`_no_residual`), and the dx pass
+    skips it.
 
-    Each row: :func:`_backward_sums` from ``m1`` = the forward's mean (any finite value
-    will do: the bound covers it; 0 for RMSNorm, where ``d = z`` exactly), the constants
-    (:func:`_backward_constants`) and :func:`_dx_row_checked`.
+    In batches of :data:`_BATCH` rows: each row's ``m1`` (the forward's mean: any finite
+    value will do, the bound covers it; 0 for RMSNorm, where ``d = z`` exactly) and
+    :func:`_chunked_backward_sums`, the batch's constants together
+    (:func:`_batch_constants`), then each row's :func:`_dx_row_checked`. The rows'
+    arithmetic is unchanged (the same bits); only the constants' scalar work is shared.
     """
-    zero = 0.0
     for k in range(block * n, (block + 1) * n):
         dweight_partial[k] = 0.0
         dbias_partial[k] = 0.0
     dweight_block = dweight_partial[block * n : (block + 1) * n]
     dbias_block = dbias_partial[block * n : (block + 1) * n]
-    for i in range(block * ROW_BLOCK, min(m, (block + 1) * ROW_BLOCK)):
-        m1 = zero
-        if not rms:
-            m1 = np.float64(mean[i])
-            if not np.isfinite(m1):
-                m1 = zero
-        dy_i = dy[i * dy_stride : i * dy_stride + n]
-        x_i = x[i * x_stride : i * x_stride + n]
-        s_d, s_dd, s_g, s_gg, s_gd = _chunked_backward_sums(dy_i, x_i, weight, m1, n)
-        delta, rstd_i, c2, k, k_t1, k_c, k_0, flag = _backward_constants(
-            s_d, s_dd, s_g, s_gg, s_gd, _fast_gamma(n), n, eps, rms
-        )
-        dresidual_out_i = dresidual_out[i * dresidual_out_stride : i * dresidual_out_stride + n]
-        dx_i = dx[i * n : (i + 1) * n]
-        checked = _dx_row_checked(
-            dy_i, x_i, dresidual_out_i, dx_i, weight, dweight_block, dbias_block,
-            m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
-        )  # fmt: skip
-        if (flag | checked) != 0:
-            # rare: once more with compensated sums, whose bound is some 100 times
-            # tighter (the partial sums already have the row's terms: a throwaway pair)
-            s_d, s_dd, s_g, s_gg, s_gd, gamma = _precise_backward_sums(dy_i, x_i, weight, m1, n)
-            delta, rstd_i, c2, k, k_t1, k_c, k_0, flag = _backward_constants(
-                s_d, s_dd, s_g, s_gg, s_gd, gamma, n, eps, rms
+    factors = _backward_factors(n, _fast_gamma(n))
+    last = min(m, (block + 1) * ROW_BLOCK)
+    for first in range(block * ROW_BLOCK, last, _BATCH):
+        b = min(_BATCH, last - first)
+        for j in range(b):
+            i = first + j
+            m1 = 0.0
+            if not rms:
+                m1 = np.float64(mean[i])
+                if not np.isfinite(m1):
+                    m1 = 0.0
+            dy_i = dy[i * dy_stride : i * dy_stride + n]
+            x_i = x[i * x_stride : i * x_stride + n]
+            scratch[0, j] = m1
+            (scratch[1, j], scratch[2, j], scratch[3, j], scratch[4, j], scratch[5, j]) = (
+                _chunked_backward_sums(dy_i, x_i, weight, m1, n)
             )
-            throwaway = np.zeros(n)
-            checked = _dx_row_checked(
-                dy_i, x_i, dresidual_out_i, dx_i, weight, throwaway, throwaway,
-                m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
-            )  # fmt: skip
-        flags[i] = np.uint8(flag | checked)
+        _batch_constants(scratch, b, factors, n, eps, rms, plain)
+        for j in range(b):
+            i = first + j
+            m1 = scratch[0, j]
+            delta, rstd_i, c2, k = scratch[6, j], scratch[7, j], scratch[8, j], scratch[9, j]
+            k_t1, k_c, k_0 = scratch[10, j], scratch[11, j], scratch[12, j]
+            flag = 1 if scratch[13, j] != 0.0 else 0
+            dy_i = dy[i * dy_stride : i * dy_stride + n]
+            x_i = x[i * x_stride : i * x_stride + n]
+            dresidual_out_i = dresidual_out[i * dresidual_out_stride : i * dresidual_out_stride + n]
+            dx_i = dx[i * n : (i + 1) * n]
+            if plain:
+                checked = _dx_row_checked(
+                    dy_i, x_i, None, dx_i, weight, dweight_block, dbias_block,
+                    m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
+                )  # fmt: skip
+            else:
+                checked = _dx_row_checked(
+                    dy_i, x_i, dresidual_out_i, dx_i, weight, dweight_block, dbias_block,
+                    m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
+                )  # fmt: skip
+            if (flag | checked) != 0:
+                # rare: once more with compensated sums, whose bound is some 100 times
+                # tighter (the partial sums already have the row's terms: a throwaway pair)
+                s_d, s_dd, s_g, s_gg, s_gd, gamma = _precise_backward_sums(dy_i, x_i, weight, m1, n)
+                delta, rstd_i, c2, k, k_t1, k_c, k_0, flag = _backward_constants(
+                    s_d, s_dd, s_g, s_gg, s_gd, _backward_factors(n, gamma), n, eps, rms, False
+                )
+                throwaway = np.zeros(n)
+                checked = _dx_row_checked(
+                    dy_i, x_i, dresidual_out_i, dx_i, weight, throwaway, throwaway,
+                    m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
+                )  # fmt: skip
+            flags[i] = np.uint8(flag | checked)
 
 
 @_jit()
@@ -1017,10 +1161,12 @@ def backward_kernel(
 ):  # fmt: skip
     """:func:`_backward_block` for every block of rows of one span of blocks of a call
     that ``numba_`` spreads over its threads."""
+    scratch = np.empty((_SUMS + _CONSTANTS, _BATCH), np.float64)
+    plain = _no_residual(dresidual_out, dresidual_out_stride, n)
     for block in range((m + ROW_BLOCK - 1) // ROW_BLOCK):
         _backward_block(
             block, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight,
-            mean, dx, dweight_partial, dbias_partial, flags, m, n, eps, rms,
+            mean, dx, dweight_partial, dbias_partial, flags, m, n, eps, rms, scratch, plain,
         )  # fmt: skip
 
 
@@ -1030,10 +1176,12 @@ def backward_kernel_serial(
     dx, dweight_partial, dbias_partial, flags, m, n, eps, rms,
 ):  # fmt: skip
     """:func:`backward_kernel` in the calling thread."""
+    scratch = np.empty((_SUMS + _CONSTANTS, _BATCH), np.float64)
+    plain = _no_residual(dresidual_out, dresidual_out_stride, n)
     for block in range((m + ROW_BLOCK - 1) // ROW_BLOCK):
         _backward_block(
             block, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight,
-            mean, dx, dweight_partial, dbias_partial, flags, m, n, eps, rms,
+            mean, dx, dweight_partial, dbias_partial, flags, m, n, eps, rms, scratch, plain,
         )  # fmt: skip
 
 
@@ -1155,14 +1303,15 @@ def _backward_arrays(
     storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride,
     weight, mean, dx, m, n, rms, flags,
 ):  # fmt: skip
-    """The views over the addresses and the per-block partial sums (see
+    """The views over the addresses, the weight widened to float64 (exactly; the passes
+    over a row then load it without a conversion) and the per-block partial sums (see
     :func:`backward_kernel`)."""
     blocks = (m + ROW_BLOCK - 1) // ROW_BLOCK
     return (
         _view(dy, (m - 1) * dy_stride + n, storage_tag),
         _view(x, (m - 1) * x_stride + n, storage_tag),
         _view(dresidual_out, (m - 1) * dresidual_out_stride + n, storage_tag),
-        _view(weight, n, acc_tag),
+        _view(weight, n, acc_tag).astype(np.float64),  # widened once, not per row
         _view(mean, 0 if rms else m, acc_tag),
         _view(dx, m * n, storage_tag),
         np.empty(blocks * n, np.float64),
