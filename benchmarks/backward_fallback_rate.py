@@ -31,7 +31,7 @@ def flagged_rows(dtype: torch.dtype, m: int, n: int, offset: float, rms: bool) -
     flags = np.zeros(m + 1, np.uint8)
     run = numba_.entry(dtype, "backward_parallel")
     run(
-        dy.data_ptr(), n, z.data_ptr(), n, dres.data_ptr(), 0, w.data_ptr(),
+        dy.data_ptr(), n, z.data_ptr(), n, dres.data_ptr(), 0, w.data_ptr(), False,
         mean.data_ptr(), rstd.data_ptr(), dx.data_ptr(), 0, 0, m, n, rms, False, 1e-5,
         flags.ctypes.data,
     )  # fmt: skip

@@ -76,7 +76,7 @@ def flagged_rows(dtype: torch.dtype, m: int, n: int, offset: float, rms: bool) -
     run = numba_.entry(dtype, "forward_parallel")
     run(
         x.data_ptr(), n, x.data_ptr(), 0, False, x.data_ptr(), w.data_ptr(), b.data_ptr(),
-        y.data_ptr(), x.data_ptr(), x.data_ptr(), m, n, 1e-5, rms, False, False,
+        False, y.data_ptr(), x.data_ptr(), x.data_ptr(), m, n, 1e-5, rms, False, False,
         flags.ctypes.data,
     )  # fmt: skip
     return int(flags[:m].sum())

@@ -136,8 +136,8 @@ def breakdown(shape: tuple[int, ...]) -> str:
         y = torch.empty_like(x)
         a = x.data_ptr()
         kernel(
-            a, n, a, 0, False, a, w.data_ptr(), b.data_ptr(), y.data_ptr(), a, a, m, n, 1e-5,
-            False, False, False, flags.data_ptr(),
+            a, n, a, 0, False, a, w.data_ptr(), b.data_ptr(), False, y.data_ptr(), a, a, m, n,
+            1e-5, False, False, False, flags.data_ptr(),
         )  # fmt: skip
         return y
 

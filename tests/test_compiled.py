@@ -156,6 +156,30 @@ def test_parameters_of_another_dtype_and_parameter_leaves(in_use, python_path):
     _equal_lists(ours, python_path["parameters"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("shape", [(8,), (2, 3, 50), (2, 2, 2, 33), (256, 1024)], ids=str)
+def test_16_bit_parameters_give_the_bits_of_their_float32_values(in_use, dtype, op, shape):
+    """Parameters in the input's 16-bit dtype, which the kernels read as they are, give
+    the bits of the same values in float32 (converted before the kernels, as every
+    16-bit parameter was before): outputs and input gradients equal, and each 16-bit
+    parameter's gradient the float32 one rounded to its dtype (the float32 sum rounded
+    once more, as torch's autograd gives a float32 gradient to a 16-bit leaf)."""
+    g = torch.Generator().manual_seed(2)
+    n = shape[-1]
+    x, r = ((torch.randn(shape, generator=g) * 2 + 1).to(dtype) for _ in range(2))
+    w = (torch.randn(n, generator=g) + 1).to(dtype)
+    b = None if op.endswith("rms_norm") else torch.randn(n, generator=g).to(dtype)
+    residual = r if op.startswith("add") else None
+    narrow = _run(op, (x, residual, w, b), True, 1e-5)
+    wide = _run(op, (x, residual, w.float(), None if b is None else b.float()), True, 1e-5)
+    params = 1 if b is None else 2
+    assert [t.dtype for t in narrow[-params:]] == [dtype] * params
+    assert [t.dtype for t in wide[-params:]] == [torch.float32] * params
+    wide[-params:] = [t.to(dtype) for t in wide[-params:]]
+    _equal_lists([narrow], [wide])
+
+
 def test_grad_calls_go_through_the_op_and_its_cpp_autograd(in_use):
     """With a gradient, the front door calls layernorm::forward through the dispatcher:
     autograd records the C++ node; so do the calls it declines (a strided input), which

@@ -118,6 +118,29 @@ def test_values_within_2_to_the_minus_40_of_a_midpoint(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_parameters_in_the_input_s_dtype(backend, dtype, rms):
+    # 16-bit weight and bias in x's dtype, which the numba kernels read as they are and
+    # widen inside: random rows, either parameter alone, and results within 2**-50 of a
+    # midpoint (the exact fallback, which gets those parameters too)
+    g = torch.Generator().manual_seed(4)
+    for offset, shape in [(0.0, (3, 768)), (300.0, (2, 513))]:
+        x = (torch.randn(shape, generator=g) * 3 + offset).to(dtype)
+        w = torch.randn(shape[1], generator=g).to(dtype)
+        b = torch.randn(shape[1], generator=g).to(dtype)
+        for params in [(w, b), (w, None), (None, b)]:
+            _assert_correctly_rounded(x, *params, 1e-5, rms, backend)
+    ulp = _ulp_one(dtype)
+    x = torch.tensor([[0.0, 1.0] * 4]).to(dtype)
+    w, b = torch.full((8,), ulp, dtype=dtype), torch.ones(8, dtype=dtype)
+    for t in (2.0**-50, -(2.0**-50)):
+        _assert_correctly_rounded(x, w, b, 0.75 + t, False, backend)
+        y = layernorm.layer_norm(x, 8, w, b, eps=0.75 + t, backend=backend)
+        assert y[0, 1].item() == (1.0 if t > 0 else 1.0 + ulp)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 def test_float32_rows_over_the_whole_range(backend, rms):
     g = torch.Generator().manual_seed(3)

@@ -134,6 +134,31 @@ def test_values_within_2_to_the_minus_40_of_a_midpoint(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_a_weight_in_the_input_s_dtype(backend, dtype, rms):
+    # a 16-bit weight in x's dtype, which the numba kernels read as it is and widen
+    # inside: random rows, and the ties of _tie_row within 2**-50 (the exact fallback,
+    # which gets that weight too); gh = dy * 1 exactly
+    g = torch.Generator().manual_seed(12)
+    for offset, shape in [(0.0, (3, 768)), (300.0, (2, 513))]:
+        z = (torch.randn(shape, generator=g) * 3 + offset).to(dtype)
+        dy = (torch.randn(shape, generator=g) * 2 + 0.5).to(dtype)
+        rho = torch.randn(shape, generator=g).to(dtype)
+        w = torch.randn(shape[1], generator=g).to(dtype)
+        _assert_correctly_rounded(backend, dy, z, w, rho, 1e-5, rms)
+        _assert_correctly_rounded(backend, dy, z, w, None, 1e-5, rms)
+    z, dy, rho, want = _tie_row(dtype)
+    ones = torch.ones(z.shape[-1], dtype=dtype)
+    dx = _assert_correctly_rounded(backend, dy, z, ones, rho, 0.75, False)
+    assert dx[0].double().tolist() == want
+    ulp = _ulp_one(dtype)
+    for t in (2.0**-50, -(2.0**-50)):
+        dx = _assert_correctly_rounded(backend, dy, z, ones, rho, 0.75 + t, False)
+        assert dx[0, 0].item() == (1.0 + ulp if t > 0 else 1.0 + 2 * ulp)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_midpoints_without_a_residual(backend, dtype):
     # RMSNorm of z = (1, -1, ...) with eps = 0: rstd = 1, u = z, and dy = (a, b, ...)

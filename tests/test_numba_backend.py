@@ -120,6 +120,32 @@ def test_serial_and_parallel_kernels_give_the_same_bits(dtype, rms, shape, monke
     assert all(torch.equal(a, c) for a, c in zip(*runs, strict=True))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (40, 1001), (300, 1024)], ids=str)
+def test_16_bit_parameters_give_the_bits_of_their_float32_values(dtype, rms, shape):
+    """Parameters in x's 16-bit dtype are read as they are (``params_x_dtype``: widened
+    inside the kernels, once per call) and give the bits of the same values passed in
+    float32 (the accumulation dtype, read directly): y, residual_out, the statistics, dx
+    and dweight/dbias (in float32 either way); with either parameter absent too, and with
+    a strided x. (300, 1024) runs the parallel entries."""
+    g = torch.Generator().manual_seed(1)
+    x, r, dy, dro = ((torch.randn(shape, generator=g) * 2 + 1).to(dtype) for _ in range(4))
+    x = torch.cat([x, x], 1)[:, : shape[1]]  # strided rows, read in place
+    n = shape[-1]
+    w16 = (torch.randn(n, generator=g) + 1).to(dtype)
+    b16 = None if rms else torch.randn(n, generator=g).to(dtype)
+    for w, b in [(w16, b16), (w16, None), (None, b16)]:
+        runs = []
+        for param_dtype in (dtype, torch.float32):
+            wp, bp = (None if p is None else p.to(param_dtype) for p in (w, b))
+            y, h, mean, rstd = numba_.forward(x, r, wp, bp, 1e-5, rms)
+            grads = numba_.backward(dy, h, wp, mean, rstd, dro, rms, wp is not None, True, 1e-5)
+            runs.append([t for t in (y, h, mean, rstd, *grads) if t is not None])
+        assert len(runs[0]) == len(runs[1])
+        assert all(torch.equal(a, c) for a, c in zip(*runs, strict=True))
+
+
 @given(
     m=st.integers(1, 40),
     n=st.integers(1, 1100),
@@ -317,9 +343,9 @@ def test_calls_pass_the_abi_arguments_in_order(monkeypatch):
     assert args == {
         "x": x.data_ptr(), "x_stride": n, "residual": residual.data_ptr(),
         "residual_stride": 8, "has_residual": True, "residual_out": residual_out.data_ptr(),
-        "weight": weight.data_ptr(), "bias": bias.data_ptr(), "y": y.data_ptr(),
-        "mean": mean.data_ptr(), "rstd": rstd.data_ptr(), "m": m, "n": n, "eps": 1e-3,
-        "rms": False, "stream": False, "store_stats": True,
+        "weight": weight.data_ptr(), "bias": bias.data_ptr(), "params_x_dtype": False,
+        "y": y.data_ptr(), "mean": mean.data_ptr(), "rstd": rstd.data_ptr(), "m": m, "n": n,
+        "eps": 1e-3, "rms": False, "stream": False, "store_stats": True,
     }  # fmt: skip
     dy, dresidual_out = torch.randn(m, 7)[:, :n], torch.randn(m, n)
     dx, dweight, dbias = numba_.backward(
@@ -331,7 +357,21 @@ def test_calls_pass_the_abi_arguments_in_order(monkeypatch):
     assert args == {
         "dy": dy.data_ptr(), "dy_stride": 7, "x": x.data_ptr(), "x_stride": n,
         "dresidual_out": dresidual_out.data_ptr(), "dresidual_out_stride": n,
-        "weight": weight.data_ptr(), "mean": mean.data_ptr(), "rstd": rstd.data_ptr(),
-        "dx": dx.data_ptr(), "dweight": dweight.data_ptr(), "dbias": dbias.data_ptr(),
-        "m": m, "n": n, "rms": True, "stream": False, "eps": 1e-3,
+        "weight": weight.data_ptr(), "params_x_dtype": False, "mean": mean.data_ptr(),
+        "rstd": rstd.data_ptr(), "dx": dx.data_ptr(), "dweight": dweight.data_ptr(),
+        "dbias": dbias.data_ptr(), "m": m, "n": n, "rms": True, "stream": False, "eps": 1e-3,
     }  # fmt: skip
+    # parameters in x's 16-bit dtype are passed as they are, not converted per call; with
+    # one in another dtype, both are converted to the accumulation dtype
+    x16, w16, b16 = x.bfloat16(), weight.bfloat16(), bias.bfloat16()
+    for w, b, as_x in [(w16, b16, True), (w16, None, True), (None, b16, True), (w16, bias, False)]:
+        numba_.forward(x16, None, w, b, 1e-3, False)
+        args = dict(zip(_kernel_abi.names("forward"), calls.pop(), strict=True))
+        assert args["params_x_dtype"] is as_x
+        passed = torch.bfloat16 if as_x else torch.float32  # what is passed as it is
+        for p, name in [(w, "weight"), (b, "bias")]:
+            assert p is None or (args[name] == p.data_ptr()) is (p.dtype == passed)
+        numba_.backward(dy.bfloat16(), x16, w, mean, rstd, None, False, w is not None, True, 1e-3)
+        args = dict(zip(_kernel_abi.names("backward"), calls.pop(), strict=True))
+        assert args["params_x_dtype"] is (w is not None)
+        assert w is None or args["weight"] == w.data_ptr()

@@ -74,21 +74,25 @@ using Gradients = std::tuple<Tensor, Tensor, Tensor>;
 // layernorm.backends._kernel_abi; set_up compares them, so a mismatch raises.
 using ForwardKernel = void (*)(int64_t x, int64_t x_stride, int64_t residual,
                                int64_t residual_stride, bool has_residual, int64_t residual_out,
-                               int64_t weight, int64_t bias, int64_t y, int64_t mean,
+                               int64_t weight, int64_t bias, bool params_x_dtype, int64_t y,
+                               int64_t mean,
                                int64_t rstd, int64_t m, int64_t n, double eps, bool rms,
                                bool stream, bool store_stats, int64_t flags);
 const char* const FORWARD_SIGNATURE =
     "x:i64,x_stride:i64,residual:i64,residual_stride:i64,has_residual:bool,"
-    "residual_out:i64,weight:i64,bias:i64,y:i64,mean:i64,rstd:i64,m:i64,n:i64,eps:f64,"
+    "residual_out:i64,weight:i64,bias:i64,params_x_dtype:bool,y:i64,mean:i64,rstd:i64,m:i64,"
+    "n:i64,eps:f64,"
     "rms:bool,stream:bool,store_stats:bool,flags:i64";
 using BackwardKernel = void (*)(int64_t dy, int64_t dy_stride, int64_t x, int64_t x_stride,
                                 int64_t dresidual_out, int64_t dresidual_out_stride,
-                                int64_t weight, int64_t mean, int64_t rstd, int64_t dx,
+                                int64_t weight, bool params_x_dtype, int64_t mean,
+                                int64_t rstd, int64_t dx,
                                 int64_t dweight, int64_t dbias, int64_t m, int64_t n, bool rms,
                                 bool stream, double eps, int64_t flags);
 const char* const BACKWARD_SIGNATURE =
     "dy:i64,dy_stride:i64,x:i64,x_stride:i64,dresidual_out:i64,dresidual_out_stride:i64,"
-    "weight:i64,mean:i64,rstd:i64,dx:i64,dweight:i64,dbias:i64,m:i64,n:i64,rms:bool,"
+    "weight:i64,params_x_dtype:bool,mean:i64,rstd:i64,dx:i64,dweight:i64,dbias:i64,m:i64,"
+    "n:i64,rms:bool,"
     "stream:bool,eps:f64,flags:i64";
 
 // (the *_parallel entries run one span of a call's rows: see run_spans)
@@ -229,10 +233,19 @@ Tensor as_dtype(const Tensor& t, at::ScalarType dtype) {
     return torch::GradMode::is_enabled() && t.requires_grad() ? t.to(dtype) : converted(t, dtype);
 }
 
-// A parameter as the kernels take it: in the accumulation dtype, or the default row.
-Tensor kernel_param(const Tensor& p, int64_t n, at::ScalarType acc, double missing) {
-    if (!p.defined()) return constant(n, acc, missing);
-    return p.scalar_type() == acc ? p : converted(p, acc).contiguous();
+// A parameter as the kernels take it: in `dtype` (the accumulation dtype, or x's where
+// params_x_dtype says so), or the default row.
+Tensor kernel_param(const Tensor& p, int64_t n, at::ScalarType dtype, double missing) {
+    if (!p.defined()) return constant(n, dtype, missing);
+    return p.scalar_type() == dtype ? p : converted(p, dtype).contiguous();
+}
+
+// Whether the kernels read the parameters in x's dtype (params_x_dtype of
+// layernorm.backends._kernel_abi; numba_._in_x_dtype's rule): x is 16-bit, one is given
+// and every given one holds x's dtype. The kernels then widen them once per call.
+bool params_in_x_dtype(at::ScalarType x, at::ScalarType acc, const Tensor& w, const Tensor& b) {
+    if (x == acc || !(w.defined() || b.defined())) return false;
+    return (!w.defined() || w.scalar_type() == x) && (!b.defined() || b.scalar_type() == x);
 }
 
 Tensor value(const OptionalTensor& t) { return t.has_value() ? *t : Tensor(); }
@@ -449,7 +462,10 @@ Forward run_forward(const Tensor& x, const Tensor& residual, const Tensor& weigh
     const auto acc = acc_dtype(d);
     Forward out;
     out.y = at::empty_like(x, at::MemoryFormat::Contiguous);
-    const Tensor w = kernel_param(weight, n, acc, 1.0), b = kernel_param(bias, n, acc, -0.0);
+    const bool params_x_dtype = params_in_x_dtype(x.scalar_type(), acc, weight, bias);
+    const auto param_dtype = params_x_dtype ? x.scalar_type() : acc;
+    const Tensor w = kernel_param(weight, n, param_dtype, 1.0);
+    const Tensor b = kernel_param(bias, n, param_dtype, -0.0);
     const bool has_residual = residual.defined();
     if (has_residual) out.residual_out = at::empty_like(x, at::MemoryFormat::Contiguous);
     const int64_t x_address = address(x);
@@ -478,7 +494,7 @@ Forward run_forward(const Tensor& x, const Tensor& residual, const Tensor& weigh
             x_address + i * x_stride * size, x_stride,
             residual_address + i * residual_stride * size, residual_stride, has_residual,
             residual_out_address + i * residual_out_step, w_address, b_address,
-            y_address + i * n * size, mean_address + i * mean_step,
+            params_x_dtype, y_address + i * n * size, mean_address + i * mean_step,
             rstd_address + i * rstd_step, count, n, eps, rms,
             false /* stream: inputs of max_bytes or more are Python's */, store_stats,
             flags_address);
@@ -544,7 +560,8 @@ Gradients backward_cpu(const Tensor& dy, const Tensor& x, const OptionalTensor& 
                                       dresidual_out, rms, need_dweight, need_dbias,
                                       std::string(backend), eps);
     const auto acc = acc_dtype(d);
-    const Tensor wk = kernel_param(w, n, acc, 1.0);
+    const bool params_x_dtype = params_in_x_dtype(x.scalar_type(), acc, w, Tensor());
+    const Tensor wk = kernel_param(w, n, params_x_dtype ? x.scalar_type() : acc, 1.0);
     // no residual gradient: one row of -0.0 with a stride of 0 (v + -0.0 == v bitwise)
     const Tensor dres_k = dres.defined() ? dres : constant(n, x.scalar_type(), -0.0);
     const Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
@@ -565,7 +582,7 @@ Gradients backward_cpu(const Tensor& dy, const Tensor& x, const OptionalTensor& 
         reinterpret_cast<BackwardKernel>(kernel_address)(
             dy_address + i * dy_stride * size, dy_stride, x_address + i * x_stride * size,
             x_stride, dres_address + i * dres_stride * size, dres_stride, w_address,
-            mean_address + i * mean_step, rstd_address + i * acc_size,
+            params_x_dtype, mean_address + i * mean_step, rstd_address + i * acc_size,
             dx_address + i * n * size, dweight_address, dbias_address, count, n, rms, false,
             eps, flags_address);
     };

@@ -26,6 +26,8 @@ __all__ = ["BACKWARD", "CTYPES", "FORWARD", "KERNELS", "names", "signature"]
 #: when ``store_stats``; ``stream`` asks for non-temporal stores of a large float32 ``y``;
 #: ``flags`` is (m + 1) bytes: ``flags[i]`` is set when row ``i`` of ``y`` needs the exact
 #: fallback (``layernorm.backends._exact``), ``flags[m]`` when any row does.
+#: ``weight`` and ``bias`` (N,) hold x's dtype when ``params_x_dtype`` (16-bit ones are
+#: widened exactly inside the kernel, once per call), else the accumulation dtype.
 FORWARD: tuple[tuple[str, str], ...] = (
     ("x", "i64"),
     ("x_stride", "i64"),
@@ -35,6 +37,7 @@ FORWARD: tuple[tuple[str, str], ...] = (
     ("residual_out", "i64"),
     ("weight", "i64"),
     ("bias", "i64"),
+    ("params_x_dtype", "bool"),
     ("y", "i64"),
     ("mean", "i64"),
     ("rstd", "i64"),
@@ -53,7 +56,8 @@ FORWARD: tuple[tuple[str, str], ...] = (
 #: recomputes with ``eps`` (``mean``/``rstd`` are the forward's, a starting point only);
 #: ``flags`` is (m + 1) bytes as in :data:`FORWARD`: ``flags[i]`` is set when row ``i`` of
 #: ``dx`` needs the exact fallback (``layernorm.backends._exact``), ``flags[m]`` when any
-#: row does.
+#: row does. ``weight`` holds x's dtype when ``params_x_dtype``, else the accumulation
+#: dtype, as in :data:`FORWARD`; ``dweight`` and ``dbias`` are in the accumulation dtype.
 BACKWARD: tuple[tuple[str, str], ...] = (
     ("dy", "i64"),
     ("dy_stride", "i64"),
@@ -62,6 +66,7 @@ BACKWARD: tuple[tuple[str, str], ...] = (
     ("dresidual_out", "i64"),
     ("dresidual_out_stride", "i64"),
     ("weight", "i64"),
+    ("params_x_dtype", "bool"),
     ("mean", "i64"),
     ("rstd", "i64"),
     ("dx", "i64"),

@@ -1246,16 +1246,43 @@ def _cast_impl(tag, value):
 
 
 @_jit()
+def _param_row(address, n, storage_tag, acc_tag, params_x_dtype):
+    """The (N,) parameter at ``address`` in the accumulation dtype: a view when it holds
+    that dtype (or x's dtype is the accumulation dtype), else (``params_x_dtype`` with
+    16-bit x) its values widened once into a fresh row, exactly."""
+    if params_x_dtype and storage_tag.itemsize < acc_tag.itemsize:
+        raw = _view(address, n, storage_tag)
+        row = np.empty(n, acc_tag.dtype)
+        for k in range(n):
+            row[k] = _cast(acc_tag, element_f64(raw, k))
+        return row
+    return _view(address, n, acc_tag)
+
+
+@_jit()
+def _weight_f64(address, n, storage_tag, acc_tag, params_x_dtype):
+    """The (N,) weight at ``address`` (x's dtype when ``params_x_dtype``, else the
+    accumulation dtype) widened to float64 once per call, exactly."""
+    if params_x_dtype:
+        raw = _view(address, n, storage_tag)
+        row = np.empty(n, np.float64)
+        for k in range(n):
+            row[k] = element_f64(raw, k)
+        return row
+    return _view(address, n, acc_tag).astype(np.float64)
+
+
+@_jit()
 def _forward_views(
     storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out,
-    weight, bias, y, mean, rstd, m, n, rms, store_stats, flags,
+    weight, bias, params_x_dtype, y, mean, rstd, m, n, rms, store_stats, flags,
 ):  # fmt: skip
     return (
         _view(x, (m - 1) * x_stride + n, storage_tag),
         _view(residual, (m - 1) * residual_stride + n if has_residual else 1, storage_tag),
         _view(residual_out, m * n if has_residual else 1, storage_tag),
-        _view(weight, n, acc_tag),
-        _view(bias, n, acc_tag),
+        _param_row(weight, n, storage_tag, acc_tag, params_x_dtype),
+        _param_row(bias, n, storage_tag, acc_tag, params_x_dtype),
         _view(y, m * n, storage_tag),
         _view(mean, 0 if rms or not store_stats else m, acc_tag),
         _view(rstd, m if store_stats else 0, acc_tag),
@@ -1266,7 +1293,7 @@ def _forward_views(
 @_jit()
 def forward_serial(
     storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out,
-    weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags,
+    weight, bias, params_x_dtype, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags,
 ):  # fmt: skip
     """The forward on addresses (the arguments of ``_kernel_abi.FORWARD``), in the
     calling thread (for small inputs). Without a residual, ``residual`` and
@@ -1277,7 +1304,8 @@ def forward_serial(
     """
     views = _forward_views(
         storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual,
-        residual_out, weight, bias, y, mean, rstd, m, n, rms, store_stats, flags,
+        residual_out, weight, bias, params_x_dtype, y, mean, rstd, m, n, rms, store_stats,
+        flags,
     )  # fmt: skip
     x_, residual_, residual_out_, weight_, bias_, y_, mean_, rstd_, flags_ = views
     forward_kernel_serial(
@@ -1290,13 +1318,14 @@ def forward_serial(
 @_jit()
 def forward_parallel(
     storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out,
-    weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags,
+    weight, bias, params_x_dtype, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags,
 ):  # fmt: skip
     """One span of rows of a forward that ``numba_`` spreads over its threads:
     :func:`forward_serial`, with streaming stores for large float32 outputs."""
     views = _forward_views(
         storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual,
-        residual_out, weight, bias, y, mean, rstd, m, n, rms, store_stats, flags,
+        residual_out, weight, bias, params_x_dtype, y, mean, rstd, m, n, rms, store_stats,
+        flags,
     )  # fmt: skip
     x_, residual_, residual_out_, weight_, bias_, y_, mean_, rstd_, flags_ = views
     forward_kernel(
@@ -1309,7 +1338,7 @@ def forward_parallel(
 @_jit()
 def _backward_arrays(
     storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride,
-    weight, mean, dx, m, n, rms, flags,
+    weight, params_x_dtype, mean, dx, m, n, rms, flags,
 ):  # fmt: skip
     """The views over the addresses, the weight widened to float64 (exactly; the passes
     over a row then load it without a conversion) and the per-block partial sums (see
@@ -1319,7 +1348,7 @@ def _backward_arrays(
         _view(dy, (m - 1) * dy_stride + n, storage_tag),
         _view(x, (m - 1) * x_stride + n, storage_tag),
         _view(dresidual_out, (m - 1) * dresidual_out_stride + n, storage_tag),
-        _view(weight, n, acc_tag).astype(np.float64),  # widened once, not per row
+        _weight_f64(weight, n, storage_tag, acc_tag, params_x_dtype),  # once, not per row
         _view(mean, 0 if rms else m, acc_tag),
         _view(dx, m * n, storage_tag),
         np.empty(blocks * n, np.float64),
@@ -1341,7 +1370,7 @@ def _column_sums(acc_tag, dweight_partial, dbias_partial, dweight, dbias, n):
 @_jit()
 def backward_serial(
     storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride,
-    weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags,
+    weight, params_x_dtype, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags,
 ):  # fmt: skip
     """The backward on addresses (the arguments of ``_kernel_abi.BACKWARD``), in the
     calling thread (for small inputs). ``x`` is the normalized input ``z``; the row
@@ -1350,7 +1379,7 @@ def backward_serial(
     row ``i`` of dx needs the exact fallback, ``flags[m]`` when any row does."""
     arrays = _backward_arrays(
         storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out,
-        dresidual_out_stride, weight, mean, dx, m, n, rms, flags,
+        dresidual_out_stride, weight, params_x_dtype, mean, dx, m, n, rms, flags,
     )  # fmt: skip
     dy_, x_, dresidual_out_, weight_, mean_, dx_, dw_part, db_part, flags_ = arrays
     backward_kernel_serial(
@@ -1364,7 +1393,7 @@ def backward_serial(
 @_jit()
 def backward_parallel(
     storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride,
-    weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags,
+    weight, params_x_dtype, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags,
 ):  # fmt: skip
     """One span of rows (a whole number of ``ROW_BLOCK`` blocks, but for the last) of a
     backward that ``numba_`` spreads over its threads: :func:`backward_serial`, except that
@@ -1375,7 +1404,7 @@ def backward_parallel(
     the span's m + 1 fallback flags, as :func:`backward_serial` writes them."""
     arrays = _backward_arrays(
         storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out,
-        dresidual_out_stride, weight, mean, dx, m, n, rms, flags,
+        dresidual_out_stride, weight, params_x_dtype, mean, dx, m, n, rms, flags,
     )  # fmt: skip
     dy_, x_, dresidual_out_, weight_, mean_, dx_, _, _, flags_ = arrays
     blocks = (m + ROW_BLOCK - 1) // ROW_BLOCK
@@ -1432,29 +1461,29 @@ def entry(name: str, storage_tag: np.ndarray, acc_tag: np.ndarray):
     run: Callable[..., None]
     if name == "forward_serial":
 
-        def forward(x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags):  # fmt: skip
-            forward_serial(storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags)  # fmt: skip
+        def forward(x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, params_x_dtype, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags):  # fmt: skip
+            forward_serial(storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, params_x_dtype, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags)  # fmt: skip
 
         run = forward
 
     elif name == "forward_parallel":
 
-        def forward(x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags):  # fmt: skip
-            forward_parallel(storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags)  # fmt: skip
+        def forward(x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, params_x_dtype, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags):  # fmt: skip
+            forward_parallel(storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, params_x_dtype, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags)  # fmt: skip
 
         run = forward
 
     elif name == "backward_serial":
 
-        def backward(dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags):  # fmt: skip
-            backward_serial(storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags)  # fmt: skip
+        def backward(dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, params_x_dtype, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags):  # fmt: skip
+            backward_serial(storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, params_x_dtype, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags)  # fmt: skip
 
         run = backward
 
     elif name == "backward_parallel":
 
-        def backward(dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags):  # fmt: skip
-            backward_parallel(storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags)  # fmt: skip
+        def backward(dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, params_x_dtype, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags):  # fmt: skip
+            backward_parallel(storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, params_x_dtype, mean, rstd, dx, dweight, dbias, m, n, rms, stream, eps, flags)  # fmt: skip
 
         run = backward
 

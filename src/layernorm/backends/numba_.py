@@ -25,7 +25,9 @@ Outputs of ``_host_memory.MIN_BYTES`` or more come from
 tensor is a fresh ``mmap`` whose pages Linux clears on first touch.
 ``layernorm.empty_cache()`` releases the idle blocks; ``LAYERNORM_HOST_CACHE_MB`` caps them.
 
-float16 and bfloat16 are converted inside the kernels (no full-size float32 copies);
+float16 and bfloat16 are converted inside the kernels (no full-size float32 copies), and
+so are weight and bias in the input's 16-bit dtype (no conversion per call:
+``params_x_dtype`` of :mod:`layernorm.backends._kernel_abi`);
 strided rows (``stride(0) != N``) are read in place. Results are bitwise identical run to
 run, for a row alone or in any batch, and at any thread count (see
 :mod:`layernorm.backends._numba_kernels` for why).
@@ -166,7 +168,8 @@ def entry_address(dtype: torch.dtype, name: str) -> int:
 
 def _forward_over_threads(
     dtype: torch.dtype, x: int, x_stride: int, residual: int, residual_stride: int,
-    has_residual: bool, residual_out: int, weight: int, bias: int, y: int, mean: int,
+    has_residual: bool, residual_out: int, weight: int, bias: int, params_x_dtype: bool,
+    y: int, mean: int,
     rstd: int, m: int, n: int, eps: float, rms: bool, stream: bool, store_stats: bool,
     flags: int,
 ) -> None:  # fmt: skip
@@ -194,7 +197,8 @@ def _forward_over_threads(
         count = min(m, stop * rows) - i
         run(
             x + i * x_step, x_stride, residual + i * residual_step, residual_stride,
-            has_residual, residual_out + i * residual_out_step, weight, bias, y + i * y_step,
+            has_residual, residual_out + i * residual_out_step, weight, bias, params_x_dtype,
+            y + i * y_step,
             mean + i * mean_step, rstd + i * rstd_step, count, n, eps, rms,
             stream, store_stats, scratch_address + i + start,
         )  # fmt: skip
@@ -220,7 +224,8 @@ def _gather_flags(
 
 def _backward_over_threads(
     dtype: torch.dtype, dy: int, dy_stride: int, x: int, x_stride: int, dresidual_out: int,
-    dresidual_out_stride: int, weight: int, mean: int, rstd: int, dx: int, dweight: int,
+    dresidual_out_stride: int, weight: int, params_x_dtype: bool, mean: int, rstd: int,
+    dx: int, dweight: int,
     dbias: int, m: int, n: int, rms: bool, stream: bool, eps: float, flags: int,
 ) -> None:  # fmt: skip
     """The ``backward_parallel`` entry: spans of ``ROW_BLOCK`` rows over the threads,
@@ -246,7 +251,7 @@ def _backward_over_threads(
         run(
             dy + i * dy_step, dy_stride, x + i * x_step, x_stride,
             dresidual_out + i * dresidual_out_step, dresidual_out_stride, weight,
-            mean + i * mean_step, rstd + i * acc_size, dx + i * dx_step,
+            params_x_dtype, mean + i * mean_step, rstd + i * acc_size, dx + i * dx_step,
             dweight_partial + start * n * 8, dbias_partial + start * n * 8,
             count, n, rms, stream, eps, scratch.ctypes.data + i + start,
         )  # fmt: skip
@@ -356,6 +361,17 @@ def _kernel_param(p: torch.Tensor | None, n: int, acc: torch.dtype, default: flo
     return p if p.dtype == acc else p.to(acc).contiguous()
 
 
+def _in_x_dtype(dtype: torch.dtype, acc: torch.dtype, *params: torch.Tensor | None) -> bool:
+    """Whether the kernels read ``params`` in x's dtype ``dtype`` (``params_x_dtype`` of
+    :mod:`layernorm.backends._kernel_abi`): x is 16-bit, one of them is given and every
+    given one holds ``dtype``. They are then widened inside the kernel, once per call
+    (no conversion here); else :func:`_kernel_param` converts them to ``acc``."""
+    if dtype == acc:
+        return False
+    given = [p for p in params if p is not None]
+    return bool(given) and all(p.dtype == dtype for p in given)
+
+
 def forward(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -372,8 +388,10 @@ def forward(
     types = _TYPES[x.dtype]
     nbytes = numel * types.itemsize
     y = _output(x, nbytes)
-    w = _kernel_param(weight, n, types.acc_dtype, 1.0)
-    b = _kernel_param(bias, n, types.acc_dtype, -0.0)
+    params_x_dtype = _in_x_dtype(x.dtype, types.acc_dtype, weight, bias)
+    param_dtype = x.dtype if params_x_dtype else types.acc_dtype
+    w = _kernel_param(weight, n, param_dtype, 1.0)
+    b = _kernel_param(bias, n, param_dtype, -0.0)
     x_address = x.data_ptr()
     if stats:
         mean = None if rms else torch.empty(m, dtype=types.acc_dtype)
@@ -409,6 +427,7 @@ def forward(
         residual_out_address,  # residual_out
         w.data_ptr(),  # weight
         b.data_ptr(),  # bias
+        params_x_dtype,  # params_x_dtype
         y.data_ptr(),  # y
         mean_address,  # mean
         rstd_address,  # rstd
@@ -463,7 +482,8 @@ def backward(
     types = _TYPES[x.dtype]
     acc = types.acc_dtype
     nbytes = numel * types.itemsize
-    w = _kernel_param(weight, n, acc, 1.0)
+    params_x_dtype = _in_x_dtype(x.dtype, acc, weight)
+    w = _kernel_param(weight, n, x.dtype if params_x_dtype else acc, 1.0)
     stats_rstd = _kernel_param(rstd, m, acc, 0.0)
     stats_mean = stats_rstd if mean is None else _kernel_param(mean, m, acc, 0.0)
     # no residual gradient: one row of -0.0 with a stride of 0 (v + -0.0 == v bitwise)
@@ -482,6 +502,7 @@ def backward(
         dres.data_ptr(),  # dresidual_out
         0 if dresidual_out is None else _stride(dresidual_out, n),  # dresidual_out_stride
         w.data_ptr(),  # weight
+        params_x_dtype,  # params_x_dtype
         stats_mean.data_ptr(),  # mean
         stats_rstd.data_ptr(),  # rstd
         dx.data_ptr(),  # dx
