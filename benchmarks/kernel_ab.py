@@ -123,63 +123,49 @@ def compare(
         dw, db = torch.empty(n, dtype=types.acc_dtype), torch.empty(n, dtype=types.acc_dtype)
         dro = torch.full((n,), -0.0, dtype=dtype)
         alive += [y, dx, dw, db, dro]
+        flags = torch.zeros(m + 1, dtype=torch.uint8)  # fallback flags (m + 1), if taken
+        alive.append(flags)
+        # every argument either version's entry may take, by name: each version's entry
+        # takes those its signature names, in its order
+        values = {
+            "storage_tag": types.storage,
+            "acc_tag": types.acc,
+            "x": x.data_ptr(),
+            "x_stride": n,
+            "residual": x.data_ptr(),
+            "residual_stride": 0,
+            "has_residual": False,
+            "residual_out": x.data_ptr(),
+            "weight": w.data_ptr(),
+            "bias": b.data_ptr(),
+            "params_x_dtype": False,
+            "y": y.data_ptr(),
+            "m": m,
+            "n": n,
+            "eps": 1e-5,
+            "rms": False,
+            "stream": nbytes >= STREAM_BYTES,
+            "store_stats": False,
+            "flags": flags.data_ptr(),
+            "dy": dy.data_ptr(),
+            "dy_stride": n,
+            "dresidual_out": dro.data_ptr(),
+            "dresidual_out_stride": 0,
+            "dx": dx.data_ptr(),
+            "dweight": dw.data_ptr(),
+            "dbias": db.data_ptr(),
+        }
         if direction == "fwd":
             run = module.forward_parallel if parallel else module.forward_serial
-            args = (
-                types.storage,
-                types.acc,
-                x.data_ptr(),
-                n,
-                x.data_ptr(),
-                0,
-                False,
-                x.data_ptr(),
-                w.data_ptr(),
-                b.data_ptr(),
-                y.data_ptr(),
-                x.data_ptr(),
-                x.data_ptr(),
-                m,
-                n,
-                1e-5,
-                False,
-                nbytes >= STREAM_BYTES,
-                False,
-            )
-            if "flags" in inspect.signature(run.py_func).parameters:  # fallback flags (m + 1)
-                flags = torch.zeros(m + 1, dtype=torch.uint8)
-                alive.append(flags)
-                args = (*args, flags.data_ptr())
+            values |= {"mean": x.data_ptr(), "rstd": x.data_ptr()}
             outputs[label] = [y]
         else:
             # (backward_parallel is one span of a threaded call now: its dweight/dbias
             # take the span's block partials, not the column sums)
             run = module.backward_serial
-            args = (
-                types.storage,
-                types.acc,
-                dy.data_ptr(),
-                n,
-                x.data_ptr(),
-                n,
-                dro.data_ptr(),
-                0,
-                w.data_ptr(),
-                mean.data_ptr(),
-                rstd.data_ptr(),
-                dx.data_ptr(),
-                dw.data_ptr(),
-                db.data_ptr(),
-                m,
-                n,
-                False,
-                nbytes >= STREAM_BYTES,
-            )
-            if "flags" in inspect.signature(run.py_func).parameters:  # eps, flags (m + 1)
-                flags = torch.zeros(m + 1, dtype=torch.uint8)
-                alive.append(flags)
-                args = (*args, 1e-5, flags.data_ptr())
+            values |= {"mean": mean.data_ptr(), "rstd": rstd.data_ptr()}
             outputs[label] = [dx, dw, db]
+        args = tuple(values[name] for name in inspect.signature(run.py_func).parameters)
         calls[label] = lambda run=run, args=args: run(*args)
     xt, wt, bt = x, w.to(dtype), b.to(dtype)
     if direction == "fwd":
