@@ -93,6 +93,7 @@ from ._numba_vectors import (
     narrow_once,
     normalize_row_checked,
     normalize_row_fast,
+    normalize_row_fast_single,
     normalize_row_fast_streaming,
     row_sum,
     row_sum_sq,
@@ -111,7 +112,7 @@ SEGMENT = 1024
 #: these kernels. numba keys its on-disk cache on this file alone, so a change to that one
 #: must change this line, or a stale cached kernel would keep running the old code;
 #: ``tests/test_numba_vectors.py`` fails until it does.
-VECTORS_SHA256 = "f85c17cf259373a6"
+VECTORS_SHA256 = "d155844e8db404b8"
 
 
 def _jit(*signature, **options):
@@ -401,19 +402,67 @@ def _precise_statistics(z, n, eps, rms):
 @_jit(inline="always")
 def _row_constants(
     i, x, x_stride, residual, residual_stride, has_residual, residual_out,
-    mean, rstd, n, eps, rms, store_stats, weight_max, bias_max,
+    mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, single,
 ):  # fmt: skip
-    """Row ``i``'s statistics and the constants of both output passes' bounds:
-    ``(z, m1, delta, rstd_i, a, b, k_y, bound_a, bound_b, tiny, flag)`` (
-    :func:`_row_statistics`, :func:`_folded`, :func:`_fast_bounds`; the last three are
-    meaningless when ``weight_max`` is infinite, and then unused)."""
+    """Row ``i``'s statistics and the constants of the output passes' bounds:
+    ``(z, m1, delta, rstd_i, a, b, k_y, bound_a, bound_b, tiny, flag, lanes32)`` (
+    :func:`_row_statistics`, :func:`_folded`, :func:`_fast_bounds`; the bounds are
+    meaningless when ``weight_max`` is infinite, and then unused), ``lanes32`` the
+    float32 lanes' constants (:func:`_single_bounds`) when ``single`` (a constant of the
+    compiled code: a 16-bit output row), else unused zeros."""
     z, m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag = _row_statistics(
         i, x, x_stride, residual, residual_stride, has_residual, residual_out,
         mean, rstd, n, eps, rms, store_stats,
     )  # fmt: skip
     a, b = _folded(delta, e_mean, k_c, k_p, k_w, w_rel)
     bound_a, bound_b, tiny = _fast_bounds(a, b, k_y, weight_max, bias_max)
-    return z, m1, delta, rstd_i, a, b, k_y, bound_a, bound_b, tiny, flag
+    lanes32 = (np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0), False)
+    if single:
+        lanes32 = _single_bounds(m1, delta, rstd_i, e_mean, w_rel, weight_max, bias_max)
+    return z, m1, delta, rstd_i, a, b, k_y, bound_a, bound_b, tiny, flag, lanes32
+
+
+_U32 = 2.0**-24  # float32's unit roundoff
+#: the float32 lanes run for rows whose rstd has a relative error of at most _U32
+#: (``w_rel = (1 + 1.02 e_r)·slack``) and lies well inside float32's normal range
+_SINGLE_W_REL = 1.0 + _U32
+_SINGLE_RSTD_LOW, _SINGLE_RSTD_HIGH = 2.0**-120, 2.0**120
+
+
+@_jit(inline="always")
+def _single_bounds(m1, delta, rstd_i, e_mean, w_rel, weight_max, bias_max):
+    """The float32 lanes' row constants (``_numba_vectors.normalize_row_fast_single``;
+    docs/contract.md §3, "float32 lanes"): ``(m1f, r, neg_t, a32, usable)`` with
+    ``m1f = RN32(m1)``, ``r = RN32(rstd)``, ``neg_t = RN32(-delta·rstd)`` and ``a32`` the
+    absolute part of the bound ``E <= A + |yh|·SINGLE_RELATIVE``:
+
+        A = w_max·λ + 4.001u·b_max + 2^-120,
+        λ = rstd·((e_m1 + e_mean)(1 + 8u) + 5.01u·|delta|) + 2^-148
+
+    (``u = 2^-24``, ``e_m1 = |m1f - m1|``), times ``1 + 2^-20`` for its float64 roundings
+    and those of ``a32`` and of the fma of ``E``. ``usable`` is False (the float64
+    cheap pass runs instead) unless ``e_r <= u`` and ``2^-120 < rstd < 2^120``."""
+    usable = w_rel <= _SINGLE_W_REL and _SINGLE_RSTD_LOW < rstd_i < _SINGLE_RSTD_HIGH
+    m1f = np.float32(m1)
+    e_m1 = abs(np.float64(m1f) - m1)
+    lam = rstd_i * ((e_m1 + e_mean) * (1.0 + 8.0 * _U32) + 5.01 * _U32 * abs(delta))
+    lam += 2.0**-148
+    a = (weight_max * lam + 4.001 * _U32 * bias_max + 2.0**-120) * (1.0 + 2.0**-20)
+    return m1f, np.float32(rstd_i), np.float32(-(delta * rstd_i)), np.float32(a), usable
+
+
+def _is_half(y, weight, bias):
+    """Whether ``y`` is a 16-bit row and ``weight``, ``bias`` are not float64 (a constant
+    of the compiled code): the float32 lanes apply."""
+
+
+@overload(_is_half, inline="always")
+def _is_half_impl(y, weight, bias):
+    half = y.dtype in (types.uint16, types.int16) and types.float64 not in (
+        weight.dtype,
+        bias.dtype,
+    )
+    return lambda y, weight, bias: half
 
 
 @_jit(inline="always")
@@ -427,18 +476,19 @@ def _forward_rows(
     constants) with the other's independent vector work. Each row's values depend on
     that row alone: the same bits in any order."""
     weight_max, bias_max = _largest_parameters(weight, bias)
+    single = _is_half(y, weight, bias)
     if m == 0:
         return
     row = _row_constants(
         0, x, x_stride, residual, residual_stride, has_residual, residual_out,
-        mean, rstd, n, eps, rms, store_stats, weight_max, bias_max,
+        mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, single,
     )  # fmt: skip
     for i in range(m):
         following = row
         if i + 1 < m:
             following = _row_constants(
                 i + 1, x, x_stride, residual, residual_stride, has_residual, residual_out,
-                mean, rstd, n, eps, rms, store_stats, weight_max, bias_max,
+                mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, single,
             )  # fmt: skip
         flags[i] = _forward_row(
             i, row, weight, bias, y, mean, rstd, n, eps, rms, store_stats, weight_max, stream
@@ -459,7 +509,8 @@ def _forward_row(
     segment of its own); where it leaves an element open, the pass with the bound per
     element (``normalize_row_checked``) rewrites that segment only (the passes have no
     reductions: segments change no bits). Returns the row's fallback flag."""
-    z, m1, delta, rstd_i, a, b, k_y, bound_a, bound_b, tiny, flag = row
+    z, m1, delta, rstd_i, a, b, k_y, bound_a, bound_b, tiny, flag, lanes32 = row
+    m1f, r, neg_t, a32, single = lanes32
     y_i = y[i * n : (i + 1) * n]
     in_range = _RANGE_LOW < rstd_i < _RANGE_HIGH and abs(m1) < np.inf
     if _is_float64(y_i) and not in_range:
@@ -474,7 +525,21 @@ def _forward_row(
     checked = np.int32(0)
     if flag == 0 and weight_max < np.inf:
         streaming = stream and _X86
-        if n <= SEGMENT and not streaming:  # one segment: the row itself, no slicing
+        if single and not streaming:  # 16-bit output: float32 lanes, segments of SEGMENT
+            start = 0
+            while start < n:
+                stop = min(n, start + SEGMENT)
+                z_s, y_s = z[start:stop], y_i[start:stop]
+                w_s, b_s = weight[start:stop], bias[start:stop]
+                if normalize_row_fast_single(
+                    z_s, y_s, m1, delta, rstd_i, w_s, b_s, bound_a, bound_b, tiny,
+                    m1f, r, neg_t, a32,
+                ):  # fmt: skip
+                    checked |= normalize_row_checked(
+                        z_s, y_s, m1, delta, rstd_i, w_s, b_s, a, b, k_y
+                    )  # fmt: skip
+                start = stop
+        elif n <= SEGMENT and not streaming:  # one segment: the row itself, no slicing
             if normalize_row_fast(z, y_i, m1, delta, rstd_i, weight, bias, bound_a, bound_b, tiny):
                 checked = normalize_row_checked(
                     z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y
