@@ -94,6 +94,7 @@ from ._numba_vectors import (
     normalize_row_checked,
     normalize_row_fast,
     normalize_row_fast_single,
+    normalize_row_fast_single_streaming,
     normalize_row_fast_streaming,
     row_sum,
     row_sum_sq,
@@ -112,7 +113,7 @@ SEGMENT = 1024
 #: these kernels. numba keys its on-disk cache on this file alone, so a change to that one
 #: must change this line, or a stale cached kernel would keep running the old code;
 #: ``tests/test_numba_vectors.py`` fails until it does.
-VECTORS_SHA256 = "d155844e8db404b8"
+VECTORS_SHA256 = "a1734fd8594f08a8"
 
 
 def _jit(*signature, **options):
@@ -181,6 +182,14 @@ def _vector_head(a):
     its 8-lane vectors may be streamed (``normalize_row_fast_streaming``,
     :func:`copy_row_streaming`)."""
     size = 8 * a.itemsize
+    return min(a.shape[0], ((size - a.ctypes.data % size) % size) // a.itemsize)
+
+
+@_jit(inline="always")
+def _single_head(a):
+    """How many leading elements of the 16-bit row ``a`` precede a multiple of 16
+    elements' bytes: where ``normalize_row_fast_single_streaming`` may start."""
+    size = 16 * a.itemsize
     return min(a.shape[0], ((size - a.ctypes.data % size) % size) // a.itemsize)
 
 
@@ -415,10 +424,12 @@ def _row_constants(
         mean, rstd, n, eps, rms, store_stats,
     )  # fmt: skip
     a, b = _folded(delta, e_mean, k_c, k_p, k_w, w_rel)
-    bound_a, bound_b, tiny = _fast_bounds(a, b, k_y, weight_max, bias_max)
-    lanes32 = (np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0), False)
     if single:
         lanes32 = _single_bounds(m1, delta, rstd_i, e_mean, w_rel, weight_max, bias_max)
+        bound_a = bound_b = tiny = 0.0  # unused: the float64 cheap pass does not run
+    else:
+        lanes32 = (np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0), False)
+        bound_a, bound_b, tiny = _fast_bounds(a, b, k_y, weight_max, bias_max)
     return z, m1, delta, rstd_i, a, b, k_y, bound_a, bound_b, tiny, flag, lanes32
 
 
@@ -525,20 +536,22 @@ def _forward_row(
     checked = np.int32(0)
     if flag == 0 and weight_max < np.inf:
         streaming = stream and _X86
-        if single and not streaming:  # 16-bit output: float32 lanes, segments of SEGMENT
-            start = 0
-            while start < n:
-                stop = min(n, start + SEGMENT)
-                z_s, y_s = z[start:stop], y_i[start:stop]
-                w_s, b_s = weight[start:stop], bias[start:stop]
-                if normalize_row_fast_single(
-                    z_s, y_s, m1, delta, rstd_i, w_s, b_s, bound_a, bound_b, tiny,
-                    m1f, r, neg_t, a32,
-                ):  # fmt: skip
-                    checked |= normalize_row_checked(
-                        z_s, y_s, m1, delta, rstd_i, w_s, b_s, a, b, k_y
-                    )  # fmt: skip
-                start = stop
+        if _is_half(y_i, weight, bias) and not single:  # rare: rstd too loose or extreme
+            checked = normalize_row_checked(z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y)
+        elif single:
+            # 16-bit output: float32 lanes, a vector they leave open checked in float64
+            head = n
+            if streaming:
+                head = _single_head(y_i)
+                checked = normalize_row_fast_single_streaming(
+                    z[head:], y_i[head:], m1, delta, rstd_i, weight[head:], bias[head:],
+                    a, b, k_y, m1f, r, neg_t, a32,
+                )  # fmt: skip
+                _store_fence()
+            checked |= normalize_row_fast_single(
+                z[:head], y_i[:head], m1, delta, rstd_i, weight[:head], bias[:head],
+                a, b, k_y, m1f, r, neg_t, a32,
+            )  # fmt: skip
         elif n <= SEGMENT and not streaming:  # one segment: the row itself, no slicing
             if normalize_row_fast(z, y_i, m1, delta, rstd_i, weight, bias, bound_a, bound_b, tiny):
                 checked = normalize_row_checked(

@@ -669,43 +669,53 @@ def normalize_row_checked(typingctx, z, y, m1, delta, rstd, weight, bias, k_w, k
     sig = signature(types.int32, z, y, m1, delta, rstd, weight, bias, k_w, k_p, k_y)
 
     def codegen(context, builder, sig, args):
-        z, y, w, b = (Row(context, builder, sig.args[k], args[k]) for k in (0, 1, 5, 6))
-        double = ir.DoubleType()
-        check = y.dtype != types.float64
-        flags = _Flags(builder, lanes(double))
+        rows = tuple(Row(context, builder, sig.args[k], args[k]) for k in (0, 1, 5, 6))
+        y = rows[1]
+        flags = _Flags(builder, lanes(ir.DoubleType()))
 
         def element(index: ir.Value, lanes: int) -> None:
-            m1, delta, rstd, k_w, k_p, k_y = _splat_all(builder, args[2:5] + args[7:], lanes)
-            zv, wv, bv = (row.load(index, lanes, double) for row in (z, w, b))
-            d = builder.fsub(zv, m1)
-            c = builder.fsub(d, delta)
-            p = builder.fmul(builder.fmul(c, rstd), wv)
-            yh = builder.fadd(p, bv)
-            y.store_raw(narrow_once(builder, yh, y.dtype), index, lanes)
-            if not check:
-                return
-            mean_part = builder.fmul(_fabs(builder, wv), k_w)
-            bound = builder.fadd(mean_part, builder.fmul(_fabs(builder, p), k_p))
-            bound = builder.fadd(bound, builder.fmul(_fabs(builder, yh), k_y))
-            # p == 0 with no error in c: the value is beta, and yh = beta exactly
-            zero = ir.Constant(p.type, None)
-            exact = builder.and_(
-                builder.fcmp_ordered("==", p, zero), builder.fcmp_ordered("==", mean_part, zero)
-            )
-            bound = builder.select(exact, zero, bound)
-            low, high = builder.fsub(yh, bound), builder.fadd(yh, bound)
-            if y.dtype == types.uint16:
-                differ = _bfloat16_boundary_within(builder, low, high)
-            else:
-                low = _as_bits(builder, narrow_once(builder, low, y.dtype))
-                high = _as_bits(builder, narrow_once(builder, high, y.dtype))
-                differ = builder.zext(builder.icmp_unsigned("!=", low, high), _shaped(_I32, low))
-            flags.add(differ)
+            stored, differ = _checked_values(builder, rows, args[2:5] + args[7:], index, lanes)
+            y.store_raw(stored, index, lanes)
+            if differ is not None:
+                flags.add(differ)
 
         _elementwise(builder, y.length, flags.width, element)
         return flags.any()
 
     return sig, codegen
+
+
+def _checked_values(builder: ir.IRBuilder, rows, scalars, index: ir.Value, lanes: int):
+    """One vector (or element) of :func:`normalize_row_checked`: ``(stored, differ)``,
+    the values to store and (i32 lanes, nonzero where open; None for float64) where
+    Ziv's test leaves an element open; ``rows = (z, y, w, b)``, ``scalars = (m1, delta,
+    rstd, k_w, k_p, k_y)``."""
+    z, y, w, b = rows
+    double = ir.DoubleType()
+    m1, delta, rstd, k_w, k_p, k_y = _splat_all(builder, scalars, lanes)
+    zv, wv, bv = (row.load(index, lanes, double) for row in (z, w, b))
+    d = builder.fsub(zv, m1)
+    c = builder.fsub(d, delta)
+    p = builder.fmul(builder.fmul(c, rstd), wv)
+    yh = builder.fadd(p, bv)
+    stored = narrow_once(builder, yh, y.dtype)
+    if y.dtype == types.float64:
+        return stored, None
+    mean_part = builder.fmul(_fabs(builder, wv), k_w)
+    bound = builder.fadd(mean_part, builder.fmul(_fabs(builder, p), k_p))
+    bound = builder.fadd(bound, builder.fmul(_fabs(builder, yh), k_y))
+    # p == 0 with no error in c: the value is beta, and yh = beta exactly
+    zero = ir.Constant(p.type, None)
+    exact = builder.and_(
+        builder.fcmp_ordered("==", p, zero), builder.fcmp_ordered("==", mean_part, zero)
+    )
+    bound = builder.select(exact, zero, bound)
+    low, high = builder.fsub(yh, bound), builder.fadd(yh, bound)
+    if y.dtype == types.uint16:
+        return stored, _bfloat16_boundary_within(builder, low, high)
+    low = _as_bits(builder, narrow_once(builder, low, y.dtype))
+    high = _as_bits(builder, narrow_once(builder, high, y.dtype))
+    return stored, builder.zext(builder.icmp_unsigned("!=", low, high), _shaped(_I32, low))
 
 
 @intrinsic
@@ -942,48 +952,64 @@ def _single_values(builder: ir.IRBuilder, rows, scalars, index: ir.Value, lanes:
 
 @intrinsic
 def normalize_row_fast_single(
-    typingctx, z, y, m1, delta, rstd, weight, bias, bound_a, bound_b, tiny, m1f, r, neg_t, a32
+    typingctx, z, y, m1, delta, rstd, weight, bias, k_w, k_p, k_y, m1f, r, neg_t, a32
 ):  # fmt: skip
-    """:func:`normalize_row_fast` for bfloat16 and float16 rows (``z``, ``y``; ``weight``
-    and ``bias`` float32 or 16-bit) in float32 lanes, 16 at a time
-    (:func:`_single_values`, with the float32 row constants ``m1f``, ``r``, ``neg_t``,
-    ``a32`` of ``_numba_kernels._single_bounds``); a vector it leaves open is computed
-    again by :func:`normalize_row_fast`'s float64 test (the other constants), which
-    decides all but a few, and the scalar tail goes that way too. Returns 1 when an
-    element is still open, else 0; every element stored where it returns 0 is the
-    correct rounding."""
+    """The output pass of a bfloat16 or float16 row (``z``, ``y``; ``weight`` and
+    ``bias`` float32 or 16-bit) in float32 lanes, 16 at a time (:func:`_single_values`,
+    with the float32 row constants ``m1f``, ``r``, ``neg_t``, ``a32`` of
+    ``_numba_kernels._single_bounds``); a vector they leave open, and the scalar tail,
+    are computed again by :func:`normalize_row_checked`'s float64 arithmetic and test
+    (the constants ``m1`` to ``k_y``). Returns what :func:`normalize_row_checked` would:
+    1 when its test leaves an element open, else 0; every element stored where it
+    returns 0 is the correct rounding."""
     sig = signature(
-        types.int32, z, y, m1, delta, rstd, weight, bias, bound_a, bound_b, tiny, m1f, r, neg_t, a32
+        types.int32, z, y, m1, delta, rstd, weight, bias, k_w, k_p, k_y, m1f, r, neg_t, a32
     )
+    return sig, lambda context, builder, sig, args: _single_pass(context, builder, sig, args, False)
 
-    def codegen(context, builder, sig, args):
-        if sig.args[1].dtype not in _BOUNDARY_BITS:  # typed, never run: the float64 pass
-            return _fast_pass(context, builder, sig, args, False)
-        rows = tuple(Row(context, builder, sig.args[k], args[k]) for k in (0, 1, 5, 6))
-        y = rows[1]
-        width = lanes(ir.FloatType())
-        flags = _Flags(builder, width, mask=True)
-        slot = cgutils.alloca_once(builder, ir.VectorType(_I16, width))
-        scalars64 = args[2:5] + args[7:10]
 
-        def element(index: ir.Value, lanes: int) -> None:
-            if lanes == 1:
-                stored, differ = _fast_values(builder, rows, scalars64, index, 1)
-                y.store_raw(stored, index, 1)
+@intrinsic
+def normalize_row_fast_single_streaming(
+    typingctx, z, y, m1, delta, rstd, weight, bias, k_w, k_p, k_y, m1f, r, neg_t, a32
+):  # fmt: skip
+    """:func:`normalize_row_fast_single` with non-temporal vector stores (no
+    read-for-ownership of ``y``; same bits): ``y`` must start at a multiple of 16
+    elements' bytes."""
+    sig = signature(
+        types.int32, z, y, m1, delta, rstd, weight, bias, k_w, k_p, k_y, m1f, r, neg_t, a32
+    )
+    return sig, lambda context, builder, sig, args: _single_pass(context, builder, sig, args, True)
+
+
+def _single_pass(context, builder, sig, args, streaming: bool) -> ir.Value:
+    """:func:`normalize_row_fast_single`'s code (``streaming``: non-temporal vector
+    stores). Typed for every output dtype, run for 16-bit ones only: for the others it
+    is :func:`normalize_row_checked`'s."""
+    rows = tuple(Row(context, builder, sig.args[k], args[k]) for k in (0, 1, 5, 6))
+    y = rows[1]
+    width = lanes(ir.FloatType())
+    flags = _Flags(builder, width)
+    scalars64 = args[2:5] + args[7:10]
+    half = y.dtype in _BOUNDARY_BITS
+    slot = cgutils.alloca_once(builder, ir.VectorType(_I16, width))
+
+    def element(index: ir.Value, lanes: int) -> None:
+        if lanes == 1 or not half:
+            stored, differ = _checked_values(builder, rows, scalars64, index, lanes)
+            y.store_raw(stored, index, lanes)
+            if differ is not None:
                 flags.add(differ)
-                return
-            stored, open_ = _single_values(builder, rows, args[10:14], index, lanes)
-            builder.store(stored, slot)
-            any_open = builder.icmp_unsigned(
-                "!=", builder.bitcast(open_, ir.IntType(lanes)), ir.IntType(lanes)(0)
-            )
-            with builder.if_then(any_open, likely=False):
-                again, differ = _fast_values(builder, rows, scalars64, index, lanes)
-                builder.store(again, slot)
-                flags.add(differ)
-            y.store_raw(builder.load(slot), index, lanes)
+            return
+        stored, open_ = _single_values(builder, rows, args[10:14], index, lanes)
+        builder.store(stored, slot)
+        any_open = builder.icmp_unsigned(
+            "!=", builder.bitcast(open_, ir.IntType(lanes)), ir.IntType(lanes)(0)
+        )
+        with builder.if_then(any_open, likely=False):
+            again, differ = _checked_values(builder, rows, scalars64, index, lanes)
+            builder.store(again, slot)
+            flags.add(differ)
+        y.store_raw(builder.load(slot), index, lanes, streaming)
 
-        _elementwise(builder, y.length, width, element)
-        return flags.any()
-
-    return sig, codegen
+    _elementwise(builder, y.length, width, element)
+    return flags.any()
