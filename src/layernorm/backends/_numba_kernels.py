@@ -540,18 +540,21 @@ def _forward_row(
             checked = normalize_row_checked(z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y)
         elif single:
             # 16-bit output: float32 lanes, a vector they leave open checked in float64
-            head = n
-            if streaming:
+            if streaming:  # the unaligned head plainly, the rest streamed
                 head = _single_head(y_i)
                 checked = normalize_row_fast_single_streaming(
                     z[head:], y_i[head:], m1, delta, rstd_i, weight[head:], bias[head:],
                     a, b, k_y, m1f, r, neg_t, a32,
                 )  # fmt: skip
                 _store_fence()
-            checked |= normalize_row_fast_single(
-                z[:head], y_i[:head], m1, delta, rstd_i, weight[:head], bias[:head],
-                a, b, k_y, m1f, r, neg_t, a32,
-            )  # fmt: skip
+                checked |= normalize_row_fast_single(
+                    z[:head], y_i[:head], m1, delta, rstd_i, weight[:head], bias[:head],
+                    a, b, k_y, m1f, r, neg_t, a32,
+                )  # fmt: skip
+            else:  # the row itself, unsliced
+                checked = normalize_row_fast_single(
+                    z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y, m1f, r, neg_t, a32
+                )  # fmt: skip
         elif n <= SEGMENT and not streaming:  # one segment: the row itself, no slicing
             if normalize_row_fast(z, y_i, m1, delta, rstd_i, weight, bias, bound_a, bound_b, tiny):
                 checked = normalize_row_checked(
