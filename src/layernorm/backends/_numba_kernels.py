@@ -26,7 +26,9 @@ Numerics (docs/contract.md §3). The forward computes in float64 for every dtype
 rounds each output once. Its output pass runs over segments of :data:`SEGMENT` elements,
 first with a cheap rounding test (``_numba_vectors.normalize_row_fast``); a segment that
 test leaves open is computed again with Ziv's test against a bound per element
-(``normalize_row_checked``); a row whose rounding that leaves open is computed again with
+(``normalize_row_checked``). A bfloat16 or float16 row runs its output pass in float32
+lanes instead (``normalize_row_fast_single``, :func:`_single_bounds`), a vector they
+leave open computed again by the float64 pass with the bound per element; a row whose rounding that leaves open is computed again with
 compensated statistics (:func:`_precise_statistics`), and if still open, flagged
 (``flags``) for the host's exact fallback (:mod:`layernorm.backends._exact`). A float64
 row whose statistics would leave float64's range is scaled by a power of two first
@@ -519,7 +521,11 @@ def _forward_row(
     inf``), with streaming stores when ``stream`` (on x86: the row's unaligned head is a
     segment of its own); where it leaves an element open, the pass with the bound per
     element (``normalize_row_checked``) rewrites that segment only (the passes have no
-    reductions: segments change no bits). Returns the row's fallback flag."""
+    reductions: segments change no bits). A 16-bit row (``_is_half``) runs in float32
+    lanes instead (``normalize_row_fast_single``, whose result is the checked pass's;
+    streamed from the first 32-byte boundary when ``stream``), or, where
+    :func:`_single_bounds` finds it unusable, the checked pass directly. Returns the
+    row's fallback flag."""
     z, m1, delta, rstd_i, a, b, k_y, bound_a, bound_b, tiny, flag, lanes32 = row
     m1f, r, neg_t, a32, single = lanes32
     y_i = y[i * n : (i + 1) * n]
