@@ -446,22 +446,25 @@ _SINGLE_RSTD_LOW, _SINGLE_RSTD_HIGH = 2.0**-120, 2.0**120
 def _single_bounds(m1, delta, rstd_i, e_mean, w_rel, weight_max, bias_max):
     """The float32 lanes' row constants (``_numba_vectors.normalize_row_fast_single``;
     docs/contract.md §3, "float32 lanes"): ``(m1f, r, neg_t, a32, usable)`` with
-    ``m1f = RN32(m1)``, ``r = RN32(rstd)``, ``neg_t = RN32(-delta·rstd)`` and ``a32`` the
-    absolute part of the bound ``E <= A + |yh|·SINGLE_RELATIVE``:
+    ``m1f = RN32(m1 + delta)`` (the mean in float32), ``r = RN32(rstd)``,
+    ``neg_t = RN32(-τ)`` for ``τ = fl(fl(m1 - m1f) + delta)·rstd`` (the rest of the
+    mean, in units of the deviation) and ``a32`` the absolute part of the bound
+    ``E <= A + |yh|·SINGLE_RELATIVE``:
 
         A = w_max·λ + 4.001u·b_max + 2^-120,
-        λ = rstd·((e_m1 + e_mean)(1 + 8u) + 5.01u·|delta|) + 2^-148
+        λ = rstd·(e_mean(1 + 8u) + 7v(|m1 - m1f| + |delta|)) + 5.01u|τ| + 2^-148
 
-    (``u = 2^-24``, ``e_m1 = |m1f - m1|``), times ``1 + 2^-20`` for its float64 roundings
-    and those of ``a32`` and of the fma of ``E``. ``usable`` is False (the float64
-    cheap pass runs instead) unless ``e_r <= u`` and ``2^-120 < rstd < 2^120``."""
+    (``u = 2^-24``, ``v = 2^-53``), times ``1 + 2^-20`` for its float64 roundings and
+    those of ``a32`` and of the fma of ``E``. ``usable`` is False (the checked pass runs
+    instead) unless ``e_r <= u`` and ``2^-120 < rstd < 2^120``."""
     usable = w_rel <= _SINGLE_W_REL and _SINGLE_RSTD_LOW < rstd_i < _SINGLE_RSTD_HIGH
-    m1f = np.float32(m1)
-    e_m1 = abs(np.float64(m1f) - m1)
-    lam = rstd_i * ((e_m1 + e_mean) * (1.0 + 8.0 * _U32) + 5.01 * _U32 * abs(delta))
-    lam += 2.0**-148
+    m1f = np.float32(m1 + delta)
+    rest = np.float64(m1) - np.float64(m1f)
+    tau = (rest + delta) * rstd_i
+    lam = rstd_i * (e_mean * (1.0 + 8.0 * _U32) + 7.0 * _U * (abs(rest) + abs(delta)))
+    lam += 5.01 * _U32 * abs(tau) + 2.0**-148
     a = (weight_max * lam + 4.001 * _U32 * bias_max + 2.0**-120) * (1.0 + 2.0**-20)
-    return m1f, np.float32(rstd_i), np.float32(-(delta * rstd_i)), np.float32(a), usable
+    return m1f, np.float32(rstd_i), np.float32(-tau), np.float32(a), usable
 
 
 def _is_half(y, weight, bias):
