@@ -24,7 +24,9 @@ from layernorm.backends import _exact, numba_
 
 def stage_counts(dtype: torch.dtype, m: int, n: int, offset: float, rms: bool):
     """``(segments, open segments, rows to stage 2)`` for random rows: the steps of
-    ``_numba_kernels._forward_row`` (no streaming), counted."""
+    ``_numba_kernels._forward_row`` (no streaming) with the float64 cheap pass, counted
+    (16-bit rows now run the float32 lanes instead, ``normalize_row_fast_single``,
+    whose open vectors this does not count)."""
     from numba import njit
 
     from layernorm.backends import _numba_kernels as kernels
@@ -38,9 +40,9 @@ def stage_counts(dtype: torch.dtype, m: int, n: int, offset: float, rms: bool):
         for i in range(m):
             row = kernels._row_constants(
                 i, x, n, x, 0, False, x, unused, unused, n, 1e-5, rms, False, weight_max,
-                bias_max,
+                bias_max, False,
             )  # fmt: skip
-            z, m1, delta, rstd_i, a, b_, k_y, bound_a, bound_b, tiny, flag = row
+            z, m1, delta, rstd_i, a, b_, k_y, bound_a, bound_b, tiny, flag, _ = row
             checked = 0
             y_i = y[i * n : (i + 1) * n]
             for start in range(0, n, kernels.SEGMENT):

@@ -26,7 +26,9 @@ Numerics (docs/contract.md §3). The forward computes in float64 for every dtype
 rounds each output once. Its output pass runs over segments of :data:`SEGMENT` elements,
 first with a cheap rounding test (``_numba_vectors.normalize_row_fast``); a segment that
 test leaves open is computed again with Ziv's test against a bound per element
-(``normalize_row_checked``); a row whose rounding that leaves open is computed again with
+(``normalize_row_checked``). A bfloat16 or float16 row runs its output pass in float32
+lanes instead (``normalize_row_fast_single``, :func:`_single_bounds`), a vector they
+leave open computed again by the float64 pass with the bound per element; a row whose rounding that leaves open is computed again with
 compensated statistics (:func:`_precise_statistics`), and if still open, flagged
 (``flags``) for the host's exact fallback (:mod:`layernorm.backends._exact`). A float64
 row whose statistics would leave float64's range is scaled by a power of two first
@@ -93,6 +95,8 @@ from ._numba_vectors import (
     narrow_once,
     normalize_row_checked,
     normalize_row_fast,
+    normalize_row_fast_single,
+    normalize_row_fast_single_streaming,
     normalize_row_fast_streaming,
     row_sum,
     row_sum_sq,
@@ -111,7 +115,7 @@ SEGMENT = 1024
 #: these kernels. numba keys its on-disk cache on this file alone, so a change to that one
 #: must change this line, or a stale cached kernel would keep running the old code;
 #: ``tests/test_numba_vectors.py`` fails until it does.
-VECTORS_SHA256 = "f85c17cf259373a6"
+VECTORS_SHA256 = "5370a2a51aba880d"
 
 
 def _jit(*signature, **options):
@@ -180,6 +184,14 @@ def _vector_head(a):
     its 8-lane vectors may be streamed (``normalize_row_fast_streaming``,
     :func:`copy_row_streaming`)."""
     size = 8 * a.itemsize
+    return min(a.shape[0], ((size - a.ctypes.data % size) % size) // a.itemsize)
+
+
+@_jit(inline="always")
+def _single_head(a):
+    """How many leading elements of the 16-bit row ``a`` precede a multiple of 16
+    elements' bytes: where ``normalize_row_fast_single_streaming`` may start."""
+    size = 16 * a.itemsize
     return min(a.shape[0], ((size - a.ctypes.data % size) % size) // a.itemsize)
 
 
@@ -401,19 +413,72 @@ def _precise_statistics(z, n, eps, rms):
 @_jit(inline="always")
 def _row_constants(
     i, x, x_stride, residual, residual_stride, has_residual, residual_out,
-    mean, rstd, n, eps, rms, store_stats, weight_max, bias_max,
+    mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, single,
 ):  # fmt: skip
-    """Row ``i``'s statistics and the constants of both output passes' bounds:
-    ``(z, m1, delta, rstd_i, a, b, k_y, bound_a, bound_b, tiny, flag)`` (
-    :func:`_row_statistics`, :func:`_folded`, :func:`_fast_bounds`; the last three are
-    meaningless when ``weight_max`` is infinite, and then unused)."""
+    """Row ``i``'s statistics and the constants of the output passes' bounds:
+    ``(z, m1, delta, rstd_i, a, b, k_y, bound_a, bound_b, tiny, flag, lanes32)`` (
+    :func:`_row_statistics`, :func:`_folded`, :func:`_fast_bounds`; the bounds are
+    meaningless when ``weight_max`` is infinite, and then unused), ``lanes32`` the
+    float32 lanes' constants (:func:`_single_bounds`) when ``single`` (a constant of the
+    compiled code: a 16-bit output row), else unused zeros."""
     z, m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag = _row_statistics(
         i, x, x_stride, residual, residual_stride, has_residual, residual_out,
         mean, rstd, n, eps, rms, store_stats,
     )  # fmt: skip
     a, b = _folded(delta, e_mean, k_c, k_p, k_w, w_rel)
-    bound_a, bound_b, tiny = _fast_bounds(a, b, k_y, weight_max, bias_max)
-    return z, m1, delta, rstd_i, a, b, k_y, bound_a, bound_b, tiny, flag
+    if single:
+        lanes32 = _single_bounds(m1, delta, rstd_i, e_mean, w_rel, weight_max, bias_max)
+        bound_a = bound_b = tiny = 0.0  # unused: the float64 cheap pass does not run
+    else:
+        lanes32 = (np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0), False)
+        bound_a, bound_b, tiny = _fast_bounds(a, b, k_y, weight_max, bias_max)
+    return z, m1, delta, rstd_i, a, b, k_y, bound_a, bound_b, tiny, flag, lanes32
+
+
+_U32 = 2.0**-24  # float32's unit roundoff
+#: the float32 lanes run for rows whose rstd has a relative error of at most _U32
+#: (``w_rel = (1 + 1.02 e_r)·slack``) and lies well inside float32's normal range
+_SINGLE_W_REL = 1.0 + _U32
+_SINGLE_RSTD_LOW, _SINGLE_RSTD_HIGH = 2.0**-120, 2.0**120
+
+
+@_jit(inline="always")
+def _single_bounds(m1, delta, rstd_i, e_mean, w_rel, weight_max, bias_max):
+    """The float32 lanes' row constants (``_numba_vectors.normalize_row_fast_single``;
+    docs/contract.md §3, "float32 lanes"): ``(m1f, r, neg_t, a32, usable)`` with
+    ``m1f = RN32(m1 + delta)`` (the mean in float32), ``r = RN32(rstd)``,
+    ``neg_t = RN32(-τ)`` for ``τ = fl(fl(m1 - m1f) + delta)·rstd`` (the rest of the
+    mean, in units of the deviation) and ``a32`` the absolute part of the bound
+    ``E <= A + |yh|·SINGLE_RELATIVE``:
+
+        A = w_max·λ + 4.001u·b_max + 2^-120,
+        λ = rstd·(e_mean(1 + 8u) + 7v(|m1 - m1f| + |delta|)) + 5.01u|τ| + 2^-148
+
+    (``u = 2^-24``, ``v = 2^-53``), times ``1 + 2^-20`` for its float64 roundings and
+    those of ``a32`` and of the fma of ``E``. ``usable`` is False (the checked pass runs
+    instead) unless ``e_r <= u`` and ``2^-120 < rstd < 2^120``."""
+    usable = w_rel <= _SINGLE_W_REL and _SINGLE_RSTD_LOW < rstd_i < _SINGLE_RSTD_HIGH
+    m1f = np.float32(m1 + delta)
+    rest = np.float64(m1) - np.float64(m1f)
+    tau = (rest + delta) * rstd_i
+    lam = rstd_i * (e_mean * (1.0 + 8.0 * _U32) + 7.0 * _U * (abs(rest) + abs(delta)))
+    lam += 5.01 * _U32 * abs(tau) + 2.0**-148
+    a = (weight_max * lam + 4.001 * _U32 * bias_max + 2.0**-120) * (1.0 + 2.0**-20)
+    return m1f, np.float32(rstd_i), np.float32(-tau), np.float32(a), usable
+
+
+def _is_half(y, weight, bias):
+    """Whether ``y`` is a 16-bit row and ``weight``, ``bias`` are not float64 (a constant
+    of the compiled code): the float32 lanes apply."""
+
+
+@overload(_is_half, inline="always")
+def _is_half_impl(y, weight, bias):
+    half = y.dtype in (types.uint16, types.int16) and types.float64 not in (
+        weight.dtype,
+        bias.dtype,
+    )
+    return lambda y, weight, bias: half
 
 
 @_jit(inline="always")
@@ -427,18 +492,19 @@ def _forward_rows(
     constants) with the other's independent vector work. Each row's values depend on
     that row alone: the same bits in any order."""
     weight_max, bias_max = _largest_parameters(weight, bias)
+    single = _is_half(y, weight, bias)
     if m == 0:
         return
     row = _row_constants(
         0, x, x_stride, residual, residual_stride, has_residual, residual_out,
-        mean, rstd, n, eps, rms, store_stats, weight_max, bias_max,
+        mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, single,
     )  # fmt: skip
     for i in range(m):
         following = row
         if i + 1 < m:
             following = _row_constants(
                 i + 1, x, x_stride, residual, residual_stride, has_residual, residual_out,
-                mean, rstd, n, eps, rms, store_stats, weight_max, bias_max,
+                mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, single,
             )  # fmt: skip
         flags[i] = _forward_row(
             i, row, weight, bias, y, mean, rstd, n, eps, rms, store_stats, weight_max, stream
@@ -458,8 +524,13 @@ def _forward_row(
     inf``), with streaming stores when ``stream`` (on x86: the row's unaligned head is a
     segment of its own); where it leaves an element open, the pass with the bound per
     element (``normalize_row_checked``) rewrites that segment only (the passes have no
-    reductions: segments change no bits). Returns the row's fallback flag."""
-    z, m1, delta, rstd_i, a, b, k_y, bound_a, bound_b, tiny, flag = row
+    reductions: segments change no bits). A 16-bit row (``_is_half``) runs in float32
+    lanes instead (``normalize_row_fast_single``, whose result is the checked pass's;
+    streamed from the first 32-byte boundary when ``stream``), or, where
+    :func:`_single_bounds` finds it unusable, the checked pass directly. Returns the
+    row's fallback flag."""
+    z, m1, delta, rstd_i, a, b, k_y, bound_a, bound_b, tiny, flag, lanes32 = row
+    m1f, r, neg_t, a32, single = lanes32
     y_i = y[i * n : (i + 1) * n]
     in_range = _RANGE_LOW < rstd_i < _RANGE_HIGH and abs(m1) < np.inf
     if _is_float64(y_i) and not in_range:
@@ -474,7 +545,26 @@ def _forward_row(
     checked = np.int32(0)
     if flag == 0 and weight_max < np.inf:
         streaming = stream and _X86
-        if n <= SEGMENT and not streaming:  # one segment: the row itself, no slicing
+        if _is_half(y_i, weight, bias) and not single:  # rare: rstd too loose or extreme
+            checked = normalize_row_checked(z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y)
+        elif single:
+            # 16-bit output: float32 lanes, a vector they leave open checked in float64
+            if streaming:  # the unaligned head plainly, the rest streamed
+                head = _single_head(y_i)
+                checked = normalize_row_fast_single_streaming(
+                    z[head:], y_i[head:], m1, delta, rstd_i, weight[head:], bias[head:],
+                    a, b, k_y, m1f, r, neg_t, a32,
+                )  # fmt: skip
+                _store_fence()
+                checked |= normalize_row_fast_single(
+                    z[:head], y_i[:head], m1, delta, rstd_i, weight[:head], bias[:head],
+                    a, b, k_y, m1f, r, neg_t, a32,
+                )  # fmt: skip
+            else:  # the row itself, unsliced
+                checked = normalize_row_fast_single(
+                    z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y, m1f, r, neg_t, a32
+                )  # fmt: skip
+        elif n <= SEGMENT and not streaming:  # one segment: the row itself, no slicing
             if normalize_row_fast(z, y_i, m1, delta, rstd_i, weight, bias, bound_a, bound_b, tiny):
                 checked = normalize_row_checked(
                     z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y

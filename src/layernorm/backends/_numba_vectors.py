@@ -669,43 +669,53 @@ def normalize_row_checked(typingctx, z, y, m1, delta, rstd, weight, bias, k_w, k
     sig = signature(types.int32, z, y, m1, delta, rstd, weight, bias, k_w, k_p, k_y)
 
     def codegen(context, builder, sig, args):
-        z, y, w, b = (Row(context, builder, sig.args[k], args[k]) for k in (0, 1, 5, 6))
-        double = ir.DoubleType()
-        check = y.dtype != types.float64
-        flags = _Flags(builder, lanes(double))
+        rows = tuple(Row(context, builder, sig.args[k], args[k]) for k in (0, 1, 5, 6))
+        y = rows[1]
+        flags = _Flags(builder, lanes(ir.DoubleType()))
 
         def element(index: ir.Value, lanes: int) -> None:
-            m1, delta, rstd, k_w, k_p, k_y = _splat_all(builder, args[2:5] + args[7:], lanes)
-            zv, wv, bv = (row.load(index, lanes, double) for row in (z, w, b))
-            d = builder.fsub(zv, m1)
-            c = builder.fsub(d, delta)
-            p = builder.fmul(builder.fmul(c, rstd), wv)
-            yh = builder.fadd(p, bv)
-            y.store_raw(narrow_once(builder, yh, y.dtype), index, lanes)
-            if not check:
-                return
-            mean_part = builder.fmul(_fabs(builder, wv), k_w)
-            bound = builder.fadd(mean_part, builder.fmul(_fabs(builder, p), k_p))
-            bound = builder.fadd(bound, builder.fmul(_fabs(builder, yh), k_y))
-            # p == 0 with no error in c: the value is beta, and yh = beta exactly
-            zero = ir.Constant(p.type, None)
-            exact = builder.and_(
-                builder.fcmp_ordered("==", p, zero), builder.fcmp_ordered("==", mean_part, zero)
-            )
-            bound = builder.select(exact, zero, bound)
-            low, high = builder.fsub(yh, bound), builder.fadd(yh, bound)
-            if y.dtype == types.uint16:
-                differ = _bfloat16_boundary_within(builder, low, high)
-            else:
-                low = _as_bits(builder, narrow_once(builder, low, y.dtype))
-                high = _as_bits(builder, narrow_once(builder, high, y.dtype))
-                differ = builder.zext(builder.icmp_unsigned("!=", low, high), _shaped(_I32, low))
-            flags.add(differ)
+            stored, differ = _checked_values(builder, rows, args[2:5] + args[7:], index, lanes)
+            y.store_raw(stored, index, lanes)
+            if differ is not None:
+                flags.add(differ)
 
         _elementwise(builder, y.length, flags.width, element)
         return flags.any()
 
     return sig, codegen
+
+
+def _checked_values(builder: ir.IRBuilder, rows, scalars, index: ir.Value, lanes: int):
+    """One vector (or element) of :func:`normalize_row_checked`: ``(stored, differ)``,
+    the values to store and (i32 lanes, nonzero where open; None for float64) where
+    Ziv's test leaves an element open; ``rows = (z, y, w, b)``, ``scalars = (m1, delta,
+    rstd, k_w, k_p, k_y)``."""
+    z, y, w, b = rows
+    double = ir.DoubleType()
+    m1, delta, rstd, k_w, k_p, k_y = _splat_all(builder, scalars, lanes)
+    zv, wv, bv = (row.load(index, lanes, double) for row in (z, w, b))
+    d = builder.fsub(zv, m1)
+    c = builder.fsub(d, delta)
+    p = builder.fmul(builder.fmul(c, rstd), wv)
+    yh = builder.fadd(p, bv)
+    stored = narrow_once(builder, yh, y.dtype)
+    if y.dtype == types.float64:
+        return stored, None
+    mean_part = builder.fmul(_fabs(builder, wv), k_w)
+    bound = builder.fadd(mean_part, builder.fmul(_fabs(builder, p), k_p))
+    bound = builder.fadd(bound, builder.fmul(_fabs(builder, yh), k_y))
+    # p == 0 with no error in c: the value is beta, and yh = beta exactly
+    zero = ir.Constant(p.type, None)
+    exact = builder.and_(
+        builder.fcmp_ordered("==", p, zero), builder.fcmp_ordered("==", mean_part, zero)
+    )
+    bound = builder.select(exact, zero, bound)
+    low, high = builder.fsub(yh, bound), builder.fadd(yh, bound)
+    if y.dtype == types.uint16:
+        return stored, _bfloat16_boundary_within(builder, low, high)
+    low = _as_bits(builder, narrow_once(builder, low, y.dtype))
+    high = _as_bits(builder, narrow_once(builder, high, y.dtype))
+    return stored, builder.zext(builder.icmp_unsigned("!=", low, high), _shaped(_I32, low))
 
 
 @intrinsic
@@ -802,54 +812,204 @@ def normalize_row_fast_streaming(
     return sig, lambda context, builder, sig, args: _fast_pass(context, builder, sig, args, True)
 
 
+def _fast_values(builder: ir.IRBuilder, rows, scalars, index: ir.Value, lanes: int):
+    """One vector (or element) of :func:`normalize_row_fast` in float64: ``(stored,
+    differ)``, the values to store (the row's storage dtype; ``y``'s rows ``rows = (z,
+    y, w, b)``) and, but for float64, where the test leaves an element open (float32:
+    i32 lanes, nonzero where open; 16-bit: i1 lanes)."""
+    z, y, w, b = rows
+    double = ir.DoubleType()
+    m1, delta, rstd, bound_a, bound_b, tiny = _splat_all(builder, scalars, lanes)
+    zv, wv, bv = (row.load(index, lanes, double) for row in (z, w, b))
+    c = builder.fsub(builder.fsub(zv, m1), delta)
+    p = builder.fmul(builder.fmul(c, rstd), wv)
+    yh = builder.fadd(p, bv)
+    if y.dtype == types.float64:
+        return yh, None
+    single = builder.fptrunc(yh, _shaped(ir.FloatType(), yh))
+    if y.dtype == types.uint16:  # no tie here (the test leaves S = boundary open)
+        stored = _bfloat16_upper(builder, single)
+    else:
+        stored = narrow(builder, single, y.dtype)
+    if y.dtype == types.float32:
+        bound = _fma(builder, _fabs(builder, p), bound_b, bound_a)
+        ends = [builder.fsub(yh, bound), builder.fadd(yh, bound)]
+        low, high = (_as_bits(builder, builder.fptrunc(v, single.type)) for v in ends)
+        return stored, builder.xor(low, high)  # nonzero where they differ
+    magnitude = _fabs(builder, yh)
+    if y.dtype == types.uint16:  # a NaN too: the checked pass writes narrow's 0x7FC0
+        small = builder.fcmp_unordered("<", magnitude, tiny)
+    else:
+        small = builder.fcmp_ordered("<", magnitude, tiny)
+    if y.dtype == types.int16:  # float16's subnormals (0 itself is exact here)
+        normal = ir.Constant(magnitude.type, None)
+        subnormal = builder.and_(
+            builder.fcmp_ordered("<", magnitude, _splat_constant(builder, _FLOAT16_NORMAL, lanes)),
+            builder.fcmp_ordered("!=", magnitude, normal),
+        )
+        small = builder.or_(small, subnormal)
+    return stored, builder.or_(small, _near_boundary(builder, single, y.dtype))
+
+
+def _bfloat16_upper(builder: ir.IRBuilder, single: ir.Value) -> ir.Value:
+    """float32 values rounded to bfloat16 patterns, ties away from zero (for values the
+    caller has made sure are no tie: ``(bits + 0x8000) >> 16``)."""
+    bits = builder.bitcast(single, _shaped(_I32, single))
+    rounded = builder.lshr(
+        builder.add(bits, _constant(_I32, 0x8000, bits)), _constant(_I32, 16, bits)
+    )
+    return builder.trunc(rounded, _shaped(_I16, bits))
+
+
 def _fast_pass(context, builder, sig, args, streaming: bool) -> ir.Value:
     """:func:`normalize_row_fast`'s code (``streaming``: non-temporal vector stores)."""
-    z, y, w, b = (Row(context, builder, sig.args[k], args[k]) for k in (0, 1, 5, 6))
-    double = ir.DoubleType()
+    rows = tuple(Row(context, builder, sig.args[k], args[k]) for k in (0, 1, 5, 6))
+    y = rows[1]
     # float32: the xors of the ends' patterns (i32); 16-bit: an i1 mask per element
-    flags = _Flags(builder, lanes(double), mask=y.dtype != types.float32)
+    flags = _Flags(builder, lanes(ir.DoubleType()), mask=y.dtype != types.float32)
 
     def element(index: ir.Value, lanes: int) -> None:
-        m1, delta, rstd, bound_a, bound_b, tiny = _splat_all(builder, args[2:5] + args[7:], lanes)
-        zv, wv, bv = (row.load(index, lanes, double) for row in (z, w, b))
-        c = builder.fsub(builder.fsub(zv, m1), delta)
-        p = builder.fmul(builder.fmul(c, rstd), wv)
-        yh = builder.fadd(p, bv)
-        if y.dtype == types.float64:
-            y.store_raw(yh, index, lanes, streaming)
-            return
-        single = builder.fptrunc(yh, _shaped(ir.FloatType(), yh))
-        if y.dtype == types.uint16:  # no tie here (the test leaves S = boundary open)
-            bits = builder.bitcast(single, _shaped(_I32, single))
-            rounded = builder.lshr(
-                builder.add(bits, _constant(_I32, 0x8000, bits)), _constant(_I32, 16, bits)
-            )
-            stored = builder.trunc(rounded, _shaped(_I16, bits))
-        else:
-            stored = narrow(builder, single, y.dtype)
+        stored, differ = _fast_values(builder, rows, args[2:5] + args[7:10], index, lanes)
         y.store_raw(stored, index, lanes, streaming)
-        if y.dtype == types.float32:
-            bound = _fma(builder, _fabs(builder, p), bound_b, bound_a)
-            ends = [builder.fsub(yh, bound), builder.fadd(yh, bound)]
-            low, high = (_as_bits(builder, builder.fptrunc(v, single.type)) for v in ends)
-            differ = builder.xor(low, high)  # nonzero where they differ
-        else:
-            magnitude = _fabs(builder, yh)
-            if y.dtype == types.uint16:  # a NaN too: the checked pass writes narrow's 0x7FC0
-                small = builder.fcmp_unordered("<", magnitude, tiny)
-            else:
-                small = builder.fcmp_ordered("<", magnitude, tiny)
-            if y.dtype == types.int16:  # float16's subnormals (0 itself is exact here)
-                normal = ir.Constant(magnitude.type, None)
-                subnormal = builder.and_(
-                    builder.fcmp_ordered(
-                        "<", magnitude, _splat_constant(builder, _FLOAT16_NORMAL, lanes)
-                    ),
-                    builder.fcmp_ordered("!=", magnitude, normal),
-                )
-                small = builder.or_(small, subnormal)
-            differ = builder.or_(small, _near_boundary(builder, single, y.dtype))
-        flags.add(differ)
+        if differ is not None:
+            flags.add(differ)
 
     _elementwise(builder, y.length, flags.width, element)
+    return flags.any()
+
+
+# ---------------------------------------------------------------------------------------
+# The 16-bit outputs' cheap pass in float32 lanes (docs/contract.md §3, "float32 lanes")
+
+#: ``B32``: the relative part of the float32 lanes' bound, ``E <= A + |yh|·B32``: at
+#: least ``5.01u`` (``u = 2^-24``) times ``1 + 2^-20`` for the rounding of ``E``'s fma,
+#: and a float32 (81/16 u)
+SINGLE_RELATIVE = 5.0625 * 2.0**-24
+_F32_INF_BITS = 0x7F800000
+_FLOAT16_NORMAL_BITS = 0x38800000  # 2^-14 as a float32 pattern
+
+
+def _fabs32(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
+    """``|value|`` of floats (a scalar or a vector), by clearing the sign bit."""
+    bits = builder.bitcast(value, _shaped(_I32, value))
+    cleared = builder.and_(bits, _constant(_I32, (1 << 31) - 1, value))
+    return builder.bitcast(cleared, value.type)
+
+
+def _fma32(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+    """``a * b + c`` of floats (scalars or vectors alike) rounded once (``llvm.fma``)."""
+    kind = f"v{a.type.count}f32" if isinstance(a.type, ir.VectorType) else "f32"
+    function = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(a.type, [a.type] * 3), f"llvm.fma.{kind}"
+    )
+    return builder.call(function, [a, b, c])
+
+
+def _single_values(builder: ir.IRBuilder, rows, scalars, index: ir.Value, lanes: int):
+    """One vector of :func:`normalize_row_fast_single` in float32: ``(stored, open)``,
+    ``open`` an i1 per lane (docs/contract.md §3)::
+
+        d = z - m1f;  q = fma(d, r, -t);  yh = fma(q, w, b)
+        E = fma(|yh|, B32, A32);  L = |yh| - E;  H = |yh| + E
+
+    open unless ``|yh|`` is finite and no rounding boundary of ``y``'s dtype lies in
+    ``[L, H]``: with ``H'`` the boundary bits (bfloat16 0x8000, float16 0x1000) and
+    ``K`` the mask, the boundaries at or below a pattern ``h`` number ``(h + H') >> K``,
+    so ``[L, H]`` holds one unless ``(H + H') ^ (L + H' - 1) <= K``'s mask (a negative
+    ``L`` has the sign bit: open); float16 also needs ``L >= 2^-14``."""
+    z, y, w, b = rows
+    single = ir.FloatType()
+    m1f, r, neg_t, a32 = _splat_all(builder, scalars, lanes)
+    zv, wv, bv = (row.load(index, lanes) for row in (z, w, b))
+    q = _fma32(builder, builder.fsub(zv, m1f), r, neg_t)
+    yh = _fma32(builder, q, wv, bv)
+    if y.dtype == types.uint16:
+        stored = _bfloat16_upper(builder, yh)
+    else:
+        stored = narrow(builder, yh, y.dtype)
+    magnitude = _fabs32(builder, yh)
+    relative = ir.Constant(single, SINGLE_RELATIVE)
+    relative = (
+        relative if lanes == 1 else ir.Constant(ir.VectorType(single, lanes), [relative] * lanes)
+    )
+    bound = _fma32(builder, magnitude, relative, a32)
+    low = builder.bitcast(builder.fsub(magnitude, bound), _shaped(_I32, yh))
+    high = builder.bitcast(builder.fadd(magnitude, bound), _shaped(_I32, yh))
+    boundary, mask = _BOUNDARY_BITS[y.dtype]
+    keys = builder.xor(
+        builder.add(high, _constant(_I32, boundary, yh)),
+        builder.add(low, _constant(_I32, boundary - 1, yh)),
+    )
+    open_ = builder.icmp_unsigned(">", keys, _constant(_I32, mask, yh))
+    infinite = _constant(_I32, _F32_INF_BITS, yh)
+    finite = builder.icmp_unsigned("<", builder.bitcast(magnitude, _shaped(_I32, yh)), infinite)
+    open_ = builder.or_(open_, builder.not_(finite))
+    if y.dtype == types.int16:
+        normal = _constant(_I32, _FLOAT16_NORMAL_BITS, yh)
+        open_ = builder.or_(open_, builder.icmp_signed("<", low, normal))
+    return stored, open_
+
+
+@intrinsic
+def normalize_row_fast_single(
+    typingctx, z, y, m1, delta, rstd, weight, bias, k_w, k_p, k_y, m1f, r, neg_t, a32
+):  # fmt: skip
+    """The output pass of a bfloat16 or float16 row (``z``, ``y``; ``weight`` and
+    ``bias`` float32 or 16-bit) in float32 lanes, 16 at a time (:func:`_single_values`,
+    with the float32 row constants ``m1f``, ``r``, ``neg_t``, ``a32`` of
+    ``_numba_kernels._single_bounds``); a vector they leave open, and the scalar tail,
+    are computed again by :func:`normalize_row_checked`'s float64 arithmetic and test
+    (the constants ``m1`` to ``k_y``). Returns what :func:`normalize_row_checked` would:
+    1 when its test leaves an element open, else 0; every element stored where it
+    returns 0 is the correct rounding."""
+    sig = signature(
+        types.int32, z, y, m1, delta, rstd, weight, bias, k_w, k_p, k_y, m1f, r, neg_t, a32
+    )
+    return sig, lambda context, builder, sig, args: _single_pass(context, builder, sig, args, False)
+
+
+@intrinsic
+def normalize_row_fast_single_streaming(
+    typingctx, z, y, m1, delta, rstd, weight, bias, k_w, k_p, k_y, m1f, r, neg_t, a32
+):  # fmt: skip
+    """:func:`normalize_row_fast_single` with non-temporal vector stores (no
+    read-for-ownership of ``y``; same bits): ``y`` must start at a multiple of 16
+    elements' bytes."""
+    sig = signature(
+        types.int32, z, y, m1, delta, rstd, weight, bias, k_w, k_p, k_y, m1f, r, neg_t, a32
+    )
+    return sig, lambda context, builder, sig, args: _single_pass(context, builder, sig, args, True)
+
+
+def _single_pass(context, builder, sig, args, streaming: bool) -> ir.Value:
+    """:func:`normalize_row_fast_single`'s code (``streaming``: non-temporal vector
+    stores). Typed for every output dtype, run for 16-bit ones only: for the others it
+    is :func:`normalize_row_checked`'s."""
+    rows = tuple(Row(context, builder, sig.args[k], args[k]) for k in (0, 1, 5, 6))
+    y = rows[1]
+    width = lanes(ir.FloatType())
+    flags = _Flags(builder, width)
+    scalars64 = args[2:5] + args[7:10]
+    half = y.dtype in _BOUNDARY_BITS
+    slot = cgutils.alloca_once(builder, ir.VectorType(_I16, width))
+
+    def element(index: ir.Value, lanes: int) -> None:
+        if lanes == 1 or not half:
+            stored, differ = _checked_values(builder, rows, scalars64, index, lanes)
+            y.store_raw(stored, index, lanes)
+            if differ is not None:
+                flags.add(differ)
+            return
+        stored, open_ = _single_values(builder, rows, args[10:14], index, lanes)
+        builder.store(stored, slot)
+        any_open = builder.icmp_unsigned(
+            "!=", builder.bitcast(open_, ir.IntType(lanes)), ir.IntType(lanes)(0)
+        )
+        with builder.if_then(any_open, likely=False):
+            again, differ = _checked_values(builder, rows, scalars64, index, lanes)
+            builder.store(again, slot)
+            flags.add(differ)
+        y.store_raw(builder.load(slot), index, lanes, streaming)
+
+    _elementwise(builder, y.length, width, element)
     return flags.any()
