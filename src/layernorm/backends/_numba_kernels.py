@@ -141,26 +141,10 @@ def _jit(*signature, **options):
 # Streaming (non-temporal) stores for large outputs: vectors whose stores bypass the cache
 # (no read-for-ownership of the output, which a plain store costs; same bits). Used only
 # when the output is larger than the caches, where it would be evicted before anyone read
-# it anyway: the forward's output pass (``_numba_vectors.normalize_row_fast_streaming``)
-# and float32 dx rows (``copy_row_streaming``, see ``_backward_block``).
+# it anyway: the forward's output pass (``_numba_vectors.normalize_row_fast_streaming``,
+# ``normalize_row_fast_single_streaming``). The backward's dx rows are stored plainly.
 
-_WIDTH = 8  # floats per streamed vector (AVX); a row's unaligned head and tail go the plain way
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")  # sfence
-
-
-@intrinsic
-def _copy_vector_nt(typingctx, src, dst, k):
-    """dst[k:k+8] = src[k:k+8], streamed; dst + k must be 32-aligned."""
-    sig = types.void(src, dst, k)
-
-    def codegen(context, builder, signature, args):
-        sa, da, k = args
-        at = signature.args
-        value = Row(context, builder, at[0], sa).load(k, _WIDTH)
-        Row(context, builder, at[1], da).store(value, k, _WIDTH, streaming=True)
-        return context.get_dummy_value()
-
-    return sig, codegen
 
 
 @intrinsic
@@ -181,8 +165,7 @@ def _store_fence(typingctx):
 @_jit(inline="always")
 def _vector_head(a):
     """How many leading elements of ``a`` precede a multiple of 8 elements' bytes: where
-    its 8-lane vectors may be streamed (``normalize_row_fast_streaming``,
-    :func:`copy_row_streaming`)."""
+    its 8-lane vectors may be streamed (``normalize_row_fast_streaming``)."""
     size = 8 * a.itemsize
     return min(a.shape[0], ((size - a.ctypes.data % size) % size) // a.itemsize)
 
@@ -193,36 +176,6 @@ def _single_head(a):
     elements' bytes: where ``normalize_row_fast_single_streaming`` may start."""
     size = 16 * a.itemsize
     return min(a.shape[0], ((size - a.ctypes.data % size) % size) // a.itemsize)
-
-
-def copy_row_streaming(src, dst):
-    """``dst[:] = src`` with streaming stores where both are float32 (on x86)."""
-
-
-@overload(copy_row_streaming)
-def _copy_row_streaming(src, dst):
-    if not (_X86 and src.dtype == dst.dtype == types.float32):
-
-        def plain(src, dst):
-            for k in range(dst.shape[0]):
-                dst[k] = src[k]
-
-        return plain
-
-    def impl(src, dst):
-        n = dst.shape[0]
-        head = _vector_head(dst)
-        for k in range(head):
-            dst[k] = src[k]
-        k = head
-        while k + _WIDTH <= n:
-            _copy_vector_nt(src, dst, k)
-            k += _WIDTH
-        for j in range(k, n):
-            dst[j] = src[j]
-        _store_fence()
-
-    return impl
 
 
 # ---------------------------------------------------------------------------------------
