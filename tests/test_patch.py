@@ -107,6 +107,18 @@ def test_patch_keeps_modes_dtype_eps_and_flags():
     )
 
 
+def test_unpatch_removes_the_options_set_while_patched():
+    norm = torch.nn.RMSNorm(4)
+    before = set(norm.__dict__)
+    layernorm.patch(norm)
+    norm.offset = 1.0  # an option of ours only
+    assert "_options" in norm.__dict__
+    assert layernorm.unpatch(norm) == [""] and type(norm) is torch.nn.RMSNorm
+    assert set(norm.__dict__) == before  # nothing of ours is left behind
+    x = torch.randn(3, 4)
+    assert torch.equal(norm(x), torch.nn.functional.rms_norm(x, (4,), norm.weight))
+
+
 def test_root_module_shared_module_and_idempotence():
     norm = torch.nn.LayerNorm(4)
     assert layernorm.patch(norm) == [""]

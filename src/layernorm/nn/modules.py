@@ -22,7 +22,10 @@ from torch import Tensor
 from .._op import scripted_norm
 from ..ops import layer_norm, rms_norm
 
-__all__ = ["LayerNorm", "RMSNorm"]
+__all__ = ["OPTION_KEYS", "LayerNorm", "RMSNorm"]
+
+#: what setting an option adds to an instance's ``__dict__`` (``unpatch`` removes them)
+OPTION_KEYS = ("_options", "_eager", "_has_options")
 
 
 def _option(name: str, default: Any) -> property:
@@ -43,7 +46,7 @@ def _option(name: str, default: Any) -> property:
             self.__dict__["_eager"] = functools.partial(_with_options, self)
             self.__dict__["_has_options"] = True
         else:
-            for key in ("_options", "_eager", "_has_options"):
+            for key in OPTION_KEYS:
                 self.__dict__.pop(key, None)
 
     return property(get, set_, doc=f"the functions' ``{name}`` option. Default: ``{default!r}``.")

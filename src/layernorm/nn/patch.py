@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ._recognize import NotANorm, _looks_like_norm, is_replaced, recognize, replace, restore
-from .modules import LayerNorm, RMSNorm
+from .modules import OPTION_KEYS, LayerNorm, RMSNorm
 
 __all__ = ["PatchResult", "patch", "unpatch"]
 
@@ -185,6 +185,7 @@ def unpatch(model: torch.nn.Module) -> list[str]:
             continue
         module.__class__ = theirs
         del module.__dict__[_MARK]
-        module.__dict__.pop("backend", None)
+        for key in ("backend", *OPTION_KEYS):
+            module.__dict__.pop(key, None)
         restored.append(name)
     return restored
