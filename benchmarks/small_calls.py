@@ -22,9 +22,9 @@ through Python: the numba backend's ``forward`` alone, and the allocation plus t
 call alone; and single tensor attribute reads.
 """
 
+import argparse
 import contextlib
 import statistics
-import sys
 import time
 
 import numba
@@ -172,29 +172,30 @@ def attributes() -> str:
     return "attribute reads: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()) + " us"
 
 
-def _option(name: str, default: str) -> str:
-    args = sys.argv[1:]
-    return args[args.index(name) + 1] if name in args else default
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--rounds", type=int, default=31, help="rounds per median")
+    parser.add_argument("--threads", type=int, default=2, help="torch's and the kernels'")
+    parser.add_argument("--ops", default="layer_norm,rms_norm,add_layer_norm,add_rms_norm")
+    parser.add_argument("--shapes", default="4x64,1x1x768,8x128x64,64x1024")
+    parser.add_argument("--breakdown", action="store_true", help="also time a call's parts")
+    return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
-    dtype = getattr(torch, _option("--dtype", "float32"))
-    rounds = int(_option("--rounds", "31"))
-    threads = int(_option("--threads", "2"))
-    torch.set_num_threads(threads)
-    numba.set_num_threads(threads)
+    args = parse_args()
+    dtype = getattr(torch, args.dtype)
+    torch.set_num_threads(args.threads)
+    numba.set_num_threads(args.threads)
     print(f"compiled dispatch: {compiled.unavailable_reason() or 'in use'}")
     layernorm.layer_norm(torch.ones(1, 2), 2)  # (loads the compiled dispatch if built)
     print(f"compiled dispatch: {compiled.unavailable_reason() or 'in use'}; dtype {dtype}")
-    ops = _option("--ops", "layer_norm,rms_norm,add_layer_norm,add_rms_norm").split(",")
-    shapes = [
-        tuple(int(size) for size in shape.split("x"))
-        for shape in _option("--shapes", "4x64,1x1x768,8x128x64,64x1024").split(",")
-    ]
-    for op in ops:
+    shapes = [tuple(int(size) for size in shape.split("x")) for shape in args.shapes.split(",")]
+    for op in args.ops.split(","):
         for shape in shapes:
-            print(measure(shape, op, rounds, dtype), flush=True)
-    if "--breakdown" in sys.argv[1:]:
+            print(measure(shape, op, args.rounds, dtype), flush=True)
+    if args.breakdown:
         for shape in [(4, 64), (1, 1, 768)]:
             print(breakdown(shape))
         print(attributes())

@@ -114,6 +114,10 @@ def test_small_calls_script_measures_both_providers():
     line = small_calls.measure((2, 8), "rms_norm", rounds=3)  # the real thing, tiny
     assert line.startswith("rms_norm (2, 8): inference torch") and "via the op" in line
     assert "with grad" in line and "forward+backward" in line
+    args = small_calls.parse_args(["--dtype", "bfloat16", "--threads", "1", "--breakdown"])
+    assert (args.dtype, args.threads, args.rounds, args.breakdown) == ("bfloat16", 1, 31, True)
+    with pytest.raises(SystemExit):  # an unknown flag stops before any timing
+        small_calls.parse_args(["--rows", "3"])
 
 
 def test_kernel_ab_script_compares_two_revisions(capsys):
