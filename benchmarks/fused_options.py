@@ -1,0 +1,172 @@
+"""Each option of issue 23 against the unfused composition of torch ops it replaces.
+
+    PYTHONPATH=src python benchmarks/fused_options.py [--dtype bfloat16] [--threads 1]
+        [--rounds R] [--shapes 64x1024,4096x1024] [--cases offset,out_dtype,...]
+
+For every case: torch's composition (what a user writes without this library: for
+example ``F.rms_norm(x, (n,), w + 1.0)`` for ``offset=1.0``), and ours (the option), timed
+round-robin in one process (``small_calls.rr``: the median over the rounds of the mean of
+a batch of calls), in inference (no grad) and, where the option has a backward, forward
+plus backward (``torch.autograd.grad`` of every leaf). Prints microseconds a call and
+torch's time over ours: above 1 means the option is faster than the composition.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import numba
+import torch
+import torch.nn.functional as F
+from small_calls import rr
+
+import layernorm
+
+#: a case: (x, r, w, b, n) -> (torch's call, ours, the leaves a gradient is asked of,
+#: whether it has a backward)
+Case = Callable[..., tuple[Callable[[], object], Callable[[], object], tuple, bool]]
+
+
+def _gemma(x, w, eps):
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + w.float())).to(x.dtype)
+
+
+def _llama(x, w, eps):
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * y.to(x.dtype)
+
+
+def offset(x, r, w, b, n):
+    return (
+        lambda: F.rms_norm(x, (n,), w + 1.0, 1e-6),
+        lambda: layernorm.rms_norm(x, (n,), w, 1e-6, offset=1.0),
+        (x, w),
+        True,
+    )
+
+
+def casting_gemma(x, r, w, b, n):
+    return (
+        lambda: _gemma(x, w, 1e-6),
+        lambda: layernorm.rms_norm(x, (n,), w, 1e-6, offset=1.0, casting_mode="gemma"),
+        (x, w),
+        True,
+    )
+
+
+def casting_llama(x, r, w, b, n):
+    return (
+        lambda: _llama(x, w, 1e-6),
+        lambda: layernorm.rms_norm(x, (n,), w, 1e-6, casting_mode="llama"),
+        (x, w),
+        True,
+    )
+
+
+def out_dtype_float32(x, r, w, b, n):
+    w32, b32 = w.detach().float().requires_grad_(w.requires_grad), b.detach().float()
+    return (
+        lambda: F.layer_norm(x.float(), (n,), w32, b32),
+        lambda: layernorm.layer_norm(x, (n,), w32, b32, out_dtype=torch.float32),
+        (x, w32),
+        True,
+    )
+
+
+def out(x, r, w, b, n):
+    buffer = torch.empty_like(x)
+    return (
+        lambda: buffer.copy_(F.layer_norm(x, (n,), w, b)),
+        lambda: layernorm.layer_norm(x, (n,), w, b, out=buffer),
+        (),
+        False,
+    )
+
+
+def memory_efficient(x, r, w, b, n):
+    return (
+        lambda: F.layer_norm(x, (n,), w, b),
+        lambda: layernorm.layer_norm(x, (n,), w, b, memory_efficient=True),
+        (x, w, b),
+        True,
+    )
+
+
+def norm_linear(x, r, w, b, n):
+    lw = torch.randn(n, n, dtype=x.dtype) / n**0.5
+    return (
+        lambda: F.linear(F.layer_norm(x, (n,), w, b), lw),
+        lambda: layernorm.layer_norm_linear(x, (n,), w, b, lw),
+        (x, w, b),
+        True,
+    )
+
+
+CASES: dict[str, Case] = {
+    "offset": offset,
+    "casting_gemma": casting_gemma,
+    "casting_llama": casting_llama,
+    "out_dtype_float32": out_dtype_float32,
+    "out": out,
+    "memory_efficient": memory_efficient,
+    "norm_linear": norm_linear,
+}
+
+
+def measure(name: str, shape: tuple[int, ...], dtype: torch.dtype, rounds: int) -> str:
+    n = shape[-1]
+    inner = max(3, min(1000, 2_000_000 // (2 * x_numel(shape))))
+    x, r, w, b = (torch.randn(*s).to(dtype) for s in (shape, shape, (n,), (n,)))
+    theirs, ours, _, has_backward = CASES[name](x, r, w, b, n)
+    with torch.no_grad():
+        t = rr({"torch": theirs, "ours": ours}, rounds, inner=inner)
+    line = f"{name} {shape} {str(dtype)[6:]}: inference {_ratio(t)}"
+    if has_backward:
+        xg, rg, wg, bg = (v.clone().requires_grad_() for v in (x, r, w, b))
+        theirs_g, ours_g, leaves, _ = CASES[name](xg, rg, wg, bg, n)
+
+        def both(f):
+            def run():
+                y = f()
+                outputs = y if isinstance(y, tuple) else (y,)
+                return torch.autograd.grad(outputs, leaves, [torch.ones_like(o) for o in outputs])
+
+            return run
+
+        t = rr({"torch": both(theirs_g), "ours": both(ours_g)}, rounds, inner=max(3, inner // 4))
+        line += f" | forward+backward {_ratio(t)}"
+    return line
+
+
+def x_numel(shape: tuple[int, ...]) -> int:
+    return int(torch.Size(shape).numel())
+
+
+def _ratio(t: dict[str, float]) -> str:
+    return f"torch {t['torch']:.1f}, ours {t['ours']:.1f} us ({t['torch'] / t['ours']:.2f}x)"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--rounds", type=int, default=15, help="rounds per median")
+    parser.add_argument("--threads", type=int, default=1, help="torch's and the kernels'")
+    parser.add_argument("--shapes", default="64x1024,4096x1024")
+    parser.add_argument("--cases", default=",".join(CASES), help="a comma-separated subset")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    numba.set_num_threads(args.threads)
+    layernorm.layer_norm(torch.ones(1, 2), 2)  # loads the compiled dispatch if built
+    dtype = getattr(torch, args.dtype)
+    for shape_text in args.shapes.split(","):
+        shape = tuple(int(v) for v in shape_text.split("x"))
+        for name in args.cases.split(","):
+            print(measure(name, shape, dtype, args.rounds), flush=True)
