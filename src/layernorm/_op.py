@@ -195,9 +195,7 @@ backward_op = torch.library.custom_op("layernorm::backward", mutates_args=())(_b
 #: the kernels. A Python op (the compiled part registers kernels for the same-dtype ops
 #: only); its backward is :data:`backward_op`'s, with ``dy`` widened to ``z``'s dtype
 #: (exact).
-forward_to_op = torch.library.custom_op("layernorm::forward_to", mutates_args=())(
-    _forward_to_impl
-)
+forward_to_op = torch.library.custom_op("layernorm::forward_to", mutates_args=())(_forward_to_impl)
 #: the ops' overloads, called directly: what calling :data:`forward_op` /
 #: :data:`backward_op` does, without their Python wrappers' cost
 forward_call = torch.ops.layernorm.forward.default
@@ -474,9 +472,7 @@ class TransformNorm(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct, out_dtype):
-        return _vmap(
-            info, in_dims, x, residual, weight, bias, eps, rms, backend, direct, out_dtype
-        )
+        return _vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct, out_dtype)
 
 
 def _vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct, out_dtype):
@@ -506,9 +502,7 @@ def _op_vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, out_dt
     def run(*arguments):
         return _forward_op_outputs(*arguments, out_dtype)
 
-    outputs, out_dims = _vmap_rows(
-        run, info, in_dims, x, residual, weight, bias, eps, rms, backend
-    )
+    outputs, out_dims = _vmap_rows(run, info, in_dims, x, residual, weight, bias, eps, rms, backend)
     # the schema has no optional outputs: an absent one is empty and unbatched
     empty = outputs[3].new_empty(0)
     return tuple(empty if t is None else t for t in outputs), out_dims

@@ -1492,9 +1492,7 @@ def _check_parameters(function, direction: str, tags: int = 0) -> None:
         )
 
 
-def entry(
-    name: str, storage_tag: np.ndarray, acc_tag: np.ndarray, y_tag: np.ndarray | None = None
-):
+def entry(name: str, storage_tag: np.ndarray, acc_tag: np.ndarray, y_tag: np.ndarray | None = None):
     """Kernel ``name`` (``forward_serial``, ``forward_parallel``, ``backward_serial`` or
     ``backward_parallel``) for the storage and accumulation dtypes of the tags (and, for
     the forward, ``y_tag``'s storage dtype for ``y``: x's when None; each element of
