@@ -85,8 +85,9 @@ OPTIONS = {
     "layer_norm": ("offset", "out_dtype", "out", "memory_efficient"),
     "rms_norm": ("offset", "casting_mode", "out_dtype", "out", "memory_efficient"),
     "add_layer_norm": ("offset", "out_dtype", "out", "residual_out", "residual_dtype"),
-    "add_rms_norm": ("offset", "casting_mode", "out_dtype", "out", "residual_out",
-                     "residual_dtype"),  # fmt: skip
+    "add_rms_norm": (
+        "offset", "casting_mode", "out_dtype", "out", "residual_out", "residual_dtype",
+    ),  # fmt: skip
 }
 
 
@@ -147,15 +148,18 @@ def norm(
 ) -> tuple[Tensor, Tensor | None]:
     """One call of ``op`` with options: the checks of every option first (before any
     work), then the composition. Returns ``(y, residual_out)`` as ``ops._norm`` does."""
-    if residual is not None and isinstance(x, Tensor) and isinstance(residual, Tensor):
-        if residual_dtype is not None or residual.dtype != x.dtype:
-            rdtype = _residual_dtype(op, x, residual, residual_dtype)
-            if rdtype != x.dtype or residual.dtype != x.dtype:
-                return residual_stream(
-                    op, x, residual, normalized_shape, weight, bias, eps, rms, backend,
-                    rdtype, offset=offset, casting_mode=casting_mode, out_dtype=out_dtype,
-                    out=out, residual_out=residual_out,
-                )  # fmt: skip
+    if (
+        isinstance(residual, Tensor)
+        and isinstance(x, Tensor)
+        and (residual_dtype is not None or residual.dtype != x.dtype)
+    ):
+        rdtype = _residual_dtype(op, x, residual, residual_dtype)
+        if rdtype != x.dtype or residual.dtype != x.dtype:
+            return residual_stream(
+                op, x, residual, normalized_shape, weight, bias, eps, rms, backend,
+                rdtype, offset=offset, casting_mode=casting_mode, out_dtype=out_dtype,
+                out=out, residual_out=residual_out,
+            )  # fmt: skip
     if memory_efficient:
         if offset or casting_mode is not None or out is not None:
             raise ValueError(
