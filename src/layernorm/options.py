@@ -86,8 +86,13 @@ OPTIONS = {
     "rms_norm": ("offset", "casting_mode", "out_dtype", "out", "memory_efficient"),
     "add_layer_norm": ("offset", "out_dtype", "out", "residual_out", "residual_dtype"),
     "add_rms_norm": (
-        "offset", "casting_mode", "out_dtype", "out", "residual_out", "residual_dtype",
-    ),  # fmt: skip
+        "offset",
+        "casting_mode",
+        "out_dtype",
+        "out",
+        "residual_out",
+        "residual_dtype",
+    ),
 }
 
 
