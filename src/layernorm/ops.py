@@ -14,8 +14,8 @@ built for (``docs/contract.md`` §6):
 bits).
 
 The keyword options (``offset``, ``casting_mode``, ``out_dtype``, ``out``,
-``residual_out``, ``memory_efficient``, ``residual_dtype``: :mod:`layernorm.options`) arrive as ``**options``,
-so a call without them costs one check (``if options``; explicit keyword-only parameters
+``residual_out``, ``memory_efficient``, ``residual_dtype``: :mod:`layernorm.options`)
+arrive as ``**options``, so a call without them costs one check (``if options``; explicit keyword-only parameters
 would cost a lookup of each default at every call); ``options.signed`` gives each
 function its full signature for ``inspect`` and ``help``.
 """
