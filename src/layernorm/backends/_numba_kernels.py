@@ -1073,20 +1073,21 @@ def _dx_codegen(context, builder: ir.IRBuilder, arg_types, args, count: int) -> 
         if dres is not None:
             t4 = builder.fadd(t4, dres.load(index, lanes, double))
         y = builder.fadd(t4, zero)
-        if half:
-            single = builder.fptrunc(y, _shaped(ir.FloatType(), y))
-            on = _on_boundary(builder, single, dx.dtype, lanes)
-            # RN16(RN32(y)) is RN16(y) unless RN32(y) is a boundary (none lies
-            # strictly between y and its nearest float32): rounded twice, cheaply,
-            # and the rare vector with a boundary rounded once, through round-to-odd
-            dx.store_raw(_narrow_off_boundary(builder, single, dx.dtype), index, lanes)
-            with builder.if_then(_any_lane(builder, on), likely=False):
-                dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
-        else:
-            dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
         u = builder.fmul(c, rstd)
         if not check:
+            dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
             return g, u
+
+        def open_where(differ):
+            """ORs ``differ`` (an i1 or i32 per lane, nonzero where open) into the flags."""
+            if differ.type == _shaped(ir.IntType(1), differ):
+                differ = builder.zext(differ, _shaped(i32, differ))
+            if lanes == 1:
+                differ = builder.insert_element(
+                    ir.Constant(ir.VectorType(i32, width), [0] * width), differ, i32(0)
+                )
+            builder.store(builder.or_(builder.load(flag), differ), flag)
+
         bound = k_0
         if dres is not None:  # (else the caller folded 3.1u|y| into k_t1, k_c)
             (k_y,) = _splat_all(builder, [double(3.1 * _U * _SLACK)], lanes)
@@ -1094,27 +1095,30 @@ def _dx_codegen(context, builder: ir.IRBuilder, arg_types, args, count: int) -> 
         bound = _mul_add(builder, k_c, _fabs(builder, c), bound)
         bound = _mul_add(builder, k_t1, _fabs(builder, t1), bound)
         if half:
+            single = builder.fptrunc(y, _shaped(ir.FloatType(), y))
+            on = _on_boundary(builder, single, dx.dtype, lanes)
+            # RN16(RN32(y)) is RN16(y) unless RN32(y) is a boundary (none lies
+            # strictly between y and its nearest float32): rounded twice, cheaply,
+            # and the rare vector with a boundary rounded once, through round-to-odd
+            dx.store_raw(_narrow_off_boundary(builder, single, dx.dtype), index, lanes)
             # r = RN32(y). When E < |r| 2^-25 (below half of r's gaps to its float32
             # neighbours), [y - E, y + E] holds no float32 but r, and every rounding
             # boundary of the half types is a float32: the rounding is decided
-            # unless r is one and |y - r| <= E.
+            # unless r is one and |y - r| <= E (tested in the rare vector with one).
             r = builder.fpext(single, y.type)
-            inside = builder.fcmp_ordered("<=", _fabs(builder, builder.fsub(y, r)), bound)
-            on = builder.and_(on, inside)
             (tiny,) = _splat_all(builder, [double(2.0**-25)], lanes)
-            loose = builder.fcmp_ordered(">", bound, builder.fmul(_fabs(builder, r), tiny))
-            differ = builder.zext(builder.or_(on, loose), _shaped(i32, y))
+            open_where(builder.fcmp_ordered(">", bound, builder.fmul(_fabs(builder, r), tiny)))
+            with builder.if_then(_any_lane(builder, on), likely=False):
+                dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
+                inside = builder.fcmp_ordered("<=", _fabs(builder, builder.fsub(y, r)), bound)
+                open_where(builder.and_(on, inside))
         else:
+            dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
             # float32: the ends' patterns' xor, nonzero where they round apart
             low, high = builder.fsub(y, bound), builder.fadd(y, bound)
             low = _as_bits(builder, narrow_once(builder, low, dx.dtype))
             high = _as_bits(builder, narrow_once(builder, high, dx.dtype))
-            differ = builder.xor(low, high)
-        if lanes == 1:
-            differ = builder.insert_element(
-                ir.Constant(ir.VectorType(i32, width), [0] * width), differ, i32(0)
-            )
-        builder.store(builder.or_(builder.load(flag), differ), flag)
+            open_where(builder.xor(low, high))
         return g, u
 
     def element(index, lanes):
@@ -1179,8 +1183,12 @@ def _chunked_backward_sums(dy, z, w, m1, n):
     """:func:`_backward_sums` of the row, in chunks of :data:`_CHUNK` elements (each one
     block of ``_numba_vectors``' order), the chunk totals added in order into groups of
     16, the group totals in order into the row's: fewer roundings on any path than one
-    sum over the row (:func:`_fast_gamma`), so a bound some 6 times tighter at N = 4096."""
+    sum over the row (:func:`_fast_gamma`), so a bound some 6 times tighter at N = 4096.
+    A row of one chunk is that chunk's sums as they are (``0 + s`` is ``s``: no sum of
+    ``_numba_vectors`` is ``-0.0``, its accumulators start at ``+0.0``)."""
     zero = 0.0
+    if 0 < n <= _CHUNK:
+        return _backward_sums(dy, z, w, m1, zero)
     t0 = t1 = t2 = t3 = t4 = zero
     for g in range(0, n, _GROUP):
         u0 = u1 = u2 = u3 = u4 = zero
