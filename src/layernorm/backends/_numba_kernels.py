@@ -44,7 +44,7 @@ shifted: ``m1`` is the row's first element, ``d = z - m1``, ``delta = mean(d)``,
 a row whose bound that leaves too loose goes to the compensated two-pass statistics. A
 row is read once from memory; the output pass re-reads it from cache. Rows are
 software-pipelined (:func:`_forward_rows`): row ``i + 1``'s statistics before row
-``i``'s output; rows of at most :data:`BATCHED_N` elements go in batches of 8 instead
+``i``'s output; short rows (:data:`BATCHED_N`) go in batches of 8 instead
 (:func:`_forward_batches`), their scalar constants computed together across the rows in
 one vectorized loop. The backward's dx pass takes two rows at a time
 (:func:`_dx_rows_checked`), which load the weight and the dweight/dbias partial sums
@@ -188,6 +188,7 @@ def _single_head(a):
 
 _U = 2.0**-53  # float64's unit roundoff
 _SLACK = 1.0 + 2.0**-30  # covers the rounding errors of computing the bound itself
+_K_Y = 2.1 * _U * _SLACK  # the forward bound's |yh| factor (docs/contract.md §3)
 
 
 @_jit(inline="always")
@@ -288,7 +289,7 @@ def _statistics(m1, s1, s2, n, eps, rms):
     k_p = (2.01 * _U + 1.02 * e_r) * _SLACK
     w_rel = (1.0 + 1.02 * e_r) * _SLACK
     k_w = rstd_i * w_rel
-    k_y = 2.1 * _U * _SLACK
+    k_y = _K_Y
     return delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag
 
 
@@ -387,7 +388,7 @@ def _precise_statistics(z, n, eps, rms):
     k_p = (2.01 * _U + 1.02 * e_r) * _SLACK
     w_rel = (1.0 + 1.02 * e_r) * _SLACK
     k_w = rstd_i * w_rel
-    k_y = 2.1 * _U * _SLACK
+    k_y = _K_Y
     return m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag
 
 
@@ -487,7 +488,7 @@ def _forward_rows(
     single = _is_half(y, weight, bias)
     if m == 0:
         return
-    if n <= BATCHED_N:
+    if n <= BATCHED_N or (n <= 4 * BATCHED_N and m * n <= BATCHED_NUMEL):
         _forward_batches(
             x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias,
             y, mean, rstd, m, n, eps, rms, stream, store_stats, flags, weight_max, bias_max,
@@ -511,8 +512,11 @@ def _forward_rows(
         row = following
 
 
-#: Rows of at most this many elements take the forward in batches (:func:`_forward_batches`)
+#: Rows of at most this many elements take the forward in batches (:func:`_forward_batches`),
+#: and rows of up to 4 times as many where the span has at most :data:`BATCHED_NUMEL`
+#: elements (it stays in the L2 cache: a batch's rows are read again 8 rows later)
 BATCHED_N = 256
+BATCHED_NUMEL = 1 << 18
 #: Rows per batch of :func:`_forward_batches` (one vector of doubles per constant)
 _FORWARD_BATCH = 8
 #: The rows of :func:`_forward_batches`' scratch: the inputs of :func:`_statistics`
@@ -564,14 +568,15 @@ def _forward_batches(
     x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y,
     mean, rstd, m, n, eps, rms, stream, store_stats, flags, weight_max, bias_max, single,
 ):  # fmt: skip
-    """:func:`_forward_rows` for short rows (``n <= BATCHED_N``), whose per-row constants
-    would cost as much as their elements: in batches of :data:`_FORWARD_BATCH` rows, each
+    """:func:`_forward_rows` for short rows (``n <= BATCHED_N``, or up to ``4 *
+    BATCHED_N`` in a span of at most ``BATCHED_NUMEL`` elements), whose per-row
+    constants cost much beside their elements: in batches of :data:`_FORWARD_BATCH` rows, each
     row's pass over memory (:func:`_row_sums`), the batch's constants together
     (:func:`_batch_statistics`), then each row's output (:func:`_forward_row`). Every
     row's arithmetic is :func:`_row_constants`' (the same bits); only the scalar work is
     shared."""
     scratch = np.empty((_SCRATCH, _FORWARD_BATCH), np.float64)
-    k_y = 2.1 * _U * _SLACK  # (:func:`_statistics`' constant)
+    k_y = _K_Y
     for first in range(0, m, _FORWARD_BATCH):
         count = min(_FORWARD_BATCH, m - first)
         for j in range(count):
