@@ -108,13 +108,13 @@ def test_streaming_stores_give_the_same_bits(dtype, monkeypatch):
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("m, n", [(19, 1), (19, 7), (19, 64), (19, 256), (19, 257),
                                   (19, 1024), (19, 1025), (263, 1000)], ids=str)  # fmt: skip
-def test_rows_in_batches_give_the_bits_of_each_row_alone(dtype, rms, m, n):
+def test_rows_in_batches_give_the_bits_of_each_row_alone(dtype, rms, m, n, monkeypatch):
     """Short rows (``_numba_kernels.BATCHED_N`` or fewer elements, or up to 4 times as
     many in a call of at most ``BATCHED_NUMEL`` elements) take the forward in batches of
     8 rows, their constants computed together across the rows, and the backward's dx
     pass takes two rows at once: 19 rows (two whole batches, a part one, an odd row
-    left) and 263 (1025 and 263x1000: one row at a time, pipelined, against each row in a
-    batch of one) give y, residual_out, the statistics and dx of each row alone, with a
+    left) and 263 (1025 and 263x1000, in one span: one row at a time, pipelined, against
+    each row in a batch of one) give y, residual_out, the statistics and dx of each row alone, with a
     residual and a residual gradient and without, from strided x rows; and dbias takes
     every row's dy once: the exact column sum (exact in float64 here) rounded once."""
     from layernorm.backends import _numba_kernels
@@ -122,6 +122,7 @@ def test_rows_in_batches_give_the_bits_of_each_row_alone(dtype, rms, m, n):
     k = _numba_kernels
     assert 1 <= k.BATCHED_N < 257 and 4 * k.BATCHED_N == 1024 and k.BATCHED_NUMEL >= 19 * 1024
     assert k.BATCHED_NUMEL < 263 * 1000
+    monkeypatch.setattr(numba_, "SERIAL_NUMEL", 1 << 62)  # one span: the call's m rows
     g = torch.Generator().manual_seed(n)
     x, r, dy, dro = ((torch.randn(m, 2 * n, generator=g) * 3 + 1).to(dtype) for _ in range(4))
     x, r, dy, dro = x[:, :n], r[:, :n].contiguous(), dy[:, :n].contiguous(), dro[:, :n]
