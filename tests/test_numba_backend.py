@@ -7,6 +7,7 @@ backward for float32, float64, float16 and bfloat16), which numba caches on disk
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import shutil
 import subprocess
@@ -101,6 +102,51 @@ def test_streaming_stores_give_the_same_bits(dtype, monkeypatch):
     assert all(torch.equal(a, c) for a, c in zip(*runs, strict=True))
     assert torch.equal(numba_.forward(x[5:6], None, w, None, 1e-5, True)[0],
                        numba_.forward(x, None, w, None, 1e-5, True)[0][5:6])  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("m, n", [(19, 1), (19, 7), (19, 64), (19, 256), (19, 257),
+                                  (19, 1024), (19, 1025), (263, 1000)], ids=str)  # fmt: skip
+def test_rows_in_batches_give_the_bits_of_each_row_alone(dtype, rms, m, n, monkeypatch):
+    """Short rows (``_numba_kernels.BATCHED_N`` or fewer elements, or up to 4 times as
+    many in a call of at most ``BATCHED_NUMEL`` elements) take the forward in batches of
+    8 rows, their constants computed together across the rows, and the backward's dx
+    pass takes two rows at once: 19 rows (two whole batches, a part one, an odd row
+    left) and 263 (1025 and 263x1000, in one span: one row at a time, pipelined, against
+    each row in a batch of one) give y, residual_out, the statistics and dx of each row alone, with a
+    residual and a residual gradient and without, from strided x rows; and dbias takes
+    every row's dy once: the exact column sum (exact in float64 here) rounded once."""
+    from layernorm.backends import _numba_kernels
+
+    k = _numba_kernels
+    assert 1 <= k.BATCHED_N < 257 and 4 * k.BATCHED_N == 1024 and k.BATCHED_NUMEL >= 19 * 1024
+    assert k.BATCHED_NUMEL < 263 * 1000
+    monkeypatch.setattr(numba_, "SERIAL_NUMEL", 1 << 62)  # one span: the call's m rows
+    g = torch.Generator().manual_seed(n)
+    x, r, dy, dro = ((torch.randn(m, 2 * n, generator=g) * 3 + 1).to(dtype) for _ in range(4))
+    x, r, dy, dro = x[:, :n], r[:, :n].contiguous(), dy[:, :n].contiguous(), dro[:, :n]
+    dro = dro.contiguous()
+    w, b = torch.randn(n, generator=g) + 1, None if rms else torch.randn(n, generator=g)
+    for residual, dres in [(None, None), (r, dro)]:
+        y, h, mean, rstd = numba_.forward(x, residual, w, b, 1e-5, rms)
+        z = x if h is None else h
+        dx, _, dbias = numba_.backward(dy, z, w, mean, rstd, dres, rms, True, not rms, 1e-5)
+        if dbias is not None and dtype != torch.float64:
+            exact = [math.fsum(column) for column in dy.double().T.tolist()]
+            assert torch.equal(dbias, torch.tensor(exact, dtype=torch.float64).float())
+        for i in range(m):
+            one = slice(i, i + 1)
+            r_i = None if residual is None else residual[one]
+            y_i, h_i, mean_i, rstd_i = numba_.forward(x[one], r_i, w, b, 1e-5, rms)
+            assert torch.equal(y_i, y[one]), i
+            assert h_i is None or torch.equal(h_i, h[one]), i
+            assert torch.equal(rstd_i, rstd[one]), i
+            assert rms or torch.equal(mean_i, mean[one]), i
+            d_i = None if dres is None else dres[one]
+            z_i = z[one]
+            dx_i = numba_.backward(dy[one], z_i, w, mean_i, rstd_i, d_i, rms, False, False, 1e-5)
+            assert torch.equal(dx_i[0], dx[one]), i
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

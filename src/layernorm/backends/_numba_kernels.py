@@ -44,7 +44,11 @@ shifted: ``m1`` is the row's first element, ``d = z - m1``, ``delta = mean(d)``,
 a row whose bound that leaves too loose goes to the compensated two-pass statistics. A
 row is read once from memory; the output pass re-reads it from cache. Rows are
 software-pipelined (:func:`_forward_rows`): row ``i + 1``'s statistics before row
-``i``'s output.
+``i``'s output; short rows (:data:`BATCHED_N`) go in batches of 8 instead
+(:func:`_forward_batches`), their scalar constants computed together across the rows in
+one vectorized loop. The backward's dx pass takes two rows at a time
+(:func:`_dx_rows_checked`), which load the weight and the dweight/dbias partial sums
+once. Either way each row's arithmetic is the same: the same bits.
 
 Determinism. Every row sum goes through :mod:`layernorm.backends._numba_vectors`,
 whose summation order is written out in LLVM IR and depends on N alone: not on M, the
@@ -184,6 +188,7 @@ def _single_head(a):
 
 _U = 2.0**-53  # float64's unit roundoff
 _SLACK = 1.0 + 2.0**-30  # covers the rounding errors of computing the bound itself
+_K_Y = 2.1 * _U * _SLACK  # the forward bound's |yh| factor (docs/contract.md §3)
 
 
 @_jit(inline="always")
@@ -213,32 +218,58 @@ def _row_statistics(
     and ``rstd``: (M,) in the accumulation dtype, written only when ``store_stats``.
     ``eps`` is a float64.
     """
+    z, m1, s1, s2 = _row_sums(
+        i, x, x_stride, residual, residual_stride, has_residual, residual_out, n, rms
+    )  # fmt: skip
+    delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag = _statistics(m1, s1, s2, n, eps, rms)
+    if store_stats:
+        if not rms:
+            mean[i] = m1 + delta
+        rstd[i] = rstd_i
+    return z, m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag
+
+
+@_jit(inline="always")
+def _row_sums(i, x, x_stride, residual, residual_stride, has_residual, residual_out, n, rms):
+    """Row ``i``'s pass over memory for :func:`_row_statistics`: ``(z, m1, s1, s2)``, the
+    row ``z`` (``residual_out = x + residual`` written first, when ``has_residual``), its
+    shift ``m1`` (the first element; 0 for RMSNorm) and the sums ``s1 = Σd``, ``s2 = Σd²``
+    of ``d = z - m1`` in float64 (RMSNorm: ``s1 = 0``, ``s2 = Σz²``)."""
     zero = 0.0
-    inv_n = 1.0 / np.float64(n)  # depends on n alone: computed once per call
     z = x[i * x_stride : i * x_stride + n]
     if has_residual:
         z = residual_out[i * n : (i + 1) * n]
         residual_i = residual[i * residual_stride : i * residual_stride + n]
         add_rows(x[i * x_stride : i * x_stride + n], residual_i, z)
+    if rms:
+        return z, zero, zero, row_sum_sq(z, zero)
+    # The shift: the row's first element (the bound holds for any m1, and this one
+    # depends on the row alone). One pass for Σd and Σd², d = z − m1, and
+    # Σ(d − delta)² = Σd² − N·delta²: the cancellation is in e_var.
+    m1 = element_f64(z, 0) if n > 0 else zero
+    s1, s2 = row_sums_centered(z, m1, zero)
+    return z, m1, s1, s2
+
+
+@_jit(inline="always")
+def _statistics(m1, s1, s2, n, eps, rms):
+    """The scalar part of :func:`_row_statistics`: from a row's shift and sums
+    (:func:`_row_sums`), ``(delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag)``.
+    Straight-line code (selects, no branches but ``rms``, a constant of the loop), so
+    that :func:`_batch_statistics` vectorizes across rows: the same IEEE operations on
+    every lane, the same bits."""
+    zero = 0.0
+    inv_n = 1.0 / np.float64(n)  # depends on n alone: computed once per call
     h = np.float64(_depth(n) + 1) * _U
     gamma = h / (1.0 - h)  # bounds the relative error of a sum of squares, or of |terms|
     if rms:
-        m1 = zero
         delta = zero
-        s2 = row_sum_sq(z, zero)
         var = s2 * inv_n
         e_mean = zero
         k_c = zero  # c = d = z, exactly
         e_var = 1.01 * ((gamma + 4.0 * _U) * var)
     else:
-        # The shift: the row's first element (the bound holds for any m1, and this one
-        # depends on the row alone). One pass for Σd and Σd², d = z − m1, and
-        # Σ(d − delta)² = Σd² − N·delta²: the cancellation is in e_var.
-        m1 = element_f64(z, 0) if n > 0 else zero
-        s1, s2 = row_sums_centered(z, m1, zero)
         delta = s1 * inv_n
-        if store_stats:
-            mean[i] = m1 + delta
         s2_n = s2 * inv_n
         d_n = 1.001 * np.sqrt(s2_n)  # Σ|d| / N <= sqrt(Σd² / N)
         e_mean = 1.01 * ((gamma + 2.0 * _U) * d_n + 3.0 * _U * abs(delta))
@@ -253,15 +284,13 @@ def _row_statistics(
     e_s = e_var + 1.01 * _U * s
     flag = 1 if e_s >= 0.01 * s else 0  # (False for a NaN row: it stays NaN)
     rstd_i = 1.0 / np.sqrt(s)
-    if store_stats:
-        rstd[i] = rstd_i
     # relative error of rstd: 0.51·e_s/(s − e_s) <= 0.52·e_s·rstd² when e_s < s/100
     e_r = 0.52 * (e_s * (rstd_i * rstd_i)) + 2.01 * _U
     k_p = (2.01 * _U + 1.02 * e_r) * _SLACK
     w_rel = (1.0 + 1.02 * e_r) * _SLACK
     k_w = rstd_i * w_rel
-    k_y = 2.1 * _U * _SLACK
-    return z, m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag
+    k_y = _K_Y
+    return delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag
 
 
 @_jit(inline="always")
@@ -359,7 +388,7 @@ def _precise_statistics(z, n, eps, rms):
     k_p = (2.01 * _U + 1.02 * e_r) * _SLACK
     w_rel = (1.0 + 1.02 * e_r) * _SLACK
     k_w = rstd_i * w_rel
-    k_y = 2.1 * _U * _SLACK
+    k_y = _K_Y
     return m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag
 
 
@@ -378,6 +407,17 @@ def _row_constants(
         i, x, x_stride, residual, residual_stride, has_residual, residual_out,
         mean, rstd, n, eps, rms, store_stats,
     )  # fmt: skip
+    a, b, bound_a, bound_b, tiny, lanes32 = _bound_constants(
+        m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, weight_max, bias_max, single
+    )  # fmt: skip
+    return z, m1, delta, rstd_i, a, b, k_y, bound_a, bound_b, tiny, flag, lanes32
+
+
+@_jit(inline="always")
+def _bound_constants(m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, weight_max, bias_max, single):  # fmt: skip
+    """The output passes' constants from a row's statistics (:func:`_statistics`):
+    ``(a, b, bound_a, bound_b, tiny, lanes32)`` as :func:`_row_constants` describes them.
+    Straight-line code, as :func:`_statistics`."""
     a, b = _folded(delta, e_mean, k_c, k_p, k_w, w_rel)
     if single:
         lanes32 = _single_bounds(m1, delta, rstd_i, e_mean, w_rel, weight_max, bias_max)
@@ -385,7 +425,7 @@ def _row_constants(
     else:
         lanes32 = (np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0), False)
         bound_a, bound_b, tiny = _fast_bounds(a, b, k_y, weight_max, bias_max)
-    return z, m1, delta, rstd_i, a, b, k_y, bound_a, bound_b, tiny, flag, lanes32
+    return a, b, bound_a, bound_b, tiny, lanes32
 
 
 _U32 = 2.0**-24  # float32's unit roundoff
@@ -448,6 +488,13 @@ def _forward_rows(
     single = _is_half(y, weight, bias)
     if m == 0:
         return
+    if n <= BATCHED_N or (n <= 4 * BATCHED_N and m * n <= BATCHED_NUMEL):
+        _forward_batches(
+            x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias,
+            y, mean, rstd, m, n, eps, rms, stream, store_stats, flags, weight_max, bias_max,
+            single,
+        )  # fmt: skip
+        return
     row = _row_constants(
         0, x, x_stride, residual, residual_stride, has_residual, residual_out,
         mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, single,
@@ -463,6 +510,106 @@ def _forward_rows(
             i, row, weight, bias, y, mean, rstd, n, eps, rms, store_stats, weight_max, stream
         )  # fmt: skip
         row = following
+
+
+#: Rows of at most this many elements take the forward in batches (:func:`_forward_batches`),
+#: and rows of up to 4 times as many where the span has at most :data:`BATCHED_NUMEL`
+#: elements (it stays in the L2 cache: a batch's rows are read again 8 rows later)
+BATCHED_N = 256
+BATCHED_NUMEL = 1 << 18
+#: Rows per batch of :func:`_forward_batches` (one vector of doubles per constant)
+_FORWARD_BATCH = 8
+#: The rows of :func:`_forward_batches`' scratch: the inputs of :func:`_statistics`
+#: (``m1``, ``s1``, ``s2``), then the row constants of :func:`_forward_row`
+_M1, _S1, _S2, _DELTA, _RSTD, _A, _B, _BOUND_A, _BOUND_B, _TINY, _FLAG = range(11)
+_M1F, _R, _NEG_T, _A32, _USABLE, _SCRATCH = range(11, 17)
+
+
+@_jit()
+def _batch_statistics(scratch, count, n, eps, rms, weight_max, bias_max, single):
+    """:func:`_statistics` and :func:`_bound_constants` of the ``count`` rows of a batch,
+    from their shifts and sums in ``scratch[_M1:_S2 + 1, :count]`` into the rows after
+    (flags and ``usable`` as 0.0 or 1.0, float32 constants widened exactly): one loop,
+    which LLVM vectorizes across the rows (the same IEEE operations on each lane: the
+    same bits as one row at a time)."""
+    m1_, s1_, s2_ = scratch[_M1], scratch[_S1], scratch[_S2]
+    delta_, rstd_, a_, b_ = scratch[_DELTA], scratch[_RSTD], scratch[_A], scratch[_B]
+    bound_a_, bound_b_, tiny_, flag_ = (
+        scratch[_BOUND_A],
+        scratch[_BOUND_B],
+        scratch[_TINY],
+        scratch[_FLAG],
+    )
+    m1f_, r_, neg_t_, a32_, usable_ = (
+        scratch[_M1F],
+        scratch[_R],
+        scratch[_NEG_T],
+        scratch[_A32],
+        scratch[_USABLE],
+    )
+    for j in range(count):
+        m1 = m1_[j]
+        delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag = _statistics(
+            m1, s1_[j], s2_[j], n, eps, rms
+        )  # fmt: skip
+        a, b, bound_a, bound_b, tiny, lanes32 = _bound_constants(
+            m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, weight_max, bias_max, single
+        )  # fmt: skip
+        m1f, r, neg_t, a32, usable = lanes32
+        delta_[j], rstd_[j], a_[j], b_[j] = delta, rstd_i, a, b
+        bound_a_[j], bound_b_[j], tiny_[j] = bound_a, bound_b, tiny
+        flag_[j] = np.float64(flag)
+        m1f_[j], r_[j], neg_t_[j], a32_[j] = m1f, r, neg_t, a32
+        usable_[j] = 1.0 if usable else 0.0
+
+
+@_jit(inline="always")
+def _forward_batches(
+    x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y,
+    mean, rstd, m, n, eps, rms, stream, store_stats, flags, weight_max, bias_max, single,
+):  # fmt: skip
+    """:func:`_forward_rows` for short rows (``n <= BATCHED_N``, or up to ``4 *
+    BATCHED_N`` in a span of at most ``BATCHED_NUMEL`` elements), whose per-row
+    constants cost much beside their elements: in batches of :data:`_FORWARD_BATCH` rows, each
+    row's pass over memory (:func:`_row_sums`), the batch's constants together
+    (:func:`_batch_statistics`), then each row's output (:func:`_forward_row`). Every
+    row's arithmetic is :func:`_row_constants`' (the same bits); only the scalar work is
+    shared."""
+    scratch = np.empty((_SCRATCH, _FORWARD_BATCH), np.float64)
+    k_y = _K_Y
+    for first in range(0, m, _FORWARD_BATCH):
+        count = min(_FORWARD_BATCH, m - first)
+        for j in range(count):
+            _, scratch[_M1, j], scratch[_S1, j], scratch[_S2, j] = _row_sums(
+                first + j, x, x_stride, residual, residual_stride, has_residual,
+                residual_out, n, rms,
+            )  # fmt: skip
+        _batch_statistics(scratch, count, n, eps, rms, weight_max, bias_max, single)
+        for j in range(count):
+            i = first + j
+            z = (
+                residual_out[i * n : (i + 1) * n]
+                if has_residual
+                else x[i * x_stride : i * x_stride + n]
+            )
+            m1, delta, rstd_i = scratch[_M1, j], scratch[_DELTA, j], scratch[_RSTD, j]
+            if store_stats:
+                if not rms:
+                    mean[i] = m1 + delta
+                rstd[i] = rstd_i
+            lanes32 = (
+                np.float32(scratch[_M1F, j]), np.float32(scratch[_R, j]),
+                np.float32(scratch[_NEG_T, j]), np.float32(scratch[_A32, j]),
+                scratch[_USABLE, j] != 0.0,
+            )  # fmt: skip
+            row = (
+                z, m1, delta, rstd_i, scratch[_A, j], scratch[_B, j], k_y,
+                scratch[_BOUND_A, j], scratch[_BOUND_B, j], scratch[_TINY, j],
+                1 if scratch[_FLAG, j] != 0.0 else 0, lanes32,
+            )  # fmt: skip
+            flags[i] = _forward_row(
+                i, row, weight, bias, y, mean, rstd, n, eps, rms, store_stats, weight_max, stream
+            )  # fmt: skip
 
 
 @_jit(inline="always")
@@ -853,90 +1000,157 @@ def _dx_row_checked(
     )  # fmt: skip
 
     def codegen(context, builder, sig, args):
-        rows = [
-            None if sig.args[i] == types.none else Row(context, builder, sig.args[i], args[i])
-            for i in range(7)
-        ]
-        dy, z, dres, dx, w, dwp, dbp = rows
-        double = ir.DoubleType()
-        width = vector_lanes(double)
-        check = dx.dtype != types.float64
-        i32 = ir.IntType(32)
-        flags = cgutils.alloca_once_value(
-            builder, ir.Constant(ir.VectorType(i32, width), [0] * width)
+        # (the shared arguments first, then the row's: as _dx_rows_checked takes them)
+        order = [4, 5, 6, 0, 1, 2, 3, 7, 8, 9, 10, 11, 12, 13, 14]
+        return _dx_codegen(
+            context, builder, [sig.args[i] for i in order], [args[i] for i in order], 1
         )
 
-        def store_partial(row, value, index, lanes):
-            if row.dtype == types.float32:
-                value = builder.fptrunc(value, _shaped(ir.FloatType(), value))
-            row.store_raw(value, index, lanes)
+    return sig, codegen
 
-        def element(index, lanes):
-            m1, delta, rstd, c2, k, k_t1, k_c, k_0 = _splat_all(builder, args[7:], lanes)
-            g, zv, wv = (row.load(index, lanes, double) for row in (dy, z, w))
-            gh = builder.fmul(g, wv)
-            d = builder.fsub(zv, m1)
-            c = builder.fsub(d, delta)
-            t1 = builder.fsub(gh, c2)
-            t2 = builder.fmul(rstd, t1)
-            t3 = builder.fmul(k, c)
-            t4 = builder.fsub(t2, t3)
-            zero = ir.Constant(t4.type, None)
-            if dres is not None:
-                t4 = builder.fadd(t4, dres.load(index, lanes, double))
-            y = builder.fadd(t4, zero)
-            half = check and dx.dtype in (types.uint16, types.int16)
-            if half:
-                single = builder.fptrunc(y, _shaped(ir.FloatType(), y))
-                on = _on_boundary(builder, single, dx.dtype, lanes)
-                # RN16(RN32(y)) is RN16(y) unless RN32(y) is a boundary (none lies
-                # strictly between y and its nearest float32): rounded twice, cheaply,
-                # and the rare vector with a boundary rounded once, through round-to-odd
-                dx.store_raw(_narrow_off_boundary(builder, single, dx.dtype), index, lanes)
-                with builder.if_then(_any_lane(builder, on), likely=False):
-                    dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
-            else:
-                dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
-            u = builder.fmul(c, rstd)
-            store_partial(
-                dwp, builder.fadd(dwp.load(index, lanes, double), builder.fmul(g, u)), index, lanes
-            )
-            store_partial(dbp, builder.fadd(dbp.load(index, lanes, double), g), index, lanes)
-            if not check:
-                return
-            bound = k_0
-            if dres is not None:  # (else the caller folded 3.1u|y| into k_t1, k_c)
-                (k_y,) = _splat_all(builder, [double(3.1 * _U * _SLACK)], lanes)
-                bound = _mul_add(builder, k_y, _fabs(builder, y), k_0)
-            bound = _mul_add(builder, k_c, _fabs(builder, c), bound)
-            bound = _mul_add(builder, k_t1, _fabs(builder, t1), bound)
-            if half:
-                # r = RN32(y). When E < |r| 2^-25 (below half of r's gaps to its float32
-                # neighbours), [y - E, y + E] holds no float32 but r, and every rounding
-                # boundary of the half types is a float32: the rounding is decided
-                # unless r is one and |y - r| <= E.
-                r = builder.fpext(single, y.type)
-                inside = builder.fcmp_ordered("<=", _fabs(builder, builder.fsub(y, r)), bound)
-                on = builder.and_(on, inside)
-                (tiny,) = _splat_all(builder, [double(2.0**-25)], lanes)
-                loose = builder.fcmp_ordered(">", bound, builder.fmul(_fabs(builder, r), tiny))
-                differ = builder.zext(builder.or_(on, loose), _shaped(i32, y))
-            else:
-                low, high = builder.fsub(y, bound), builder.fadd(y, bound)
-                low = _as_bits(builder, narrow_once(builder, low, dx.dtype))
-                high = _as_bits(builder, narrow_once(builder, high, dx.dtype))
-                differ = builder.zext(builder.icmp_unsigned("!=", low, high), _shaped(i32, low))
+
+@intrinsic
+def _dx_rows_checked(
+    typingctx, weight, dweight_partial, dbias_partial,
+    dy, z, dresidual_out, dx, m1, delta, rstd, c2, k, k_t1, k_c, k_0,
+    dy_b, z_b, dresidual_out_b, dx_b, m1_b, delta_b, rstd_b, c2_b, k_b, k_t1_b, k_c_b, k_0_b,
+):  # fmt: skip
+    """:func:`_dx_row_checked` of two rows in one pass: the second row's arguments
+    follow the first's (the weight and the partial sums are shared). Each element of
+    the partial sums takes the first row's term, then the second's, as two passes would
+    add them (the same bits), with one load and one store instead of two. Returns bit 0
+    set when the first row is left open, bit 1 when the second is."""
+    sig = types.int32(
+        weight, dweight_partial, dbias_partial,
+        dy, z, dresidual_out, dx, m1, delta, rstd, c2, k, k_t1, k_c, k_0,
+        dy_b, z_b, dresidual_out_b, dx_b, m1_b, delta_b, rstd_b, c2_b, k_b, k_t1_b, k_c_b, k_0_b,
+    )  # fmt: skip
+
+    def codegen(context, builder, sig, args):
+        return _dx_codegen(context, builder, list(sig.args), list(args), 2)
+
+    return sig, codegen
+
+
+def _dx_codegen(context, builder: ir.IRBuilder, arg_types, args, count: int) -> ir.Value:
+    """The code of :func:`_dx_row_checked` (``count`` 1) and :func:`_dx_rows_checked`
+    (2): ``(weight, dweight_partial, dbias_partial)``, then per row ``(dy, z,
+    dresidual_out, dx)`` and its eight scalars. Returns the rows' open bits (bit ``r``
+    for row ``r``)."""
+
+    def row(i):
+        return None if arg_types[i] == types.none else Row(context, builder, arg_types[i], args[i])
+
+    w, dwp, dbp = row(0), row(1), row(2)
+    per_row = [(3 + 12 * r, [row(3 + 12 * r + j) for j in range(4)]) for r in range(count)]
+    double = ir.DoubleType()
+    width = vector_lanes(double)
+    dtype = per_row[0][1][3].dtype  # dx's (every row's)
+    check = dtype != types.float64
+    half = check and dtype in (types.uint16, types.int16)
+    i32 = ir.IntType(32)
+    flags = [
+        cgutils.alloca_once_value(builder, ir.Constant(ir.VectorType(i32, width), [0] * width))
+        for _ in range(count)
+    ]
+
+    def rounded(partial, value):
+        """``value`` as ``partial``'s dtype holds it (a float32 partial between rows)."""
+        if partial.dtype != types.float32:
+            return value
+        return builder.fpext(builder.fptrunc(value, _shaped(ir.FloatType(), value)), value.type)
+
+    def one_row(first, arrays, flag, wv, index, lanes):
+        """Row's dx stored and tested; returns its ``(dy, c * rstd)`` for the partials."""
+        dy, z, dres, dx = arrays
+        m1, delta, rstd, c2, k, k_t1, k_c, k_0 = _splat_all(
+            builder, args[first + 4 : first + 12], lanes
+        )
+        g, zv = (a.load(index, lanes, double) for a in (dy, z))
+        gh = builder.fmul(g, wv)
+        d = builder.fsub(zv, m1)
+        c = builder.fsub(d, delta)
+        t1 = builder.fsub(gh, c2)
+        t2 = builder.fmul(rstd, t1)
+        t3 = builder.fmul(k, c)
+        t4 = builder.fsub(t2, t3)
+        zero = ir.Constant(t4.type, None)
+        if dres is not None:
+            t4 = builder.fadd(t4, dres.load(index, lanes, double))
+        y = builder.fadd(t4, zero)
+        u = builder.fmul(c, rstd)
+        if not check:
+            dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
+            return g, u
+
+        def open_where(differ):
+            """ORs ``differ`` (an i1 or i32 per lane, nonzero where open) into the flags."""
+            if differ.type == _shaped(ir.IntType(1), differ):
+                differ = builder.zext(differ, _shaped(i32, differ))
             if lanes == 1:
                 differ = builder.insert_element(
                     ir.Constant(ir.VectorType(i32, width), [0] * width), differ, i32(0)
                 )
-            builder.store(builder.or_(builder.load(flags), differ), flags)
+            builder.store(builder.or_(builder.load(flag), differ), flag)
 
-        _elementwise(builder, dx.length, width, element)
-        packed = builder.bitcast(builder.load(flags), ir.IntType(32 * width))
-        return builder.zext(builder.icmp_unsigned("!=", packed, packed.type(0)), i32)
+        bound = k_0
+        if dres is not None:  # (else the caller folded 3.1u|y| into k_t1, k_c)
+            (k_y,) = _splat_all(builder, [double(3.1 * _U * _SLACK)], lanes)
+            bound = _mul_add(builder, k_y, _fabs(builder, y), k_0)
+        bound = _mul_add(builder, k_c, _fabs(builder, c), bound)
+        bound = _mul_add(builder, k_t1, _fabs(builder, t1), bound)
+        if half:
+            single = builder.fptrunc(y, _shaped(ir.FloatType(), y))
+            on = _on_boundary(builder, single, dx.dtype, lanes)
+            # RN16(RN32(y)) is RN16(y) unless RN32(y) is a boundary (none lies
+            # strictly between y and its nearest float32): rounded twice, cheaply,
+            # and the rare vector with a boundary rounded once, through round-to-odd
+            dx.store_raw(_narrow_off_boundary(builder, single, dx.dtype), index, lanes)
+            # r = RN32(y). When E < |r| 2^-25 (below half of r's gaps to its float32
+            # neighbours), [y - E, y + E] holds no float32 but r, and every rounding
+            # boundary of the half types is a float32: the rounding is decided
+            # unless r is one and |y - r| <= E (tested in the rare vector with one).
+            r = builder.fpext(single, y.type)
+            (tiny,) = _splat_all(builder, [double(2.0**-25)], lanes)
+            open_where(builder.fcmp_ordered(">", bound, builder.fmul(_fabs(builder, r), tiny)))
+            with builder.if_then(_any_lane(builder, on), likely=False):
+                dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
+                inside = builder.fcmp_ordered("<=", _fabs(builder, builder.fsub(y, r)), bound)
+                open_where(builder.and_(on, inside))
+        else:
+            dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
+            # float32: the ends' patterns' xor, nonzero where they round apart
+            low, high = builder.fsub(y, bound), builder.fadd(y, bound)
+            low = _as_bits(builder, narrow_once(builder, low, dx.dtype))
+            high = _as_bits(builder, narrow_once(builder, high, dx.dtype))
+            open_where(builder.xor(low, high))
+        return g, u
 
-    return sig, codegen
+    def element(index, lanes):
+        wv = w.load(index, lanes, double)
+        terms = [
+            one_row(first, arrays, flags[r], wv, index, lanes)
+            for r, (first, arrays) in enumerate(per_row)
+        ]
+        dweight = dwp.load(index, lanes, double)
+        dbias = dbp.load(index, lanes, double)
+        for r, (g, u) in enumerate(terms):
+            if r > 0:
+                dweight, dbias = rounded(dwp, dweight), rounded(dbp, dbias)
+            dweight = builder.fadd(dweight, builder.fmul(g, u))
+            dbias = builder.fadd(dbias, g)
+        for partial, value in ((dwp, dweight), (dbp, dbias)):
+            if partial.dtype == types.float32:
+                value = builder.fptrunc(value, _shaped(ir.FloatType(), value))
+            partial.store_raw(value, index, lanes)
+
+    _elementwise(builder, per_row[0][1][3].length, width, element)
+    result = i32(0)
+    for r in range(count):
+        packed = builder.bitcast(builder.load(flags[r]), ir.IntType(32 * width))
+        open_ = builder.zext(builder.icmp_unsigned("!=", packed, packed.type(0)), i32)
+        result = builder.or_(result, builder.shl(open_, i32(r)))
+    return result
 
 
 @_jit()
@@ -974,8 +1188,12 @@ def _chunked_backward_sums(dy, z, w, m1, n):
     """:func:`_backward_sums` of the row, in chunks of :data:`_CHUNK` elements (each one
     block of ``_numba_vectors``' order), the chunk totals added in order into groups of
     16, the group totals in order into the row's: fewer roundings on any path than one
-    sum over the row (:func:`_fast_gamma`), so a bound some 6 times tighter at N = 4096."""
+    sum over the row (:func:`_fast_gamma`), so a bound some 6 times tighter at N = 4096.
+    A row of one chunk is that chunk's sums as they are (``0 + s`` is ``s``: no sum of
+    ``_numba_vectors`` is ``-0.0``, its accumulators start at ``+0.0``)."""
     zero = 0.0
+    if 0 < n <= _CHUNK:
+        return _backward_sums(dy, z, w, m1, zero)
     t0 = t1 = t2 = t3 = t4 = zero
     for g in range(0, n, _GROUP):
         u0 = u1 = u2 = u3 = u4 = zero
@@ -1129,6 +1347,32 @@ def _no_residual(dresidual_out, stride, n):
 
 
 @_jit()
+def _backward_row_again(
+    i, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, dx, m1, n,
+    eps, rms,
+):  # fmt: skip
+    """Row ``i``'s dx once more, for a row whose constants or dx pass left it open (rare):
+    with compensated sums, whose bound is some 100 times tighter (the partial sums
+    already have the row's terms: a throwaway pair). Returns the row's fallback flag, 1
+    where this leaves it open too (the exact fallback's). Not inlined: the common path
+    passes it no arrays."""
+    dy_i = dy[i * dy_stride : i * dy_stride + n]
+    x_i = x[i * x_stride : i * x_stride + n]
+    dresidual_out_i = dresidual_out[i * dresidual_out_stride : i * dresidual_out_stride + n]
+    dx_i = dx[i * n : (i + 1) * n]
+    s_d, s_dd, s_g, s_gg, s_gd, gamma = _precise_backward_sums(dy_i, x_i, weight, m1, n)
+    delta, rstd_i, c2, k, k_t1, k_c, k_0, flag = _backward_constants(
+        s_d, s_dd, s_g, s_gg, s_gd, _backward_factors(n, gamma), n, eps, rms, False
+    )
+    throwaway = np.zeros(n)
+    checked = _dx_row_checked(
+        dy_i, x_i, dresidual_out_i, dx_i, weight, throwaway, throwaway,
+        m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
+    )  # fmt: skip
+    return np.uint8(flag | checked)
+
+
+@_jit()
 def _backward_block(
     block, dy, dy_stride, x, x_stride, dresidual_out, dresidual_out_stride, weight, mean,
     dx, dweight_partial, dbias_partial, flags, m, n, eps, rms, scratch, plain,
@@ -1170,39 +1414,55 @@ def _backward_block(
                 _chunked_backward_sums(dy_i, x_i, weight, m1, n)
             )
         _batch_constants(scratch, b, factors, n, eps, rms, plain)
-        for j in range(b):
+        for j in range(0, b, 2):  # two rows a pass (the partial sums loaded once)
             i = first + j
-            m1 = scratch[0, j]
-            delta, rstd_i, c2, k = scratch[6, j], scratch[7, j], scratch[8, j], scratch[9, j]
-            k_t1, k_c, k_0 = scratch[10, j], scratch[11, j], scratch[12, j]
-            flag = 1 if scratch[13, j] != 0.0 else 0
+            pair = j + 1 < b
             dy_i = dy[i * dy_stride : i * dy_stride + n]
             x_i = x[i * x_stride : i * x_stride + n]
-            dresidual_out_i = dresidual_out[i * dresidual_out_stride : i * dresidual_out_stride + n]
+            dres_i = dresidual_out[i * dresidual_out_stride : i * dresidual_out_stride + n]
             dx_i = dx[i * n : (i + 1) * n]
-            if plain:
-                checked = _dx_row_checked(
-                    dy_i, x_i, None, dx_i, weight, dweight_block, dbias_block,
-                    m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
-                )  # fmt: skip
+            m1, delta, rstd_i, c2 = scratch[0, j], scratch[6, j], scratch[7, j], scratch[8, j]
+            k, k_t1, k_c, k_0 = scratch[9, j], scratch[10, j], scratch[11, j], scratch[12, j]
+            if not pair:
+                if plain:
+                    opened = _dx_row_checked(
+                        dy_i, x_i, None, dx_i, weight, dweight_block, dbias_block,
+                        m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
+                    )  # fmt: skip
+                else:
+                    opened = _dx_row_checked(
+                        dy_i, x_i, dres_i, dx_i, weight, dweight_block, dbias_block,
+                        m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
+                    )  # fmt: skip
             else:
-                checked = _dx_row_checked(
-                    dy_i, x_i, dresidual_out_i, dx_i, weight, dweight_block, dbias_block,
-                    m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
-                )  # fmt: skip
-            if (flag | checked) != 0:
-                # rare: once more with compensated sums, whose bound is some 100 times
-                # tighter (the partial sums already have the row's terms: a throwaway pair)
-                s_d, s_dd, s_g, s_gg, s_gd, gamma = _precise_backward_sums(dy_i, x_i, weight, m1, n)
-                delta, rstd_i, c2, k, k_t1, k_c, k_0, flag = _backward_constants(
-                    s_d, s_dd, s_g, s_gg, s_gd, _backward_factors(n, gamma), n, eps, rms, False
-                )
-                throwaway = np.zeros(n)
-                checked = _dx_row_checked(
-                    dy_i, x_i, dresidual_out_i, dx_i, weight, throwaway, throwaway,
-                    m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
-                )  # fmt: skip
-            flags[i] = np.uint8(flag | checked)
+                h = i + 1
+                dy_h = dy[h * dy_stride : h * dy_stride + n]
+                x_h = x[h * x_stride : h * x_stride + n]
+                dres_h = dresidual_out[h * dresidual_out_stride : h * dresidual_out_stride + n]
+                dx_h = dx[h * n : (h + 1) * n]
+                if plain:
+                    opened = _dx_rows_checked(
+                        weight, dweight_block, dbias_block,
+                        dy_i, x_i, None, dx_i, m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
+                        dy_h, x_h, None, dx_h, scratch[0, j + 1], scratch[6, j + 1],
+                        scratch[7, j + 1], scratch[8, j + 1], scratch[9, j + 1],
+                        scratch[10, j + 1], scratch[11, j + 1], scratch[12, j + 1],
+                    )  # fmt: skip
+                else:
+                    opened = _dx_rows_checked(
+                        weight, dweight_block, dbias_block,
+                        dy_i, x_i, dres_i, dx_i, m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
+                        dy_h, x_h, dres_h, dx_h, scratch[0, j + 1], scratch[6, j + 1],
+                        scratch[7, j + 1], scratch[8, j + 1], scratch[9, j + 1],
+                        scratch[10, j + 1], scratch[11, j + 1], scratch[12, j + 1],
+                    )  # fmt: skip
+            for r in range(2 if pair else 1):
+                flags[i + r] = np.uint8(0)
+                if scratch[13, j + r] != 0.0 or (opened >> r) & 1 != 0:
+                    flags[i + r] = _backward_row_again(
+                        i + r, dy, dy_stride, x, x_stride, dresidual_out,
+                        dresidual_out_stride, weight, dx, scratch[0, j + r], n, eps, rms,
+                    )  # fmt: skip
 
 
 @_jit()
