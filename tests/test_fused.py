@@ -165,7 +165,12 @@ def test_residual_dtype_keeps_the_residual_stream_wide(dtype):
     h, _, _ = _expected_h(x, nshape, kw, 0.1, 2, F32)
     assert out.residual_out.dtype == F32 and torch.equal(out.residual_out, h)
     assert torch.equal(out.y, layernorm.layer_norm(h, nshape, w, b))
-    # a change of dtype alone makes h: x rounded... exactly, into the wider dtype
+    # y in x's dtype (the default), narrower than h's: the norm of h rounded once to it
+    out = fused_norm(x, nshape, w, b, dropout_p=0.1, seed=2, residual_dtype=F32, **kw)
+    assert out.residual_out.dtype == F32 and torch.equal(out.residual_out, h)
+    assert out.y.dtype == dtype
+    assert torch.equal(out.y, layernorm.layer_norm(h, nshape, w, b, out_dtype=dtype))
+    # a change of dtype alone makes h: x, exactly, in the wider dtype
     out = fused_norm(x, nshape, w, b, residual_dtype=F32, out_dtype=F32)
     assert torch.equal(out.residual_out, x.float())
 
