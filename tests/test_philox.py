@@ -173,7 +173,7 @@ def test_second_word_is_the_known_answer_and_independent():
     assert abs(corr) < 5 / math.sqrt(u0.numel())
     rate = philox.keep_mask(3, 40, 1000, 0.3, row_start=7, word=1).double().mean().item()
     assert abs(rate - 0.7) < 5 * math.sqrt(0.3 * 0.7 / u0.numel())
-    with pytest.raises(ValueError, match="dropout masks use Philox words 0 and 1, got word=2"):
+    with pytest.raises(ValueError, match="dropout uses Philox words 0 and 1, got word=2"):
         philox.random_bits(3, off, word=2)
 
 
