@@ -1,5 +1,5 @@
 """The fused dropout-add kernels (numba; Triton in its interpreter) against an exact
-``fractions.Fraction`` oracle: ``h = RN(k0·s·x0·rs + k1·s·x1 + residual)`` rounded once,
+``fractions.Fraction`` oracle and the torch version (``_dropout_add``), bit for bit: ``h = RN(k0·s·x0·rs + k1·s·x1 + residual)`` rounded once,
 the backward likewise, bit for bit across backends, batch and thread-count invariant,
 special values, layouts and errors."""
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from _triton_interpreter import import_for_the_interpreter
+from layernorm.backends import _dropout_add as td
 from layernorm.backends import _numba_dropout as nd
 from layernorm.backends import _philox as philox
 
@@ -132,6 +133,28 @@ def assert_same_bits(got: torch.Tensor | None, expected: torch.Tensor | None) ->
     assert torch.equal(got[~nan].view(bits), expected[~nan].view(bits))
 
 
+def check_forward(x0, x1, res, rs, seed, p, rdtype, backend=None):
+    """``backend``'s dropout_add (numba's by default) is the oracle's and torch's."""
+    dropout_add = nd.dropout_add if backend is None else backend
+    got = dropout_add(x0, x1, res, rs, seed, p, rdtype, True)
+    expected = oracle(x0, x1, res, rs, seed, p, rdtype)
+    torch_version = td.dropout_add(x0, x1, res, rs, seed, p, rdtype, True)
+    for a, b, c in zip(got, expected, torch_version, strict=True):
+        assert_same_bits(a, b)
+        assert_same_bits(c, b)
+    return got
+
+
+def check_backward(dh, rs, seed, p, x0_dtype, x1_dtype, res_dtype, backend=None):
+    backward = nd.dropout_add_backward if backend is None else backend
+    got = backward(dh, rs, seed, p, x0_dtype, x1_dtype, res_dtype)
+    expected = oracle_backward(dh, rs, seed, p, x0_dtype, x1_dtype, res_dtype)
+    torch_version = td.dropout_add_backward(dh, rs, seed, p, x0_dtype, x1_dtype, res_dtype)
+    for a, b, c in zip(got, expected, torch_version, strict=True):
+        assert_same_bits(a, b)
+        assert_same_bits(c, b)
+
+
 def _values(dtype: torch.dtype, shape, seed: int) -> torch.Tensor:
     """Random values over many binades, some zeros of both signs."""
     g = torch.Generator().manual_seed(seed)
@@ -165,10 +188,7 @@ FLAGS = [(a, b, c) for a in (False, True) for b in (False, True) for c in (False
 def test_numba_forward_is_the_exact_sum_rounded_once(dtype, p):
     for has_x1, has_res, has_rs in FLAGS:
         x0, x1, res, rs = _inputs(dtype, dtype, has_x1, has_res, has_rs)
-        got = nd.dropout_add(x0, x1, res, rs, 1234, p, dtype, True)
-        expected = oracle(x0, x1, res, rs, 1234, p, dtype)
-        for a, b in zip(got, expected, strict=True):
-            assert_same_bits(a, b)
+        check_forward(x0, x1, res, rs, 1234, p, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -176,19 +196,17 @@ def test_numba_forward_is_the_exact_sum_rounded_once(dtype, p):
 def test_numba_forward_residual_wider_than_x(dtype, rdtype):
     for has_x1, has_res, has_rs in FLAGS:
         x0, x1, res, rs = _inputs(dtype, rdtype, has_x1, has_res, has_rs, seed=5)
-        got = nd.dropout_add(x0, x1, res, rs, 99, 0.1, rdtype, True)
-        expected = oracle(x0, x1, res, rs, 99, 0.1, rdtype)
-        for a, b in zip(got, expected, strict=True):
-            assert_same_bits(a, b)
+        check_forward(x0, x1, res, rs, 99, 0.1, rdtype)
 
 
-def test_numba_forward_rowscale_of_another_dtype():
+def test_numba_forward_operands_of_other_dtypes():
     x0, x1, res, _ = _inputs(torch.float32, torch.float32, True, True, False)
     rs64 = torch.tensor([0.1, -3.0, 1 / 3], dtype=torch.float64)  # 53 significant bits
     rs16 = torch.tensor([0.1, -3.0, 1 / 3], dtype=torch.bfloat16)
     for rs in (rs64, rs16):
-        got = nd.dropout_add(x0, x1, res, rs, 3, 0.3, torch.float32, False)
-        assert_same_bits(got[0], oracle(x0, x1, res, rs, 3, 0.3, torch.float32)[0])
+        check_forward(x0, x1, res, rs, 3, 0.3, torch.float32)
+    # x1 in float64, x0 in bfloat16, a float16 residual, h in float32
+    check_forward(x0.bfloat16(), x1.double(), res.half(), rs64, 3, 0.3, torch.float32)
 
 
 def _midpoint_p() -> float:
@@ -243,8 +261,7 @@ def test_numba_fuzz_near_midpoints():
         x1 = (x0.double() * 2.0**-25).float()
         for rdtype in (torch.float32, torch.bfloat16):
             r = res.to(rdtype)
-            got = nd.dropout_add(x0, x1, r, None, 17, p, rdtype, False)[0]
-            assert_same_bits(got, oracle(x0, x1, r, None, 17, p, rdtype)[0])
+            check_forward(x0, x1, r, None, 17, p, rdtype)
 
 
 def test_numba_special_values():
@@ -255,8 +272,8 @@ def test_numba_special_values():
     res = torch.tensor([[0.0, inf, 1.0, 1.0, 1.0, -inf, -0.0, -0.0, -0.0, 0.0]] * 8)
     for p in (0.0, 0.5, 1.0):
         for args in ((x1, res), (None, res), (x1, None), (None, None)):
-            got = nd.dropout_add(x0, *args, None, 8, p, f32, True)
-            assert_same_bits(got[0], oracle(x0, *args, None, 8, p, f32)[0])
+            check_forward(x0, *args, None, 8, p, f32)
+            check_forward(x0, *args, torch.tensor([1.0, -0.0, 2, 3, 4, 5, 6, 7]), 8, p, f32)
     # p = 0: everything kept, IEEE's results; -0 only when every term is -0
     h = nd.dropout_add(x0[:1], x1[:1], res[:1], None, 8, 0.0, f32, False)[0][0]
     assert h[:6].isnan().tolist() == [False, True, True, True, True, True]
@@ -284,10 +301,7 @@ def test_numba_backward_is_the_exact_product_rounded_once(dtype, p):
     dh[0, :3] = torch.tensor([math.inf, -math.inf, math.nan])
     for rs in (None, _values(torch.float32, (3,), 22)):
         for x1_dtype, res_dtype in ((None, None), (dtype, dtype)):
-            got = nd.dropout_add_backward(dh, rs, 5, p, dtype, x1_dtype, res_dtype)
-            expected = oracle_backward(dh, rs, 5, p, dtype, x1_dtype, res_dtype)
-            for a, b in zip(got, expected, strict=True):
-                assert_same_bits(a, b)
+            check_backward(dh, rs, 5, p, dtype, x1_dtype, res_dtype)
 
 
 def test_numba_backward_narrower_gradients():
@@ -295,9 +309,8 @@ def test_numba_backward_narrower_gradients():
     dh = _values(torch.float32, (4, 50), 31)
     rs = _values(torch.float32, (4,), 32)
     bf = torch.bfloat16
-    got = nd.dropout_add_backward(dh, rs, 6, 0.3, bf, bf, bf)
-    for a, b in zip(got, oracle_backward(dh, rs, 6, 0.3, bf, bf, bf), strict=True):
-        assert_same_bits(a, b)
+    check_backward(dh, rs, 6, 0.3, bf, bf, bf)
+    check_backward(dh.double(), rs.double(), 6, 0.3, torch.float32, torch.float16, bf)
 
 
 # --- invariance and layouts --------------------------------------------------------------
@@ -333,17 +346,8 @@ def test_strided_rows_and_zero_size():
     x0 = base[::2, 3:40]  # row-strided: read in place
     x1 = base[1::2, 40:77]
     res = _values(torch.float32, (37, 3), 52).t()  # strided columns: copied
-    expected = oracle(x0, x1, res, None, 9, 0.4, torch.float32)
-    got = nd.dropout_add(x0, x1, res, None, 9, 0.4, torch.float32, True)
-    for a, b in zip(got, expected, strict=True):
-        assert_same_bits(a, b)
-    dh = base[::2, 3:40]
-    for a, b in zip(
-        nd.dropout_add_backward(dh, None, 9, 0.4, torch.float32, torch.float32, None),
-        oracle_backward(dh, None, 9, 0.4, torch.float32, torch.float32, None),
-        strict=True,
-    ):
-        assert_same_bits(a, b)
+    check_forward(x0, x1, res, None, 9, 0.4, torch.float32)
+    check_backward(base[::2, 3:40], None, 9, 0.4, torch.float32, torch.float32, None)
     for shape in ((0, 5), (4, 0)):
         h, m0, m1 = nd.dropout_add(torch.ones(shape), None, None, None, 0, 0.5, torch.float32, True)
         assert h.shape == m0.shape == shape and m1 is None
@@ -353,24 +357,30 @@ def test_strided_rows_and_zero_size():
         assert dx0.shape == dres.shape == shape and dx0.dtype == torch.float16 and dx1 is None
 
 
-def test_errors():
+def test_errors_are_the_torch_versions():
     x = torch.ones(2, 3)
-    with pytest.raises(RuntimeError, match="rowscale gets no gradient"):
-        nd.dropout_add(x, None, None, torch.ones(2, requires_grad=True), 0, 0.5, x.dtype, False)
-    with pytest.raises(TypeError, match=r"x1 must have x0.s dtype torch\.float32"):
-        nd.dropout_add(x, x.double(), None, None, 0, 0.5, x.dtype, False)
-    with pytest.raises(ValueError, match=r"residual must have shape \(2, 3\)"):
-        nd.dropout_add(x, None, torch.ones(3, 2), None, 0, 0.5, x.dtype, False)
-    with pytest.raises(ValueError, match=r"rowscale must be a floating tensor of shape \(2,\)"):
-        nd.dropout_add(x, None, None, torch.ones(3), 0, 0.5, x.dtype, False)
-    with pytest.raises(TypeError, match="x0 must be float16, bfloat16, float32 or float64"):
-        nd.dropout_add(x.int(), None, None, None, 0, 0.5, x.dtype, False)
-    with pytest.raises(ValueError, match="dropout probability has to be between 0 and 1"):
-        nd.dropout_add(x, None, None, None, 0, 1.5, x.dtype, False)
-    with pytest.raises(ValueError, match="x0 must be"):
-        nd.dropout_add(torch.ones(3), None, None, None, 0, 0.5, x.dtype, False)
-    with pytest.raises(TypeError, match="dropout seed must be an int"):
-        nd.dropout_add_backward(x, None, 0.5, 0.5, x.dtype, None, None)
+    calls = [
+        ((x, None, torch.ones(3, 2), None, 0, 0.5, x.dtype), ValueError,
+         r"residual must have shape \(2, 3\)"),
+        ((x, None, None, torch.ones(3), 0, 0.5, x.dtype), ValueError,
+         r"rowscale must have shape \(2,\)"),
+        ((x.int(), None, None, None, 0, 0.5, x.dtype), TypeError, "x0 must be a float tensor"),
+        ((x, None, None, None, 0, 1.5, x.dtype), ValueError,
+         "dropout probability has to be between 0 and 1"),
+        ((torch.ones(3), None, None, None, 0, 0.5, x.dtype), ValueError,
+         r"x0 must be an \(M, N\) row view"),
+        ((x, None, None, None, 0.5, 0.5, x.dtype), TypeError, "dropout seed must be an int"),
+        ((x, None, None, None, 0, 0.5, torch.int32), TypeError, "must be a float dtype"),
+    ]  # fmt: skip
+    for args, error, message in calls:
+        for dropout_add in (nd.dropout_add, td.dropout_add):
+            with pytest.raises(error, match=message):
+                dropout_add(*args, False)
+    for backward in (nd.dropout_add_backward, td.dropout_add_backward):
+        with pytest.raises(TypeError, match="gradient dtypes must be float dtypes"):
+            backward(x, None, 0, 0.5, x.dtype, torch.int64, None)
+        with pytest.raises(TypeError, match="dropout seed must be an int"):
+            backward(x, None, 0.5, 0.5, x.dtype, None, None)
 
 
 def test_the_kernels_record_the_code_they_inline():

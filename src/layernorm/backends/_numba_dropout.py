@@ -1,6 +1,7 @@
 """The fused dropout-add in numba: ``h = RN(k0·s·x0·rs + k1·s·x1 + residual)``, the exact
 sum rounded once, and its backward, bit for bit the torch version's (the definition and
-the interface: ``backends/_dropout_add.py``; the masks: docs/contract.md §7).
+the interface, the checks and the definition's special values:
+:mod:`layernorm.backends._dropout_add`; the masks: docs/contract.md §7).
 
 For row ``r`` and column ``c`` of ``(M, N)`` rows::
 
@@ -60,6 +61,7 @@ from numba.core.typing import signature
 from numba.extending import intrinsic
 
 from . import _numba_cache, _numba_philox, _numba_vectors, _philox, _threads
+from ._dropout_add import FLOAT_DTYPES, check_args
 from ._numba_philox import keep_from_bits, random_bits_pair
 from ._numba_vectors import narrow_once, widen
 
@@ -67,8 +69,6 @@ __all__ = ["DEPENDS_SHA256", "depends_digest", "dropout_add", "dropout_add_backw
 
 #: the digest of the inlined code this file's cached kernels were compiled with
 DEPENDS_SHA256 = "e83f498d0419979e"
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def depends_digest() -> str:
@@ -364,30 +364,19 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.shape[1] <= 1 or t.stride(1) == 1 else t.contiguous()
 
 
-def _check(name: str, t: torch.Tensor, m: int, n: int) -> None:
-    if t.dtype not in _DTYPES:
-        raise TypeError(
-            f"dropout_add: {name} must be float16, bfloat16, float32 or float64, got {t.dtype}"
-        )
-    if not t.is_cpu:
-        raise ValueError(
-            f"dropout_add: the numba kernels run on CPU tensors, {name} is on {t.device}"
-        )
-    if tuple(t.shape) != (m, n):
-        raise ValueError(f"dropout_add: {name} must have shape {(m, n)}, got {tuple(t.shape)}")
+def _on_cpu(**tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and not t.is_cpu:
+            raise ValueError(
+                f"dropout_add: the numba kernels take CPU tensors, {name} is on {t.device}"
+            )
 
 
-def _rowscale(rowscale: torch.Tensor | None, m: int) -> np.ndarray:
+def _rowscale(rowscale: torch.Tensor | None) -> np.ndarray:
+    """``rowscale`` as float64 (exact), a one-element placeholder when absent."""
     if rowscale is None:
         return np.ones(1, np.float64)
-    if rowscale.requires_grad:
-        raise RuntimeError("dropout_add: rowscale gets no gradient (as flash-attn's); detach it")
-    if not rowscale.is_floating_point() or tuple(rowscale.shape) != (m,):
-        raise ValueError(
-            f"dropout_add: rowscale must be a floating tensor of shape ({m},), "
-            f"got {rowscale.dtype} {tuple(rowscale.shape)}"
-        )
-    return rowscale.detach().to(torch.float64).contiguous().numpy()  # exact
+    return rowscale.detach().to(torch.float64).contiguous().numpy()
 
 
 def _run(kernel, args: tuple, m: int, n: int) -> None:
@@ -410,27 +399,16 @@ def dropout_add(
     without ``x1``).
 
     Raises:
-        TypeError: a dtype that is not float16/bfloat16/float32/float64, or ``x1`` of
-            another dtype than ``x0``.
-        ValueError: shapes that differ, a tensor not on the CPU, a bad ``p`` or ``seed``.
-        RuntimeError: a ``rowscale`` that requires grad.
+        TypeError, ValueError: as ``_dropout_add.check_args`` (the same checks and
+            messages as the torch version), and ValueError for tensors not on the CPU.
     """
-    if x0.dim() != 2:
-        raise ValueError(f"dropout_add: x0 must be (M, N) rows, got shape {tuple(x0.shape)}")
+    check_args(x0, x1, residual, rowscale, seed, p, rdtype)
+    _on_cpu(x0=x0)
     m, n = x0.shape
-    _check("x0", x0, m, n)
-    if x1 is not None:
-        _check("x1", x1, m, n)
-        if x1.dtype != x0.dtype:
-            raise TypeError(f"dropout_add: x1 must have x0's dtype {x0.dtype}, got {x1.dtype}")
-    if residual is not None:
-        _check("residual", residual, m, n)
-    if rdtype not in _DTYPES:
-        raise TypeError(f"dropout_add: rdtype must be a float dtype, got {rdtype}")
     k0, k1 = _philox.seed_key(seed)
     s = _philox.dropout_scale(p)
     p32 = np.float32(_philox.threshold(p))
-    scale = _rowscale(rowscale, m)
+    scale = _rowscale(rowscale)
     h = torch.empty((m, n), dtype=rdtype)
     mask0 = torch.empty((m, n), dtype=torch.bool) if want_masks else None
     mask1 = torch.empty((m, n), dtype=torch.bool) if want_masks and x1 is not None else None
@@ -465,19 +443,18 @@ def dropout_add_backward(
     dtype, from the forward's ``(seed, p)`` and ``rowscale``.
 
     Raises:
-        TypeError, ValueError, RuntimeError: as :func:`dropout_add`.
+        TypeError, ValueError: as :func:`dropout_add`.
     """
-    if dh.dim() != 2:
-        raise ValueError(f"dropout_add: dh must be (M, N) rows, got shape {tuple(dh.shape)}")
-    m, n = dh.shape
-    _check("dh", dh, m, n)
-    for dtype in (x0_dtype, x1_dtype, residual_dtype):
-        if dtype is not None and dtype not in _DTYPES:
+    check_args(dh, None, None, rowscale, seed, p, x0_dtype)
+    for dtype in (x1_dtype, residual_dtype):
+        if dtype is not None and dtype not in FLOAT_DTYPES:
             raise TypeError(f"dropout_add: gradient dtypes must be float dtypes, got {dtype}")
+    _on_cpu(dh=dh)
+    m, n = dh.shape
     k0, k1 = _philox.seed_key(seed)
     s = _philox.dropout_scale(p)
     p32 = np.float32(_philox.threshold(p))
-    scale = _rowscale(rowscale, m)
+    scale = _rowscale(rowscale)
     dx0 = torch.empty((m, n), dtype=x0_dtype)
     dx1 = torch.empty((m, n), dtype=x1_dtype) if x1_dtype is not None else None
     dres = torch.empty((m, n), dtype=residual_dtype) if residual_dtype is not None else None
