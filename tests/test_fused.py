@@ -319,6 +319,23 @@ def test_compile_fullgraph():
         assert_close(a, e, rtol=1e-6, atol=1e-6)
 
 
+def test_compile_draws_the_eager_seed():
+    """seed=None under torch.compile: the compiled graph's draw is eager's, so
+    torch.manual_seed gives the eager masks."""
+    x = torch.randn(4, 64)
+
+    def f(x):
+        return fused_norm(x, 64, dropout_p=0.5, return_dropout_mask=True).dropout_mask
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    torch.manual_seed(3)
+    eager = f(x)
+    torch.manual_seed(3)
+    assert torch.equal(compiled(x), eager)
+    assert not torch.equal(compiled(x), eager)  # the generator moved on
+
+
 def test_vmap_is_the_call_per_sample():
     """vmap over a leading batch: each sample is a call of its own (its rows 0..M-1, so
     its mask is what a call on it alone draws)."""
