@@ -347,6 +347,22 @@ def test_vmap_is_the_call_per_sample():
             assert torch.equal(a[i], e)
 
 
+def test_vmap_randomness_modes_are_torchs():
+    """seed=None under vmap draws as torch's random ops do: "same" one seed for every
+    sample (the same masks), "different" one per sample, "error" raises."""
+    x = torch.randn(3, 4, 64)
+
+    def f(x):
+        return fused_norm(x, 64, dropout_p=0.5, return_dropout_mask=True).dropout_mask
+
+    same = vmap(f, randomness="same")(x)
+    assert torch.equal(same[0], same[1]) and torch.equal(same[1], same[2])
+    different = vmap(f, randomness="different")(x)
+    assert not torch.equal(different[0], different[1])
+    with pytest.raises(RuntimeError, match="randomness error mode"):
+        vmap(f)(x)
+
+
 def test_func_grad_and_vjp_are_eager_autograd():
     args = [t.double() for t in _mech_inputs()]
     c = torch.randn(2, 3, 8, dtype=F64)
