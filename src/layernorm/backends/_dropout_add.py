@@ -36,9 +36,11 @@ that to float32, float16 or bfloat16 (``torch_.round_once``) rounds the sum once
 (53 >= 24 + 2; Boldo and Melquiond, "When double rounding is odd"). For ``rdtype``
 float64: ``fl(a1 + round_to_odd(a2, a3))``, the sum rounded once to nearest-even.
 **float64 operands:** the same algorithm; it is exact, and ``h`` correctly rounded, when
-no partial product leaves float64's normal range: every nonzero ``x0·rs``, ``x0·rs·s``
-and ``x1·s`` of magnitude in ``[2^-969, 2^995]`` (outside it Dekker's error term can
-lose bits or the splitting overflow: ``h`` is then what these float64 operations give).
+no product's error term falls below float64's normal range (every nonzero ``x0·rs``,
+``x0·rs·s`` and ``x1·s`` at least 2^-969 in magnitude: below, Dekker's error term loses
+bits and ``h`` is the sum of the pieces as computed, rounded once) and the first TwoSum
+sweep, which adds the pieces in the order of the IEEE evaluation below, does not
+overflow where that evaluation does not (terms up to about 2^1023 / 2).
 
 **Backward** (the masks regenerated from ``seed``, not stored)::
 
@@ -119,13 +121,20 @@ def _split(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _two_prod(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 ``a·b == product + error`` exactly (Dekker), when ``a·b`` and the partial
-    products stay in float64's normal range (module docstring)."""
+    """float64 ``a·b == product + error`` exactly (Dekker), when ``a·b`` is finite and
+    its error term is not below float64's normal range (module docstring). Operands
+    above 2^995 are scaled by 2^-60 for the splitting (which would overflow), and the
+    results scaled back: powers of two, exact."""
+    big = 2.0**995
+    scale_a = torch.where(a.abs() > big, 2.0**-60, 1.0)
+    scale_b = torch.where(b.abs() > big, 2.0**-60, 1.0)
+    a, b = a * scale_a, b * scale_b
     product = a * b
     ah, al = _split(a)
     bh, bl = _split(b)
     error = ((ah * bh - product) + ah * bl + al * bh) + al * bl
-    return product, error
+    back = 1.0 / (scale_a * scale_b)
+    return product * back, error * back
 
 
 def _two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,7 +180,9 @@ def round_sum(
     parts = [torch.where(finite, part, zero) for part in parts]
     while len(parts) < 3:
         parts.append(torch.zeros_like(parts[0]))
-    a = _distill(parts)
+    # (bottom first: the first sweep adds the terms in the IEEE evaluation's order, so
+    # that its partial sums overflow only where that evaluation's do)
+    a = _distill(parts[::-1])
     if dtype == torch.float64:
         total = a[0] + _philox._round_to_odd(a[1], a[2])
     else:
