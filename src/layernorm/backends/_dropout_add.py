@@ -192,6 +192,13 @@ def round_sum(
     return round_once(torch.where(finite, total, ieee), dtype)
 
 
+def _keep(seed: int, offset: torch.Tensor, p: float, word: int) -> torch.Tensor:
+    """``_philox.keep``, without drawing the Philox words where ``p32 == 0`` keeps all."""
+    if _philox.threshold(p) == 0.0:
+        return torch.ones(offset.shape, dtype=torch.bool, device=offset.device)
+    return _philox.keep(seed, offset, p, word=word)
+
+
 def _is_negative_zero(t: torch.Tensor) -> torch.Tensor:
     return (t == 0) & t.signbit()
 
@@ -218,8 +225,8 @@ def dropout_add(
     device = x0.device
     s = _philox.dropout_scale(p)
     offset = _philox.offsets(m, n, device=device)
-    k0 = _philox.keep(seed, offset, p, word=0)
-    k1 = None if x1 is None else _philox.keep(seed, offset, p, word=1)
+    k0 = _keep(seed, offset, p, 0)
+    k1 = None if x1 is None else _keep(seed, offset, p, 1)
     zero = torch.zeros((), dtype=torch.float64, device=device)
     scale = torch.tensor(s, dtype=torch.float64, device=device)
 
@@ -303,10 +310,10 @@ def dropout_add_backward(
     m, n = dh.shape
     s = _philox.dropout_scale(p)
     offset = _philox.offsets(m, n, device=dh.device)
-    dx0 = _scaled(dh, _philox.keep(seed, offset, p, word=0), s, rowscale, x0_dtype)
+    dx0 = _scaled(dh, _keep(seed, offset, p, 0), s, rowscale, x0_dtype)
     dx1 = None
     if x1_dtype is not None:
-        dx1 = _scaled(dh, _philox.keep(seed, offset, p, word=1), s, None, x1_dtype)
+        dx1 = _scaled(dh, _keep(seed, offset, p, 1), s, None, x1_dtype)
     dresidual = None
     if residual_dtype == dh.dtype:  # a new tensor: outputs never alias inputs
         dresidual = dh.clone(memory_format=torch.contiguous_format)
