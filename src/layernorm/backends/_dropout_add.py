@@ -26,7 +26,8 @@ inputs.
 
 **Arithmetic** (how the exact value is formed, so that any implementation can be
 checked against this one). Every operand is widened to float64. Each term is an exact
-sum of float64 numbers (TwoProd, :func:`_two_prod`: Dekker's product with Veltkamp's
+sum of float64 numbers (a float32 or 16-bit value times the two halves of ``s``,
+:func:`_times_scale`; else TwoProd, :func:`_two_prod`: Dekker's product with Veltkamp's
 splitting, exact for every product of float32 and 16-bit operands);
 the components are then distilled by error-free TwoSum sweeps
 (:func:`_distill`) to a fixed point ``a1 > a2 > ...`` where ``fl(a_i + a_(i+1)) = a_i``:
@@ -137,6 +138,18 @@ def _two_prod(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return product * back, error * back
 
 
+def _times_scale(
+    wide: torch.Tensor, dtype: torch.dtype, s: float, scale: torch.Tensor
+) -> list[torch.Tensor]:
+    """``wide·s`` exactly, as two float64 tensors: ``wide`` (a ``dtype`` tensor widened)
+    times ``s``'s two halves (29 and 24 bits, ``_philox._split``) when ``dtype`` has at
+    most 24 bits (both products exact), else Dekker's product."""
+    if dtype == torch.float64:
+        return list(_two_prod(wide, scale))
+    high, low = _philox._split(s)
+    return [wide * high, wide * low]
+
+
 def _two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # Knuth's TwoSum: a + b == total + error exactly
     total = a + b
@@ -241,7 +254,7 @@ def dropout_add(
     else:
         ieee = wide * s
         neg = _is_negative_zero(wide)
-        terms = list(_two_prod(wide, scale))
+        terms = _times_scale(wide, x0.dtype, s, scale)
     ieee = torch.where(k0, ieee, zero)
     neg = neg & k0
     parts += [torch.where(k0, term, zero) for term in terms]
@@ -250,7 +263,7 @@ def dropout_add(
         wide1 = x1.to(torch.float64)
         ieee = ieee + torch.where(k1, wide1 * s, zero)
         neg = neg & k1 & _is_negative_zero(wide1)
-        parts += [torch.where(k1, term, zero) for term in _two_prod(wide1, scale)]
+        parts += [torch.where(k1, term, zero) for term in _times_scale(wide1, x1.dtype, s, scale)]
     if residual is not None:
         wide_r = residual.to(torch.float64)
         ieee = ieee + wide_r
@@ -279,7 +292,7 @@ def _scaled(
         terms = [*_two_prod(product, scale), *_two_prod(error, scale)]
     else:
         product = wide
-        terms = list(_two_prod(wide, scale))
+        terms = _times_scale(wide, dh.dtype, s, scale)
     ieee = torch.where(keep, product * s, zero)
     parts = [torch.where(keep, term, zero) for term in terms]
     return round_sum(parts, _is_negative_zero(ieee), ieee, dtype)
