@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from _triton_interpreter import import_for_the_interpreter
+from _triton_interpreter import HAS_TRITON, import_for_the_interpreter
 from layernorm.backends import _dropout_add as td
 from layernorm.backends import _numba_dropout as nd
 from layernorm.backends import _philox as philox
@@ -311,6 +311,85 @@ def test_numba_backward_narrower_gradients():
     bf = torch.bfloat16
     check_backward(dh, rs, 6, 0.3, bf, bf, bf)
     check_backward(dh.double(), rs.double(), 6, 0.3, torch.float32, torch.float16, bf)
+
+
+# --- Triton, interpreted ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tdrop():
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.rand, InterpretedFunction):
+        pytest.skip("triton was imported compiled: run TRITON_INTERPRET=1 pytest " + __file__)
+    from layernorm.backends import _triton_dropout
+
+    return _triton_dropout
+
+
+@pytest.mark.parametrize("p", PROBABILITIES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_forward_is_numbas_and_torchs(tdrop, dtype, p):
+    for has_x1, has_res, has_rs in FLAGS:
+        x0, x1, res, rs = _inputs(dtype, dtype, has_x1, has_res, has_rs)
+        got = check_forward(x0, x1, res, rs, 1234, p, dtype, backend=tdrop.dropout_add)
+        for a, b in zip(got, nd.dropout_add(x0, x1, res, rs, 1234, p, dtype, True), strict=True):
+            assert_same_bits(a, b)
+
+
+def test_triton_special_values_midpoints_and_wider_residual(tdrop):
+    inf, nan = math.inf, math.nan
+    x0 = torch.tensor([[inf, -inf, nan, inf, 1.0, 2.0, -0.0, -0.0, 0.0, 1.0, 1.0, 1.0]] * 4)
+    x1 = torch.tensor([[1.0, 2.0, 3.0, -inf, nan, inf, -0.0, 0.0, -0.0, -1.0, 2**-60, 0]] * 4)
+    res = torch.tensor([[0.0, inf, 1.0, 1.0, 1.0, -inf, -0.0, -0.0, -0.0, 0.0, 2**-24, 0]] * 4)
+    for p in (0.0, 0.5, 1.0):
+        for args in ((x1, res), (None, res), (x1, None), (None, None)):
+            check_forward(x0, *args, None, 8, p, torch.float32, backend=tdrop.dropout_add)
+    res64 = res.double()
+    res64[:, 10] = 2.0**-53
+    check_forward(x0, x1, res64, None, 8, 0.0, torch.float64, backend=tdrop.dropout_add)
+    p = _midpoint_p()
+    x = torch.full((1, 64), 0.75)
+    check_forward(x, None, None, None, 0, p, torch.float32, backend=tdrop.dropout_add)
+    for dtype in (torch.bfloat16, torch.float16):
+        for rdtype in (torch.float32, torch.float64):
+            x0, x1, res, rs = _inputs(dtype, rdtype, True, True, True, seed=5)
+            check_forward(x0, x1, res, rs, 99, 0.1, rdtype, backend=tdrop.dropout_add)
+            check_forward(x0, x1, None, rs.double(), 99, 0.1, rdtype, backend=tdrop.dropout_add)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_backward_is_numbas_and_torchs(tdrop, dtype):
+    dh = _values(dtype, (3, 37), 21)
+    dh[0, :3] = torch.tensor([math.inf, -math.inf, math.nan])
+    back = tdrop.dropout_add_backward
+    for p in (0.0, 0.1, 1.0):
+        for rs in (None, _values(torch.float32, (3,), 22)):
+            for x1_dtype, res_dtype in ((None, None), (dtype, dtype)):
+                check_backward(dh, rs, 5, p, dtype, x1_dtype, res_dtype, backend=back)
+    check_backward(dh, None, 5, 0.3, torch.bfloat16, torch.float16, torch.bfloat16, backend=back)
+
+
+def test_triton_layouts_blocks_and_batch_invariance(tdrop):
+    # rows wider than a block (several programs per row), strided rows, zero size
+    base = _values(torch.bfloat16, (6, 2100), 61)
+    x0, x1 = base[::2, 3:2000], base[1::2, 5:2002]
+    res = _values(torch.float32, (1997, 3), 62).t()
+    got = tdrop.dropout_add(x0, x1, res, None, 2**64 - 1, 0.3, torch.float32, True)
+    for a, b in zip(
+        got, nd.dropout_add(x0, x1, res, None, 2**64 - 1, 0.3, torch.float32, True), strict=True
+    ):
+        assert_same_bits(a, b)
+    part = tdrop.dropout_add(x0[:2], x1[:2], res[:2], None, 2**64 - 1, 0.3, torch.float32, True)
+    for a, b in zip(part, got, strict=True):
+        assert_same_bits(a, b[:2])
+    h, m0, m1 = tdrop.dropout_add(torch.ones(0, 5), None, None, None, 0, 0.5, torch.float32, True)
+    assert h.shape == m0.shape == (0, 5) and m1 is None
+    with pytest.raises(ValueError, match="x0 must be an"):
+        tdrop.dropout_add(torch.ones(3), None, None, None, 0, 0.5, torch.float32, False)
 
 
 # --- invariance and layouts --------------------------------------------------------------
