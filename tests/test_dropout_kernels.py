@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+import subprocess
+import sys
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -390,6 +394,60 @@ def test_triton_layouts_blocks_and_batch_invariance(tdrop):
     assert h.shape == m0.shape == (0, 5) and m1 is None
     with pytest.raises(ValueError, match="x0 must be an"):
         tdrop.dropout_add(torch.ones(3), None, None, None, 0, 0.5, torch.float32, False)
+
+
+_COMPILE = """
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from layernorm.backends import _triton_dropout as td
+
+def fmas(fn, sig, constexprs):
+    names = list(sig)
+    for k in constexprs:
+        sig[k] = "constexpr"
+    names = list(sig)
+    src = ASTSource(fn=fn, signature=sig,
+                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=td.LAUNCH).asm["ptx"]
+    return len(re.findall(r"\\bfma\\.rn\\.f64", ptx))
+
+for x, out in (("bf16", "bf16"), ("fp16", "fp32"), ("fp32", "fp32"), ("fp64", "fp64")):
+    sig = {"X0": f"*{x}", "X1": f"*{x}", "RES": f"*{out}", "RS": "*fp64", "H": f"*{out}",
+           "M0": "*i1", "M1": "*i1", "stride_x0": "i64", "stride_x1": "i64",
+           "stride_res": "i64", "n_cols": "i32", "seed": "i64", "p": "fp32", "s_bits": "i64"}
+    cx = {"HAS_X1": True, "HAS_RES": True, "HAS_RS": True, "WANT_MASKS": True,
+          "NEAREST": out == "fp64", "BLOCK": 1024}
+    print("forward", x, out, fmas(td.forward_kernel, sig, cx))
+sig = {"DH": "*fp32", "RS": "*fp64", "DX0": "*bf16", "DX1": "*bf16", "DRES": "*fp32",
+       "stride_dh": "i64", "n_cols": "i32", "seed": "i64", "p": "fp32", "s_bits": "i64"}
+cx = {"HAS_RS": True, "HAS_X1": True, "HAS_RES": True, "NEAREST0": False, "NEAREST1": False,
+      "BLOCK": 1024}
+print("backward", fmas(td.backward_kernel, sig, cx))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_triton_kernels_compile_for_sm90_with_only_the_explicit_fmas():
+    # With the backend's launch options (no fp fusion), the only fmas in the PTX are the
+    # four explicit tl.fma per element (TwoProd's errors: x0·rs, its two halves ·s, x1·s;
+    # backward: dh·rs, ·s twice, dh·s), 8 elements per thread (1024 columns, 4 warps):
+    # no product is fused into a TwoSum.
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / "src"), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "forward bf16 bf16 32",
+        "forward fp16 fp32 32",
+        "forward fp32 fp32 32",
+        "forward fp64 fp64 32",
+        "backward 32",
+    ]
 
 
 # --- invariance and layouts --------------------------------------------------------------

@@ -200,10 +200,9 @@ def forward_kernel(
         c4 = zero
         c5 = zero
         n1 = -zero  # no term: IEEE's neutral zero, -0.0
+    r = -zero  # no residual: IEEE's neutral zero
     if HAS_RES:
         r = _wide(tl.load(RES + row * stride_res + cols, mask=inside, other=0.0))
-    else:
-        r = -zero
     t, u, rest = _scan(c0, c1, c2, c3, c4, c5, r)
     naive = (n0 + n1) + r
     all_zero = (n0 == 0.0) & (n1 == 0.0) & (r == 0.0)
