@@ -319,7 +319,7 @@ def _forward_rows(
         for c in range(n_cols):
             w0, w1 = random_bits_pair(k0, k1, base + c)
             keep0[c] = keep_from_bits(w0, p32)
-            keep1[c] = keep_from_bits(w1, p32) and has_x1
+            keep1[c] = keep_from_bits(w1, p32)  # unused without x1
         for c in range(n_cols):
             wide0[c] = _wide(x0[i * sx0 + c])
         if has_x1:
