@@ -24,7 +24,8 @@ Boldo and Melquiond), so every output element is the exact value rounded once.
 The pieces are exact while no product underflows: for float32/16-bit inputs always (their
 products stay above 2^-400); float64 inputs whose products fall below about 2^-969 lose
 the bits of their error terms below float64's subnormal grid (the result is then the sum
-of the rounded pieces, rounded once). Not compiled with ``fastmath`` (it would reorder
+of the rounded pieces, rounded once), and terms near float64's overflow threshold may
+overflow in a TwoSum (Inf or NaN where the exact sum is finite). Not compiled with ``fastmath`` (it would reorder
 the TwoSums); LLVM on the CPU contracts nothing without it.
 
 **Special values.** A dropped term is +0.0 whatever ``x`` is (NaN, Inf). When a kept
@@ -64,6 +65,7 @@ from . import _numba_cache, _numba_philox, _numba_vectors, _philox, _threads
 from ._dropout_add import FLOAT_DTYPES, check_args
 from ._numba_philox import keep_from_bits, random_bits_pair
 from ._numba_vectors import narrow_once, widen
+from .torch_ import contiguous_rows
 
 __all__ = ["DEPENDS_SHA256", "depends_digest", "dropout_add", "dropout_add_backward"]
 
@@ -273,6 +275,29 @@ def _finish(t, u, rest, naive, all_zero, nearest):  # pragma: no cover - compile
 # --- the row kernels -----------------------------------------------------------------------
 
 
+@_jit(inline="always")
+def _exact_h(x0v, keep0, scale, x1v, keep1, has_x1, r, s, nearest):  # pragma: no cover
+    """One element of ``h`` (float64: rounded to nearest when ``nearest``, else to odd),
+    exactly as the module's docstring says. ``r``: the residual, -0.0 when absent."""
+    a, b = _two_prod(x0v, scale)
+    c0, c1 = _two_prod(a, s)
+    c2, c3 = _two_prod(b, s)
+    n0 = a * s
+    if not keep0:
+        c0 = c1 = c2 = c3 = n0 = 0.0
+    c4 = c5 = 0.0
+    n1 = -0.0  # no term: IEEE's neutral zero
+    if has_x1:
+        c4, c5 = _two_prod(x1v, s)
+        n1 = c4
+        if not keep1:
+            c4 = c5 = n1 = 0.0
+    t, u, rest = _scan(c0, c1, c2, c3, c4, c5, r)
+    naive = (n0 + n1) + r
+    all_zero = n0 == 0.0 and n1 == 0.0 and r == 0.0
+    return _finish(t, u, rest, naive, all_zero, nearest)
+
+
 @_jit()
 def _forward_rows(
     x0, sx0, x1, sx1, res, sres, rs, h, m0, m1,
@@ -280,36 +305,41 @@ def _forward_rows(
 ):  # fmt: skip  # pragma: no cover - compiled
     """Rows ``row_lo .. row_hi - 1`` of ``h`` (and the masks, ``want_masks``); see the
     module's docstring. Arrays are flat (row ``i`` at ``i * stride``); ``h`` and the
-    masks are contiguous."""
+    masks are contiguous. Per row, three loops: the masks (LLVM vectorizes the Philox
+    rounds there: 7x faster than inside the element loop), the operands widened to
+    float64 rows (16-bit loads in the element loop make LLVM pick 32-lane vectors, whose
+    float64 arithmetic spills: 7-10x slower), then :func:`_exact_h` per element."""
+    keep0 = np.empty(n_cols, np.bool_)
+    keep1 = np.empty(n_cols, np.bool_)
+    wide0 = np.empty(n_cols, np.float64)
+    wide1 = np.zeros(n_cols, np.float64)
+    wide_r = np.full(n_cols, -0.0)  # no residual: IEEE's neutral zero
     for i in range(row_lo, row_hi):
         scale = rs[i] if has_rs else 1.0
         base = np.int64(i) * np.int64(n_cols)
         for c in range(n_cols):
             w0, w1 = random_bits_pair(k0, k1, base + c)
-            keep0 = keep_from_bits(w0, p32)
-            keep1 = keep_from_bits(w1, p32)
-            a, b = _two_prod(_wide(x0[i * sx0 + c]), scale)
-            c0, c1 = _two_prod(a, s)
-            c2, c3 = _two_prod(b, s)
-            n0 = a * s
-            if not keep0:
-                c0 = c1 = c2 = c3 = n0 = 0.0
-            c4 = c5 = 0.0
-            n1 = -0.0  # no term: IEEE's neutral zero
+            keep0[c] = keep_from_bits(w0, p32)
+            keep1[c] = keep_from_bits(w1, p32)  # unused without x1
+        for c in range(n_cols):
+            wide0[c] = _wide(x0[i * sx0 + c])
+        if has_x1:
+            for c in range(n_cols):
+                wide1[c] = _wide(x1[i * sx1 + c])
+        if has_res:
+            for c in range(n_cols):
+                wide_r[c] = _wide(res[i * sres + c])
+        for c in range(n_cols):
+            v = _exact_h(
+                wide0[c], keep0[c], scale, wide1[c], keep1[c], has_x1, wide_r[c], s, nearest
+            )
+            h[base + c] = _stored(v, h)
+        if want_masks:
+            for c in range(n_cols):
+                m0[base + c] = keep0[c]
             if has_x1:
-                c4, c5 = _two_prod(_wide(x1[i * sx1 + c]), s)
-                n1 = c4
-                if not keep1:
-                    c4 = c5 = n1 = 0.0
-            r = _wide(res[i * sres + c]) if has_res else -0.0
-            t, u, rest = _scan(c0, c1, c2, c3, c4, c5, r)
-            naive = (n0 + n1) + r
-            all_zero = n0 == 0.0 and n1 == 0.0 and r == 0.0
-            h[base + c] = _stored(_finish(t, u, rest, naive, all_zero, nearest), h)
-            if want_masks:
-                m0[base + c] = keep0
-                if has_x1:
-                    m1[base + c] = keep1
+                for c in range(n_cols):
+                    m1[base + c] = keep1[c]
 
 
 @_jit()
@@ -318,29 +348,31 @@ def _backward_rows(
     has_rs, has_x1, has_res, nearest0, nearest1, row_lo, row_hi,
 ):  # fmt: skip  # pragma: no cover - compiled
     """Rows ``row_lo .. row_hi - 1`` of ``dx0``, ``dx1`` (``has_x1``) and ``dresidual``
-    (``has_res``); outputs contiguous."""
+    (``has_res``); outputs contiguous. The masks and ``dh`` widened first, in loops of
+    their own, as :func:`_forward_rows`; each gradient is :func:`_exact_h` of one term
+    (no ``x1``, no residual: the product rounded once), in a loop of its own."""
+    keep0 = np.empty(n_cols, np.bool_)
+    keep1 = np.empty(n_cols, np.bool_)
+    wide = np.empty(n_cols, np.float64)
     for i in range(row_lo, row_hi):
         scale = rs[i] if has_rs else 1.0
         base = np.int64(i) * np.int64(n_cols)
         for c in range(n_cols):
             w0, w1 = random_bits_pair(k0, k1, base + c)
-            g = _wide(dh[i * sdh + c])
-            a, b = _two_prod(g, scale)
-            c0, c1 = _two_prod(a, s)
-            c2, c3 = _two_prod(b, s)
-            n0 = a * s
-            if not keep_from_bits(w0, p32):
-                c0 = c1 = c2 = c3 = n0 = 0.0
-            t, u, rest = _scan(c0, c1, c2, c3, 0.0, 0.0, 0.0)
-            dx0[base + c] = _stored(_finish(t, u, rest, n0, n0 == 0.0, nearest0), dx0)
-            if has_x1:
-                c4, c5 = _two_prod(g, s)
-                if not keep_from_bits(w1, p32):
-                    c4 = c5 = 0.0
-                t, u, rest = _scan(c4, c5, 0.0, 0.0, 0.0, 0.0, 0.0)
-                dx1[base + c] = _stored(_finish(t, u, rest, c4, c4 == 0.0, nearest1), dx1)
-            if has_res:
-                dres[base + c] = _stored(g, dres)
+            keep0[c] = keep_from_bits(w0, p32)
+            keep1[c] = keep_from_bits(w1, p32)
+        for c in range(n_cols):
+            wide[c] = _wide(dh[i * sdh + c])
+        for c in range(n_cols):
+            v = _exact_h(wide[c], keep0[c], scale, 0.0, False, False, -0.0, s, nearest0)
+            dx0[base + c] = _stored(v, dx0)
+        if has_x1:
+            for c in range(n_cols):
+                v = _exact_h(wide[c], keep1[c], 1.0, 0.0, False, False, -0.0, s, nearest1)
+                dx1[base + c] = _stored(v, dx1)
+        if has_res:
+            for c in range(n_cols):
+                dres[base + c] = _stored(wide[c], dres)
 
 
 # --- torch front ----------------------------------------------------------------------------
@@ -357,11 +389,6 @@ def _flat(t: torch.Tensor) -> tuple[np.ndarray, int]:
     if t.dtype == torch.bfloat16:
         return span.view(torch.int16).numpy().view(np.uint16), stride
     return span.numpy(), stride
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with unit column stride (a copy only when its columns are strided)."""
-    return t if t.shape[1] <= 1 or t.stride(1) == 1 else t.contiguous()
 
 
 def _on_cpu(**tensors: torch.Tensor | None) -> None:
@@ -414,9 +441,9 @@ def dropout_add(
     mask1 = torch.empty((m, n), dtype=torch.bool) if want_masks and x1 is not None else None
     if m * n == 0:
         return h, mask0, mask1
-    a0, s0 = _flat(_rows(x0))
-    a1, s1 = _flat(_rows(x1)) if x1 is not None else (a0, s0)
-    ar, sr = _flat(_rows(residual)) if residual is not None else _flat(h)
+    a0, s0 = _flat(contiguous_rows(x0))
+    a1, s1 = _flat(contiguous_rows(x1)) if x1 is not None else (a0, s0)
+    ar, sr = _flat(contiguous_rows(residual)) if residual is not None else _flat(h)
     dummy = np.zeros(1, np.bool_)
     args = (
         a0, s0, a1, s1, ar, sr, scale, _flat(h)[0],
@@ -460,7 +487,7 @@ def dropout_add_backward(
     dres = torch.empty((m, n), dtype=residual_dtype) if residual_dtype is not None else None
     if m * n == 0:
         return dx0, dx1, dres
-    g, sg = _flat(_rows(dh))
+    g, sg = _flat(contiguous_rows(dh))
     o0 = _flat(dx0)[0]
     args = (
         g, sg, scale, o0,
