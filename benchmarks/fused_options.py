@@ -106,6 +106,57 @@ def norm_linear(x, r, w, b, n):
     )
 
 
+def out_dtype_narrower(x, r, w, b, n):
+    x32, w32, b32 = (v.detach().float().requires_grad_(v.requires_grad) for v in (x, w, b))
+    return (
+        lambda: F.layer_norm(x32, (n,), w32, b32).to(torch.bfloat16),
+        lambda: layernorm.layer_norm(x32, (n,), w32, b32, out_dtype=torch.bfloat16),
+        (x32, w32, b32),
+        True,
+    )
+
+
+def residual_dtype(x, r, w, b, n):
+    r32 = r.detach().float().requires_grad_(r.requires_grad)
+
+    def theirs():
+        h = x.float() + r32
+        return F.layer_norm(h, (n,), w.float(), b.float()).to(x.dtype), h
+
+    return (
+        theirs,
+        lambda: layernorm.add_layer_norm(x, r32, (n,), w, b, residual_dtype=torch.float32),
+        (x, r32, w, b),
+        True,
+    )
+
+
+def dropout(x, r, w, b, n):
+    def theirs():
+        h = F.dropout(x, 0.1) + r
+        return F.layer_norm(h, (n,), w, b), h
+
+    def ours():
+        out = layernorm.fused_norm(x, (n,), w, b, residual=r, dropout_p=0.1)
+        return out.y, out.residual_out
+
+    return theirs, ours, (x, r, w, b), True
+
+
+def two_weights(x, r, w, b, n):
+    x1, w1, b1 = (v.detach().clone().requires_grad_(v.requires_grad) for v in (x, w, b))
+
+    def theirs():
+        h = x + x1 + r
+        return F.layer_norm(h, (n,), w, b), F.layer_norm(h, (n,), w1, b1), h
+
+    def ours():
+        out = layernorm.fused_norm(x, (n,), w, b, residual=r, x1=x1, weight1=w1, bias1=b1)
+        return out.y, out.y1, out.residual_out
+
+    return theirs, ours, (x, x1, r, w, b, w1, b1), True
+
+
 CASES: dict[str, Case] = {
     "offset": offset,
     "casting_gemma": casting_gemma,
@@ -114,6 +165,10 @@ CASES: dict[str, Case] = {
     "out": out,
     "memory_efficient": memory_efficient,
     "norm_linear": norm_linear,
+    "out_dtype_narrower": out_dtype_narrower,
+    "residual_dtype": residual_dtype,
+    "dropout": dropout,
+    "two_weights": two_weights,
 }
 
 
