@@ -233,31 +233,52 @@ def _scan(c0, c1, c2, c3, c4, c5, c6):  # pragma: no cover - compiled
     u = 0.0
     rest = 0.0
     for e in (e5, e4, e3, e2, e1, e0):
-        if u != 0.0:
-            if rest == 0.0:
-                rest = e
-        else:
-            t, u = _two_sum(t, e)
+        t, u, rest = _scan_step(t, u, rest, e)
     return t, u, rest
+
+
+@_jit(inline="always")
+def _scan_step(t, u, rest, e):  # pragma: no cover - compiled
+    """One step of :func:`_scan`'s walk down the expansion, without branches (selects,
+    so that LLVM vectorizes the element loops): while ``u == 0``, ``(t, u) = TwoSum(t,
+    e)``; after, the first nonzero ``e`` becomes ``rest``."""
+    t2, u2 = _two_sum(t, e)
+    still = u == 0.0
+    rest = e if (not still and rest == 0.0) else rest
+    return (t2 if still else t), (u2 if still else u), rest
+
+
+@_jit(inline="always")
+def _scan3(c0, c1, c2):  # pragma: no cover - compiled
+    """:func:`_scan` of three float64 (Grow-Expansion of three, then the same walk): the
+    same ``(t, u, rest)`` contract, so the same rounded sum as :func:`_scan` of these
+    three and four zeros (the rounding of an exact sum is unique)."""
+    q, e0 = _two_sum(c1, c0)
+    e1 = q
+    q, e0 = _two_sum(c2, e0)
+    q, e1 = _two_sum(q, e1)
+    t, u, rest = _scan_step(q, 0.0, 0.0, e1)
+    return _scan_step(t, u, rest, e0)
 
 
 @_jit(inline="always")
 def _neighbour(t, u):  # pragma: no cover - compiled
     """The float64 next to ``t`` (nonzero) on ``u``'s side."""
     b = _bits(t)
-    return _from_bits(b + 1 if (u > 0.0) == (t > 0.0) else b - 1)
+    return _from_bits(b + (1 if (u > 0.0) == (t > 0.0) else -1))
 
 
 @_jit(inline="always")
 def _rounded(t, u, rest, nearest):  # pragma: no cover - compiled
     """:func:`_scan`'s sum rounded once in float64: to nearest-even (``nearest``) or to
     odd (for a second rounding to a narrower dtype)."""
-    if u == 0.0:
-        return t
     n = _neighbour(t, u)
     if nearest:  # t is RN of the top; past a tie when the rest leans towards n
-        return n if (n - t == 2.0 * u and rest != 0.0 and (rest > 0.0) == (u > 0.0)) else t
-    return t if _bits(t) & 1 else n
+        tie = (n - t == 2.0 * u) & (rest != 0.0) & ((rest > 0.0) == (u > 0.0))
+        v = n if tie else t
+    else:
+        v = t if _bits(t) & 1 else n
+    return t if u == 0.0 else v
 
 
 @_jit(inline="always")
@@ -265,11 +286,9 @@ def _finish(t, u, rest, naive, all_zero, nearest):  # pragma: no cover - compile
     """The rounded sum, with the special values of the module's rules: ``naive`` (the IEEE
     sum of the rounded terms) when it is not finite, or when the exact sum is 0 and every
     term is a zero (its signed zero); +0.0 for any other exact zero."""
-    if not np.isfinite(naive):
-        return naive
-    if t == 0.0 and u == 0.0:
-        return naive if all_zero else 0.0
-    return _rounded(t, u, rest, nearest)
+    v = _rounded(t, u, rest, nearest)
+    v = (naive if all_zero else 0.0) if ((t == 0.0) & (u == 0.0)) else v
+    return v if np.isfinite(naive) else naive
 
 
 # --- the row kernels -----------------------------------------------------------------------
@@ -294,7 +313,23 @@ def _exact_h(x0v, keep0, scale, x1v, keep1, has_x1, r, s, nearest):  # pragma: n
             c4 = c5 = n1 = 0.0
     t, u, rest = _scan(c0, c1, c2, c3, c4, c5, r)
     naive = (n0 + n1) + r
-    all_zero = n0 == 0.0 and n1 == 0.0 and r == 0.0
+    all_zero = (n0 == 0.0) & (n1 == 0.0) & (r == 0.0)
+    return _finish(t, u, rest, naive, all_zero, nearest)
+
+
+@_jit(inline="always")
+def _exact_h1(x0v, keep0, r, s, nearest):  # pragma: no cover - compiled
+    """:func:`_exact_h` without ``x1`` and with ``scale`` 1 (no rowscale): the pieces
+    ``TwoProd(x0, s)`` and ``r`` summed by :func:`_scan3`, the same bits (the other four
+    pieces are zeros there, and the rounding of an exact sum is unique; the special
+    values use the same ``naive`` and ``all_zero``)."""
+    c0, c1 = _two_prod(x0v, s)
+    n0 = c0
+    if not keep0:
+        c0 = c1 = n0 = 0.0
+    t, u, rest = _scan3(c0, c1, r)
+    naive = (n0 + -0.0) + r
+    all_zero = (n0 == 0.0) & (r == 0.0)
     return _finish(t, u, rest, naive, all_zero, nearest)
 
 
@@ -329,11 +364,15 @@ def _forward_rows(
         if has_res:
             for c in range(n_cols):
                 wide_r[c] = _wide(res[i * sres + c])
-        for c in range(n_cols):
-            v = _exact_h(
-                wide0[c], keep0[c], scale, wide1[c], keep1[c], has_x1, wide_r[c], s, nearest
-            )
-            h[base + c] = _stored(v, h)
+        if has_x1 or has_rs:
+            for c in range(n_cols):
+                v = _exact_h(
+                    wide0[c], keep0[c], scale, wide1[c], keep1[c], has_x1, wide_r[c], s, nearest
+                )
+                h[base + c] = _stored(v, h)
+        else:
+            for c in range(n_cols):
+                h[base + c] = _stored(_exact_h1(wide0[c], keep0[c], wide_r[c], s, nearest), h)
         if want_masks:
             for c in range(n_cols):
                 m0[base + c] = keep0[c]
@@ -363,13 +402,16 @@ def _backward_rows(
             keep1[c] = keep_from_bits(w1, p32)
         for c in range(n_cols):
             wide[c] = _wide(dh[i * sdh + c])
-        for c in range(n_cols):
-            v = _exact_h(wide[c], keep0[c], scale, 0.0, False, False, -0.0, s, nearest0)
-            dx0[base + c] = _stored(v, dx0)
+        if has_rs:
+            for c in range(n_cols):
+                v = _exact_h(wide[c], keep0[c], scale, 0.0, False, False, -0.0, s, nearest0)
+                dx0[base + c] = _stored(v, dx0)
+        else:
+            for c in range(n_cols):
+                dx0[base + c] = _stored(_exact_h1(wide[c], keep0[c], -0.0, s, nearest0), dx0)
         if has_x1:
             for c in range(n_cols):
-                v = _exact_h(wide[c], keep1[c], 1.0, 0.0, False, False, -0.0, s, nearest1)
-                dx1[base + c] = _stored(v, dx1)
+                dx1[base + c] = _stored(_exact_h1(wide[c], keep1[c], -0.0, s, nearest1), dx1)
         if has_res:
             for c in range(n_cols):
                 dres[base + c] = _stored(wide[c], dres)
