@@ -35,7 +35,8 @@ An exact sum of zero is +0.0, unless every present term is a zero and all of the
 -0.0 (IEEE's rule for a sum), then -0.0.
 
 **Backward.** ``dx0 = RN_x0dtype(dh·k0·s·rs)`` (four pieces, the same rounding),
-``dx1 = RN_x1dtype(dh·k1·s)``, ``dresidual = RN_residualdtype(dh)``; rowscale gets no
+``dx1 = RN_x1dtype(dh·k1·s)``, ``dresidual = RN_residualdtype(dh)`` (``dh``'s copy
+when the dtypes agree, as the torch version: NaN payloads kept); rowscale gets no
 gradient.
 
 Layout: each ``(M, N)`` tensor reaches the kernels as a flat 1-D array over its storage
@@ -333,6 +334,18 @@ def _exact_h1(x0v, keep0, r, s, nearest):  # pragma: no cover - compiled
     return _finish(t, u, rest, naive, all_zero, nearest)
 
 
+@_jit(inline="always")
+def _exact_prod(xv, keep, s, nearest):  # pragma: no cover - compiled
+    """:func:`_exact_h1` with no residual (``r = -0.0``): ``k·s·x`` rounded once. The
+    exact sum is ``c0 + c1`` of ``TwoProd(x, s)``, already the top two of the scan
+    (``c0 = RN(c0 + c1)``: ``TwoSum`` gives them back), nothing below: the same
+    ``(t, u, rest) = (c0, c1, 0)``, ``naive = c0`` and ``all_zero = c0 == 0``."""
+    c0, c1 = _two_prod(xv, s)
+    if not keep:
+        c0 = c1 = 0.0
+    return _finish(c0, c1, 0.0, c0, c0 == 0.0, nearest)
+
+
 @_jit()
 def _forward_rows(
     x0, sx0, x1, sx1, res, sres, rs, h, m0, m1,
@@ -408,10 +421,10 @@ def _backward_rows(
                 dx0[base + c] = _stored(v, dx0)
         else:
             for c in range(n_cols):
-                dx0[base + c] = _stored(_exact_h1(wide[c], keep0[c], -0.0, s, nearest0), dx0)
+                dx0[base + c] = _stored(_exact_prod(wide[c], keep0[c], s, nearest0), dx0)
         if has_x1:
             for c in range(n_cols):
-                dx1[base + c] = _stored(_exact_h1(wide[c], keep1[c], -0.0, s, nearest1), dx1)
+                dx1[base + c] = _stored(_exact_prod(wide[c], keep1[c], s, nearest1), dx1)
         if has_res:
             for c in range(n_cols):
                 dres[base + c] = _stored(wide[c], dres)
@@ -526,7 +539,11 @@ def dropout_add_backward(
     scale = _rowscale(rowscale)
     dx0 = torch.empty((m, n), dtype=x0_dtype)
     dx1 = torch.empty((m, n), dtype=x1_dtype) if x1_dtype is not None else None
-    dres = torch.empty((m, n), dtype=residual_dtype) if residual_dtype is not None else None
+    dres = None
+    if residual_dtype == dh.dtype:  # RN is the identity: the torch version's copy
+        dres = dh.clone(memory_format=torch.contiguous_format)
+    elif residual_dtype is not None:
+        dres = torch.empty((m, n), dtype=residual_dtype)
     if m * n == 0:
         return dx0, dx1, dres
     g, sg = _flat(contiguous_rows(dh))
@@ -535,7 +552,8 @@ def dropout_add_backward(
         g, sg, scale, o0,
         _flat(dx1)[0] if dx1 is not None else o0,
         _flat(dres)[0] if dres is not None else o0,
-        n, k0, k1, p32, s, rowscale is not None, dx1 is not None, dres is not None,
+        n, k0, k1, p32, s, rowscale is not None, dx1 is not None,
+        dres is not None and residual_dtype != dh.dtype,
         x0_dtype == torch.float64, x1_dtype == torch.float64,
     )  # fmt: skip
     _run(_backward_rows, args, m, n)
