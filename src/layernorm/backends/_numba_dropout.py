@@ -64,7 +64,7 @@ from numba.extending import intrinsic
 
 from . import _numba_cache, _numba_philox, _numba_vectors, _philox, _threads
 from ._dropout_add import FLOAT_DTYPES, check_args
-from ._numba_philox import keep_from_bits, random_bits_pair
+from ._numba_philox import keep_from_bits, random_bits, random_bits_pair
 from ._numba_vectors import narrow_once, widen
 from .torch_ import contiguous_rows
 
@@ -346,6 +346,20 @@ def _exact_prod(xv, keep, s, nearest):  # pragma: no cover - compiled
     return _finish(c0, c1, 0.0, c0, c0 == 0.0, nearest)
 
 
+@_jit(inline="always")
+def _keep_masks(keep0, keep1, both, k0, k1, p32, base, n_cols):  # pragma: no cover
+    """The keep masks of words 0 (``keep0``) and 1 (``keep1``, only when ``both``) of
+    the row at offset ``base``: word 0 is the same Philox call's either way."""
+    if both:
+        for c in range(n_cols):
+            w0, w1 = random_bits_pair(k0, k1, base + c)
+            keep0[c] = keep_from_bits(w0, p32)
+            keep1[c] = keep_from_bits(w1, p32)
+    else:
+        for c in range(n_cols):
+            keep0[c] = keep_from_bits(random_bits(k0, k1, base + c), p32)
+
+
 @_jit()
 def _forward_rows(
     x0, sx0, x1, sx1, res, sres, rs, h, m0, m1,
@@ -365,10 +379,7 @@ def _forward_rows(
     for i in range(row_lo, row_hi):
         scale = rs[i] if has_rs else 1.0
         base = np.int64(i) * np.int64(n_cols)
-        for c in range(n_cols):
-            w0, w1 = random_bits_pair(k0, k1, base + c)
-            keep0[c] = keep_from_bits(w0, p32)
-            keep1[c] = keep_from_bits(w1, p32)  # unused without x1
+        _keep_masks(keep0, keep1, has_x1, k0, k1, p32, base, n_cols)
         for c in range(n_cols):
             wide0[c] = _wide(x0[i * sx0 + c])
         if has_x1:
@@ -409,10 +420,7 @@ def _backward_rows(
     for i in range(row_lo, row_hi):
         scale = rs[i] if has_rs else 1.0
         base = np.int64(i) * np.int64(n_cols)
-        for c in range(n_cols):
-            w0, w1 = random_bits_pair(k0, k1, base + c)
-            keep0[c] = keep_from_bits(w0, p32)
-            keep1[c] = keep_from_bits(w1, p32)
+        _keep_masks(keep0, keep1, has_x1, k0, k1, p32, base, n_cols)
         for c in range(n_cols):
             wide[c] = _wide(dh[i * sdh + c])
         if has_rs:
