@@ -51,6 +51,7 @@ code they inline from ``_numba_philox`` and ``_numba_vectors``
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 
@@ -469,6 +470,13 @@ def _rowscale(rowscale: torch.Tensor | None) -> np.ndarray:
     return rowscale.detach().to(torch.float64).contiguous().numpy()
 
 
+@functools.lru_cache(maxsize=256)
+def _constants(p: float) -> tuple[float, np.float32]:
+    """``(s, p32)`` of a checked ``p`` by ``_philox``'s rules, cached (``threshold``
+    rounds through a torch tensor: microseconds a call)."""
+    return _philox.dropout_scale(p), np.float32(_philox.threshold(p))
+
+
 def _run(kernel, args: tuple, m: int, n: int) -> None:
     """``kernel(*args, row_lo, row_hi)`` over all rows, in spans over ``_threads``."""
     _threads.run(lambda lo, hi: kernel(*args, lo, hi), m, max(n, 1))
@@ -496,8 +504,7 @@ def dropout_add(
     _on_cpu(x0=x0)
     m, n = x0.shape
     k0, k1 = _philox.seed_key(seed)
-    s = _philox.dropout_scale(p)
-    p32 = np.float32(_philox.threshold(p))
+    s, p32 = _constants(p)
     scale = _rowscale(rowscale)
     h = torch.empty((m, n), dtype=rdtype)
     mask0 = torch.empty((m, n), dtype=torch.bool) if want_masks else None
@@ -542,8 +549,7 @@ def dropout_add_backward(
     _on_cpu(dh=dh)
     m, n = dh.shape
     k0, k1 = _philox.seed_key(seed)
-    s = _philox.dropout_scale(p)
-    p32 = np.float32(_philox.threshold(p))
+    s, p32 = _constants(p)
     scale = _rowscale(rowscale)
     dx0 = torch.empty((m, n), dtype=x0_dtype)
     dx1 = torch.empty((m, n), dtype=x1_dtype) if x1_dtype is not None else None
