@@ -11,7 +11,9 @@ Providers, for ``x`` and ``residual`` of one dtype and shape, ``h`` in that dtyp
 - ``numba +masks``: the same, writing the keep-mask too;
 - ``torch unfused``: ``F.dropout(x, p) + residual`` (two passes, torch's bernoulli mask,
   rounded twice for 16-bit dtypes);
-- ``torch exact``: ``_dropout_add.dropout_add`` (the same bits as numba, in torch ops).
+- ``torch exact`` (with ``--portable``, at (64, 1024) only): ``_dropout_add.dropout_add``
+  (the same bits as numba, in torch ops); its large temporaries, freed and faulted in
+  again, slow the provider timed after it.
 
 Providers are interleaved round by round; the median of each is printed with the ratio
 of ``torch unfused`` to it (above 1: faster than torch). ``--json`` saves the medians.
@@ -33,7 +35,9 @@ from layernorm.backends import _dropout_add, _numba_dropout
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def providers(x: torch.Tensor, residual: torch.Tensor, p: float) -> dict[str, Callable[[], object]]:
+def providers(
+    x: torch.Tensor, residual: torch.Tensor, p: float, portable: bool
+) -> dict[str, Callable[[], object]]:
     dtype = x.dtype
     calls: dict[str, Callable[[], object]] = {
         "numba": lambda: _numba_dropout.dropout_add(x, None, residual, None, 7, p, dtype, False),
@@ -42,19 +46,21 @@ def providers(x: torch.Tensor, residual: torch.Tensor, p: float) -> dict[str, Ca
         ),
         "torch unfused": lambda: F.dropout(x, p) + residual,
     }
-    if x.numel() <= 1 << 16:  # the portable version is slow: small shapes only
+    if portable and x.numel() <= 1 << 16:  # slow: small shapes only
         calls["torch exact"] = lambda: _dropout_add.dropout_add(
             x, None, residual, None, 7, p, dtype, False
         )
     return calls
 
 
-def measure(shape: tuple[int, int], dtype: torch.dtype, p: float, repeat: int) -> dict[str, float]:
+def measure(
+    shape: tuple[int, int], dtype: torch.dtype, p: float, repeat: int, portable: bool
+) -> dict[str, float]:
     """Median seconds per call of each provider, interleaved ``repeat`` rounds."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=g).to(dtype)
     residual = torch.randn(shape, generator=g).to(dtype)
-    calls = providers(x, residual, p)
+    calls = providers(x, residual, p, portable)
     for call in calls.values():  # compile, warm the caches
         call()
     times: dict[str, list[float]] = {name: [] for name in calls}
@@ -72,12 +78,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--p", type=float, default=0.1)
     parser.add_argument("--json", help="save the medians to this file")
+    parser.add_argument("--portable", action="store_true", help="also torch exact")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     results = []
     for rows in (4096, 64):
         for name, dtype in DTYPES.items():
-            medians = measure((rows, 1024), dtype, args.p, args.repeat)
+            medians = measure((rows, 1024), dtype, args.p, args.repeat, args.portable)
             base = medians["torch unfused"]
             print(f"({rows}, 1024) {name}, p={args.p}, {args.threads} thread(s):")
             for provider, seconds in medians.items():

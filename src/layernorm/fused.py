@@ -32,7 +32,7 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
-from . import backends, ops
+from . import _op, backends, ops
 from .backends import _dropout_add, _philox
 
 __all__ = ["FusedNorm", "dropout_add_op", "fused_norm"]
@@ -171,10 +171,16 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dh, _dmask0=None, _dmask1=None):
     rowscale, seed = ctx.saved_tensors
+    # dresidual = RN(dh) is dh itself in dh's dtype: passed on as torch's add does (no
+    # copy), unless a double backward is recorded (create_graph: the grad mode is on),
+    # whose d(dh) must be the one rounding of the backward op's transpose.
+    passed = ctx.residual_dtype == dh.dtype and not torch.is_grad_enabled()
     dx0, dx1, dresidual = dropout_add_backward(
         dh.contiguous(), rowscale, seed, ctx.p, ctx.x0_dtype, ctx.x1_dtype,
-        ctx.residual_dtype, ctx.backend,
+        None if passed else ctx.residual_dtype, ctx.backend,
     )  # fmt: skip
+    if passed:
+        dresidual = dh
     return (
         dx0,
         None if ctx.x1_dtype is None else dx1,
@@ -297,12 +303,59 @@ def dropout_add(
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The dropout-add op on ``(M, N)`` rows, through :class:`TransformDropoutAdd` where a
-    forward-AD level or a ``torch.func`` transform is active (contract §6)."""
-    if not torch.compiler.is_compiling() and _transformed():
+    forward-AD level or a ``torch.func`` transform is active (contract §6); its
+    implementation called directly where no mechanism would see the op (:func:`_direct`:
+    the op's dispatch costs ~20 µs a call)."""
+    if torch.compiler.is_compiling():
+        return dropout_add_op(x0, x1, residual, rowscale, seed, p, rdtype, want_masks, backend)
+    if _transformed():
         return TransformDropoutAdd.apply(
             x0, x1, residual, rowscale, seed, p, rdtype, want_masks, backend
         )
-    return dropout_add_op(x0, x1, residual, rowscale, seed, p, rdtype, want_masks, backend)
+    args = (x0, x1, residual, rowscale, seed, p, rdtype, want_masks, backend)
+    if _direct(x0, x1, residual, rowscale, seed):
+        if _grad_asked(x0, x1, residual):
+            return EagerDropoutAdd.apply(*args)
+        return _dropout_add_impl(*args)
+    return dropout_add_op(*args)
+
+
+def _direct(*tensors: Tensor | None) -> bool:
+    """Whether the op may be skipped for its implementation (no gradient asked for) or
+    :class:`EagerDropoutAdd` (one asked for), as ``ops._enter`` calls a norm kernel
+    directly: the fast paths on (``ops.FAST_PATHS``), not compiling nor transformed (the
+    caller checks), not tracing, no autocast, and plain tensors with no dispatch or
+    function mode (``_op.direct_call``)."""
+    return (
+        ops.FAST_PATHS
+        and not torch._C._is_tracing()
+        and not torch._C._is_any_autocast_enabled()
+        and _op.direct_call(*tensors)
+    )
+
+
+def _grad_asked(*tensors: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+class EagerDropoutAdd(torch.autograd.Function):
+    """The op's autograd without the op, for eager training calls that no mechanism sees
+    (:func:`_direct`): the implementation forward, the op's backward formula
+    (:func:`_backward`, whose backward call is direct too unless ``create_graph`` records
+    a double backward: then the backward op, with its own autograd). The op's dispatch
+    costs tens of µs a call each way."""
+
+    @staticmethod
+    def forward(ctx, x0, x1, residual, rowscale, seed, p, rdtype, want_masks, backend):
+        output = _dropout_add_impl(x0, x1, residual, rowscale, seed, p, rdtype, want_masks, backend)
+        _setup_context(
+            ctx, (x0, x1, residual, rowscale, seed, p, rdtype, want_masks, backend), output
+        )
+        return output
+
+    @staticmethod
+    def backward(ctx, dh, dmask0, dmask1):
+        return _backward(ctx, dh, dmask0, dmask1)
 
 
 class TransformDropoutAddBackward(torch.autograd.Function):
@@ -353,8 +406,12 @@ def dropout_add_backward(
     """The backward op, through :class:`TransformDropoutAddBackward` where a forward-AD
     level or a ``torch.func`` transform is active."""
     args = (dh, rowscale, seed, p, x0_dtype, x1_dtype, residual_dtype, backend)
-    if not torch.compiler.is_compiling() and _transformed():
+    if torch.compiler.is_compiling():
+        return dropout_add_backward_op(*args)
+    if _transformed():
         return TransformDropoutAddBackward.apply(*args)
+    if _direct(dh, rowscale, seed) and not _grad_asked(dh):
+        return _dropout_add_backward_impl(*args)
     return dropout_add_backward_op(*args)
 
 

@@ -35,7 +35,8 @@ An exact sum of zero is +0.0, unless every present term is a zero and all of the
 -0.0 (IEEE's rule for a sum), then -0.0.
 
 **Backward.** ``dx0 = RN_x0dtype(dh·k0·s·rs)`` (four pieces, the same rounding),
-``dx1 = RN_x1dtype(dh·k1·s)``, ``dresidual = RN_residualdtype(dh)``; rowscale gets no
+``dx1 = RN_x1dtype(dh·k1·s)``, ``dresidual = RN_residualdtype(dh)`` (``dh``'s copy
+when the dtypes agree, as the torch version: NaN payloads kept); rowscale gets no
 gradient.
 
 Layout: each ``(M, N)`` tensor reaches the kernels as a flat 1-D array over its storage
@@ -50,6 +51,7 @@ code they inline from ``_numba_philox`` and ``_numba_vectors``
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 
@@ -63,7 +65,7 @@ from numba.extending import intrinsic
 
 from . import _numba_cache, _numba_philox, _numba_vectors, _philox, _threads
 from ._dropout_add import FLOAT_DTYPES, check_args
-from ._numba_philox import keep_from_bits, random_bits_pair
+from ._numba_philox import keep_from_bits, random_bits, random_bits_pair
 from ._numba_vectors import narrow_once, widen
 from .torch_ import contiguous_rows
 
@@ -233,31 +235,52 @@ def _scan(c0, c1, c2, c3, c4, c5, c6):  # pragma: no cover - compiled
     u = 0.0
     rest = 0.0
     for e in (e5, e4, e3, e2, e1, e0):
-        if u != 0.0:
-            if rest == 0.0:
-                rest = e
-        else:
-            t, u = _two_sum(t, e)
+        t, u, rest = _scan_step(t, u, rest, e)
     return t, u, rest
+
+
+@_jit(inline="always")
+def _scan_step(t, u, rest, e):  # pragma: no cover - compiled
+    """One step of :func:`_scan`'s walk down the expansion, without branches (selects,
+    so that LLVM vectorizes the element loops): while ``u == 0``, ``(t, u) = TwoSum(t,
+    e)``; after, the first nonzero ``e`` becomes ``rest``."""
+    t2, u2 = _two_sum(t, e)
+    still = u == 0.0
+    rest = e if (not still and rest == 0.0) else rest
+    return (t2 if still else t), (u2 if still else u), rest
+
+
+@_jit(inline="always")
+def _scan3(c0, c1, c2):  # pragma: no cover - compiled
+    """:func:`_scan` of three float64 (Grow-Expansion of three, then the same walk): the
+    same ``(t, u, rest)`` contract, so the same rounded sum as :func:`_scan` of these
+    three and four zeros (the rounding of an exact sum is unique)."""
+    q, e0 = _two_sum(c1, c0)
+    e1 = q
+    q, e0 = _two_sum(c2, e0)
+    q, e1 = _two_sum(q, e1)
+    t, u, rest = _scan_step(q, 0.0, 0.0, e1)
+    return _scan_step(t, u, rest, e0)
 
 
 @_jit(inline="always")
 def _neighbour(t, u):  # pragma: no cover - compiled
     """The float64 next to ``t`` (nonzero) on ``u``'s side."""
     b = _bits(t)
-    return _from_bits(b + 1 if (u > 0.0) == (t > 0.0) else b - 1)
+    return _from_bits(b + (1 if (u > 0.0) == (t > 0.0) else -1))
 
 
 @_jit(inline="always")
 def _rounded(t, u, rest, nearest):  # pragma: no cover - compiled
     """:func:`_scan`'s sum rounded once in float64: to nearest-even (``nearest``) or to
     odd (for a second rounding to a narrower dtype)."""
-    if u == 0.0:
-        return t
     n = _neighbour(t, u)
     if nearest:  # t is RN of the top; past a tie when the rest leans towards n
-        return n if (n - t == 2.0 * u and rest != 0.0 and (rest > 0.0) == (u > 0.0)) else t
-    return t if _bits(t) & 1 else n
+        tie = (n - t == 2.0 * u) & (rest != 0.0) & ((rest > 0.0) == (u > 0.0))
+        v = n if tie else t
+    else:
+        v = t if _bits(t) & 1 else n
+    return t if u == 0.0 else v
 
 
 @_jit(inline="always")
@@ -265,11 +288,9 @@ def _finish(t, u, rest, naive, all_zero, nearest):  # pragma: no cover - compile
     """The rounded sum, with the special values of the module's rules: ``naive`` (the IEEE
     sum of the rounded terms) when it is not finite, or when the exact sum is 0 and every
     term is a zero (its signed zero); +0.0 for any other exact zero."""
-    if not np.isfinite(naive):
-        return naive
-    if t == 0.0 and u == 0.0:
-        return naive if all_zero else 0.0
-    return _rounded(t, u, rest, nearest)
+    v = _rounded(t, u, rest, nearest)
+    v = (naive if all_zero else 0.0) if ((t == 0.0) & (u == 0.0)) else v
+    return v if np.isfinite(naive) else naive
 
 
 # --- the row kernels -----------------------------------------------------------------------
@@ -294,8 +315,50 @@ def _exact_h(x0v, keep0, scale, x1v, keep1, has_x1, r, s, nearest):  # pragma: n
             c4 = c5 = n1 = 0.0
     t, u, rest = _scan(c0, c1, c2, c3, c4, c5, r)
     naive = (n0 + n1) + r
-    all_zero = n0 == 0.0 and n1 == 0.0 and r == 0.0
+    all_zero = (n0 == 0.0) & (n1 == 0.0) & (r == 0.0)
     return _finish(t, u, rest, naive, all_zero, nearest)
+
+
+@_jit(inline="always")
+def _exact_h1(x0v, keep0, r, s, nearest):  # pragma: no cover - compiled
+    """:func:`_exact_h` without ``x1`` and with ``scale`` 1 (no rowscale): the pieces
+    ``TwoProd(x0, s)`` and ``r`` summed by :func:`_scan3`, the same bits (the other four
+    pieces are zeros there, and the rounding of an exact sum is unique; the special
+    values use the same ``naive`` and ``all_zero``)."""
+    c0, c1 = _two_prod(x0v, s)
+    n0 = c0
+    if not keep0:
+        c0 = c1 = n0 = 0.0
+    t, u, rest = _scan3(c0, c1, r)
+    naive = (n0 + -0.0) + r
+    all_zero = (n0 == 0.0) & (r == 0.0)
+    return _finish(t, u, rest, naive, all_zero, nearest)
+
+
+@_jit(inline="always")
+def _exact_prod(xv, keep, s, nearest):  # pragma: no cover - compiled
+    """:func:`_exact_h1` with no residual (``r = -0.0``): ``k·s·x`` rounded once. The
+    exact sum is ``c0 + c1`` of ``TwoProd(x, s)``, already the top two of the scan
+    (``c0 = RN(c0 + c1)``: ``TwoSum`` gives them back), nothing below: the same
+    ``(t, u, rest) = (c0, c1, 0)``, ``naive = c0`` and ``all_zero = c0 == 0``."""
+    c0, c1 = _two_prod(xv, s)
+    if not keep:
+        c0 = c1 = 0.0
+    return _finish(c0, c1, 0.0, c0, c0 == 0.0, nearest)
+
+
+@_jit(inline="always")
+def _keep_masks(keep0, keep1, both, k0, k1, p32, base, n_cols):  # pragma: no cover
+    """The keep masks of words 0 (``keep0``) and 1 (``keep1``, only when ``both``) of
+    the row at offset ``base``: word 0 is the same Philox call's either way."""
+    if both:
+        for c in range(n_cols):
+            w0, w1 = random_bits_pair(k0, k1, base + c)
+            keep0[c] = keep_from_bits(w0, p32)
+            keep1[c] = keep_from_bits(w1, p32)
+    else:
+        for c in range(n_cols):
+            keep0[c] = keep_from_bits(random_bits(k0, k1, base + c), p32)
 
 
 @_jit()
@@ -317,10 +380,7 @@ def _forward_rows(
     for i in range(row_lo, row_hi):
         scale = rs[i] if has_rs else 1.0
         base = np.int64(i) * np.int64(n_cols)
-        for c in range(n_cols):
-            w0, w1 = random_bits_pair(k0, k1, base + c)
-            keep0[c] = keep_from_bits(w0, p32)
-            keep1[c] = keep_from_bits(w1, p32)  # unused without x1
+        _keep_masks(keep0, keep1, has_x1, k0, k1, p32, base, n_cols)
         for c in range(n_cols):
             wide0[c] = _wide(x0[i * sx0 + c])
         if has_x1:
@@ -329,11 +389,15 @@ def _forward_rows(
         if has_res:
             for c in range(n_cols):
                 wide_r[c] = _wide(res[i * sres + c])
-        for c in range(n_cols):
-            v = _exact_h(
-                wide0[c], keep0[c], scale, wide1[c], keep1[c], has_x1, wide_r[c], s, nearest
-            )
-            h[base + c] = _stored(v, h)
+        if has_x1 or has_rs:
+            for c in range(n_cols):
+                v = _exact_h(
+                    wide0[c], keep0[c], scale, wide1[c], keep1[c], has_x1, wide_r[c], s, nearest
+                )
+                h[base + c] = _stored(v, h)
+        else:
+            for c in range(n_cols):
+                h[base + c] = _stored(_exact_h1(wide0[c], keep0[c], wide_r[c], s, nearest), h)
         if want_masks:
             for c in range(n_cols):
                 m0[base + c] = keep0[c]
@@ -357,19 +421,19 @@ def _backward_rows(
     for i in range(row_lo, row_hi):
         scale = rs[i] if has_rs else 1.0
         base = np.int64(i) * np.int64(n_cols)
-        for c in range(n_cols):
-            w0, w1 = random_bits_pair(k0, k1, base + c)
-            keep0[c] = keep_from_bits(w0, p32)
-            keep1[c] = keep_from_bits(w1, p32)
+        _keep_masks(keep0, keep1, has_x1, k0, k1, p32, base, n_cols)
         for c in range(n_cols):
             wide[c] = _wide(dh[i * sdh + c])
-        for c in range(n_cols):
-            v = _exact_h(wide[c], keep0[c], scale, 0.0, False, False, -0.0, s, nearest0)
-            dx0[base + c] = _stored(v, dx0)
+        if has_rs:
+            for c in range(n_cols):
+                v = _exact_h(wide[c], keep0[c], scale, 0.0, False, False, -0.0, s, nearest0)
+                dx0[base + c] = _stored(v, dx0)
+        else:
+            for c in range(n_cols):
+                dx0[base + c] = _stored(_exact_prod(wide[c], keep0[c], s, nearest0), dx0)
         if has_x1:
             for c in range(n_cols):
-                v = _exact_h(wide[c], keep1[c], 1.0, 0.0, False, False, -0.0, s, nearest1)
-                dx1[base + c] = _stored(v, dx1)
+                dx1[base + c] = _stored(_exact_prod(wide[c], keep1[c], s, nearest1), dx1)
         if has_res:
             for c in range(n_cols):
                 dres[base + c] = _stored(wide[c], dres)
@@ -406,6 +470,13 @@ def _rowscale(rowscale: torch.Tensor | None) -> np.ndarray:
     return rowscale.detach().to(torch.float64).contiguous().numpy()
 
 
+@functools.lru_cache(maxsize=256)
+def _constants(p: float) -> tuple[float, np.float32]:
+    """``(s, p32)`` of a checked ``p`` by ``_philox``'s rules, cached (``threshold``
+    rounds through a torch tensor: microseconds a call)."""
+    return _philox.dropout_scale(p), np.float32(_philox.threshold(p))
+
+
 def _run(kernel, args: tuple, m: int, n: int) -> None:
     """``kernel(*args, row_lo, row_hi)`` over all rows, in spans over ``_threads``."""
     _threads.run(lambda lo, hi: kernel(*args, lo, hi), m, max(n, 1))
@@ -433,8 +504,7 @@ def dropout_add(
     _on_cpu(x0=x0)
     m, n = x0.shape
     k0, k1 = _philox.seed_key(seed)
-    s = _philox.dropout_scale(p)
-    p32 = np.float32(_philox.threshold(p))
+    s, p32 = _constants(p)
     scale = _rowscale(rowscale)
     h = torch.empty((m, n), dtype=rdtype)
     mask0 = torch.empty((m, n), dtype=torch.bool) if want_masks else None
@@ -479,12 +549,15 @@ def dropout_add_backward(
     _on_cpu(dh=dh)
     m, n = dh.shape
     k0, k1 = _philox.seed_key(seed)
-    s = _philox.dropout_scale(p)
-    p32 = np.float32(_philox.threshold(p))
+    s, p32 = _constants(p)
     scale = _rowscale(rowscale)
     dx0 = torch.empty((m, n), dtype=x0_dtype)
     dx1 = torch.empty((m, n), dtype=x1_dtype) if x1_dtype is not None else None
-    dres = torch.empty((m, n), dtype=residual_dtype) if residual_dtype is not None else None
+    dres = None
+    if residual_dtype == dh.dtype:  # RN is the identity: the torch version's copy
+        dres = dh.clone(memory_format=torch.contiguous_format)
+    elif residual_dtype is not None:
+        dres = torch.empty((m, n), dtype=residual_dtype)
     if m * n == 0:
         return dx0, dx1, dres
     g, sg = _flat(contiguous_rows(dh))
@@ -493,7 +566,8 @@ def dropout_add_backward(
         g, sg, scale, o0,
         _flat(dx1)[0] if dx1 is not None else o0,
         _flat(dres)[0] if dres is not None else o0,
-        n, k0, k1, p32, s, rowscale is not None, dx1 is not None, dres is not None,
+        n, k0, k1, p32, s, rowscale is not None, dx1 is not None,
+        dres is not None and residual_dtype != dh.dtype,
         x0_dtype == torch.float64, x1_dtype == torch.float64,
     )  # fmt: skip
     _run(_backward_rows, args, m, n)
