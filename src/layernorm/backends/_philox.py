@@ -24,7 +24,9 @@ with ``hi``/``lo`` the upper/lower 32 bits of the 64-bit product; then the key i
 ``k0 = seed mod 2^32``, ``k1 = (seed >> 32) mod 2^32`` (a negative seed is taken modulo
 2^64, as Triton's ``seed.to(tl.uint64)`` does); the counter is
 ``(offset mod 2^32, offset >> 32, 0, 0)``. The random word of an element is the first
-output word, as in ``tl.randint``.
+output word, as in ``tl.randint``; a second, independent mask of the same element (the
+dropout-add's ``x1``, :mod:`layernorm.backends._dropout_add`) takes the second output
+word of the same counter (``tl.randint4x``'s second), ``word=1`` below.
 
 **Offset** of the element at row ``r``, column ``c`` of a ``(M, N)`` view:
 ``offset = r · N + c`` in int64 (:func:`offsets`), the element's index in the logical,
@@ -231,15 +233,21 @@ def _check_offsets(offset: torch.Tensor) -> None:
         raise ValueError("dropout offsets must be non-negative")
 
 
-def random_bits(seed: int, offset: torch.Tensor) -> torch.Tensor:
+def random_bits(seed: int, offset: torch.Tensor, word: int = 0) -> torch.Tensor:
     """``tl.randint(seed, offset)``: the first Philox word of each offset, as int64 in
-    ``[0, 2^32)``. ``offset``: a non-negative int64 tensor of any shape and device."""
+    ``[0, 2^32)``; ``word=1`` the second (``tl.randint4x(seed, offset)[1]``). ``offset``:
+    a non-negative int64 tensor of any shape and device.
+
+    Raises:
+        ValueError: ``word`` is not 0 or 1.
+    """
+    if word not in (0, 1):
+        raise ValueError(f"dropout uses Philox words 0 and 1, got word={word}")
     key = seed_key(seed)
     _check_offsets(offset)
     zero = torch.zeros((), dtype=torch.int64, device=offset.device)
     if offset.device.type != "cpu" or offset.numel() <= CPU_CHUNK:
-        word, _, _, _ = philox4x32((offset & _MASK32, offset >> 32, zero, zero), key)
-        return word
+        return philox4x32((offset & _MASK32, offset >> 32, zero, zero), key)[word]
     # On the CPU, ~200 full-size int64 temporaries would each fault their pages in anew;
     # chunks that stay in the caches take 2-7x less time. The bits are the same.
     flat = offset.reshape(-1)
@@ -248,7 +256,7 @@ def random_bits(seed: int, offset: torch.Tensor) -> torch.Tensor:
         part = flat[start : start + CPU_CHUNK]
         words[start : start + CPU_CHUNK] = philox4x32(
             (part & _MASK32, part >> 32, zero, zero), key
-        )[0]
+        )[word]
     return words.reshape(offset.shape)
 
 
@@ -262,9 +270,10 @@ def uniform_from_bits(word: torch.Tensor) -> torch.Tensor:
     return y.to(torch.float32).mul_(scale)
 
 
-def uniform(seed: int, offset: torch.Tensor) -> torch.Tensor:
-    """``tl.rand(seed, offset)``: a float32 uniform in ``[0, 1)`` per offset."""
-    return uniform_from_bits(random_bits(seed, offset))
+def uniform(seed: int, offset: torch.Tensor, word: int = 0) -> torch.Tensor:
+    """``tl.rand(seed, offset)``: a float32 uniform in ``[0, 1)`` per offset (of Philox
+    word ``word``, :func:`random_bits`)."""
+    return uniform_from_bits(random_bits(seed, offset, word))
 
 
 def keep_from_uniform(u: torch.Tensor, p: float) -> torch.Tensor:
@@ -275,10 +284,11 @@ def keep_from_uniform(u: torch.Tensor, p: float) -> torch.Tensor:
     return u > p32
 
 
-def keep(seed: int, offset: torch.Tensor, p: float) -> torch.Tensor:
-    """The keep-mask of ``offset`` (bool, same shape) for drop probability ``p``."""
+def keep(seed: int, offset: torch.Tensor, p: float, word: int = 0) -> torch.Tensor:
+    """The keep-mask of ``offset`` (bool, same shape) for drop probability ``p``, from
+    Philox word ``word`` (:func:`random_bits`)."""
     p = check_p(p)
-    return keep_from_uniform(uniform(seed, offset), p)
+    return keep_from_uniform(uniform(seed, offset, word), p)
 
 
 def keep_mask(
@@ -288,9 +298,11 @@ def keep_mask(
     p: float,
     row_start: int = 0,
     device: torch.device | str | None = None,
+    word: int = 0,
 ) -> torch.Tensor:
-    """The ``(n_rows, n_cols)`` keep-mask of rows ``row_start ..`` (global indices)."""
-    return keep(seed, offsets(n_rows, n_cols, row_start, device), p)
+    """The ``(n_rows, n_cols)`` keep-mask of rows ``row_start ..`` (global indices), from
+    Philox word ``word`` (:func:`random_bits`)."""
+    return keep(seed, offsets(n_rows, n_cols, row_start, device), p, word)
 
 
 def _split(s: float) -> tuple[float, float]:
