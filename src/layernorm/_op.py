@@ -90,10 +90,13 @@ def forward(
     rms: bool,
     backend: str,
     stats: bool = True,
+    out_dtype: torch.dtype | None = None,
 ) -> Outputs:
     """The backend's forward on kernel arguments (``docs/contract.md`` §5):
-    ``(y, residual_out, mean, rstd)``; ``backend`` "" is the automatic choice."""
-    return _kernels(x, backend).forward(x, residual, weight, bias, eps, rms, stats)
+    ``(y, residual_out, mean, rstd)``; ``backend`` "" is the automatic choice. ``y`` in
+    ``out_dtype`` when given (``torch_.OUT_DTYPES``, no wider than ``x``'s: each element
+    rounded once into it)."""
+    return _kernels(x, backend).forward(x, residual, weight, bias, eps, rms, stats, out_dtype)
 
 
 def _backward_kernel(
@@ -165,16 +168,43 @@ def _backward_impl(
     )
 
 
+def _forward_to_impl(
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+    backend: str,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    y, residual_out, mean, rstd = forward(x, residual, weight, bias, eps, rms, backend, True,
+                                          out_dtype)  # fmt: skip
+    return (
+        y,
+        _empty(x) if residual_out is None else residual_out,
+        _empty(rstd) if mean is None else mean,
+        rstd,
+    )
+
+
 forward_op = torch.library.custom_op("layernorm::forward", mutates_args=())(_forward_impl)
 backward_op = torch.library.custom_op("layernorm::backward", mutates_args=())(_backward_impl)
+#: ``layernorm::forward_to``: :data:`forward_op` with ``y`` in a dtype of its own
+#: (``out_dtype``, narrower than ``x``'s: ``layernorm.options``), rounded once into it by
+#: the kernels. A Python op (the compiled part registers kernels for the same-dtype ops
+#: only); its backward is :data:`backward_op`'s, with ``dy`` widened to ``z``'s dtype
+#: (exact).
+forward_to_op = torch.library.custom_op("layernorm::forward_to", mutates_args=())(_forward_to_impl)
 #: the ops' overloads, called directly: what calling :data:`forward_op` /
 #: :data:`backward_op` does, without their Python wrappers' cost
 forward_call = torch.ops.layernorm.forward.default
+forward_to_call = torch.ops.layernorm.forward_to.default
 backward_call = torch.ops.layernorm.backward.default
 
 
 @forward_op.register_fake
-def _(x, residual, weight, bias, eps, rms, backend):
+def _forward_fake(x, residual, weight, bias, eps, rms, backend):
     m = x.numel() // x.shape[-1] if x.shape[-1] else x.shape[:-1].numel()
     stat = accumulation_dtype(x.dtype)
     return (
@@ -183,6 +213,12 @@ def _(x, residual, weight, bias, eps, rms, backend):
         x.new_empty((0,) if rms else (m,), dtype=stat),
         x.new_empty((m,), dtype=stat),
     )
+
+
+@forward_to_op.register_fake
+def _(x, residual, weight, bias, eps, rms, backend, out_dtype):
+    y, residual_out, mean, rstd = _forward_fake(x, residual, weight, bias, eps, rms, backend)
+    return y.new_empty(y.shape, dtype=out_dtype), residual_out, mean, rstd
 
 
 @backward_op.register_fake
@@ -205,6 +241,7 @@ AUTOCAST_DTYPE: dict[str, torch.dtype] = {"cuda": torch.float32}
 
 for _device, _dtype in AUTOCAST_DTYPE.items():
     torch.library.register_autocast(forward_op, _device, _dtype)
+    torch.library.register_autocast(forward_to_op, _device, _dtype)
 
 
 def autocast(
@@ -235,6 +272,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.has_bias = bias is not None
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.eps, ctx.rms, ctx.backend = eps, rms, backend
+    ctx.y_dtype = output[0].dtype  # z's, or forward_to's out_dtype
     ctx.direct = False  # the backward goes through the op (TransformNorm may say otherwise)
 
 
@@ -272,6 +310,8 @@ def _backward(ctx, dy, dresidual_out, _dmean=None, _drstd=None):
     if not ctx.has_residual or dresidual_out is None or dresidual_out.numel() == 0:
         dresidual_out = None
     n = z.shape[-1]
+    if dy.dtype != z.dtype:  # y in a narrower dtype (forward_to): widening is exact
+        dy = dy.to(z.dtype)
     dy = kernel_rows(dy, n)
     dresidual_out = None if dresidual_out is None else kernel_rows(dresidual_out, n)
     if torch.is_grad_enabled():  # a graph of the backward is wanted: differentiable ops
@@ -296,6 +336,13 @@ def _backward(ctx, dy, dresidual_out, _dmean=None, _drstd=None):
 
 
 forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _backward_to(ctx, dy, dresidual_out, _dmean=None, _drstd=None):
+    return (*_backward(ctx, dy, dresidual_out), None)
+
+
+forward_to_op.register_autograd(_backward_to, setup_context=_setup_context)
 
 
 def composite_backward(
@@ -362,7 +409,7 @@ def _jvp(ctx, x_t, residual_t, weight_t, bias_t, *_):
     residual_out_t = None
     if ctx.has_residual:
         residual_out_t = torch.zeros_like(z) if h_t is None else h_t.to(z.dtype)
-    return y_t.to(z.dtype).view(z.shape), residual_out_t, None, None
+    return y_t.to(ctx.y_dtype).view(z.shape), residual_out_t, None, None
 
 
 def direct_call(*tensors: Tensor | None) -> bool:
@@ -380,12 +427,12 @@ def direct_call(*tensors: Tensor | None) -> bool:
     return not (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled())
 
 
-def _forward_outputs(x, residual, weight, bias, eps, rms, backend, direct) -> Outputs:
+def _forward_outputs(x, residual, weight, bias, eps, rms, backend, direct, out_dtype) -> Outputs:
     """The kernel called directly when ``direct`` (decided by the caller, with
     :func:`direct_call`), else the custom op."""
     if direct:
-        return forward(x, residual, weight, bias, eps, rms, backend)
-    return _forward_op_outputs(x, residual, weight, bias, eps, rms, backend)
+        return forward(x, residual, weight, bias, eps, rms, backend, True, out_dtype)
+    return _forward_op_outputs(x, residual, weight, bias, eps, rms, backend, out_dtype)
 
 
 def _save(ctx, inputs, output) -> None:
@@ -401,12 +448,13 @@ class TransformNorm(torch.autograd.Function):
     torch.func (``setup_context`` and a ``vmap`` rule): outputs ``(y, residual_out,
     mean, rstd)`` (None for an absent one); ``mean`` and ``rstd`` are not
     differentiable. ``direct``: the kernel may be called without the op
-    (:func:`direct_call` decides per call)."""
+    (:func:`direct_call` decides per call). ``out_dtype``: ``y``'s dtype when not ``x``'s
+    (:data:`forward_to_op`), else None."""
 
     @staticmethod
-    def forward(x, residual, weight, bias, eps, rms, backend, direct):
+    def forward(x, residual, weight, bias, eps, rms, backend, direct, out_dtype):
         direct = direct and direct_call(x, residual, weight, bias)
-        return _forward_outputs(x, residual, weight, bias, eps, rms, backend, direct)
+        return _forward_outputs(x, residual, weight, bias, eps, rms, backend, direct, out_dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -416,40 +464,52 @@ class TransformNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dresidual_out, _dmean, _drstd):
-        return (*_backward(ctx, dy, dresidual_out), None)
+        return (*_backward(ctx, dy, dresidual_out), None, None)
 
     @staticmethod
     def jvp(ctx, x_t, residual_t, weight_t, bias_t, *_):
         return _jvp(ctx, x_t, residual_t, weight_t, bias_t)
 
     @staticmethod
-    def vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct):
-        return _vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct)
+    def vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct, out_dtype):
+        return _vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct, out_dtype)
 
 
-def _vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct):
+def _vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct, out_dtype):
     """The vmap rule of :class:`TransformNorm`: :func:`_vmap_rows` around it."""
 
     def run(*arguments):
-        return TransformNorm.apply(*arguments, direct)
+        return TransformNorm.apply(*arguments, direct, out_dtype)
 
     return _vmap_rows(run, info, in_dims, x, residual, weight, bias, eps, rms, backend)
 
 
-def _forward_op_outputs(x, residual, weight, bias, eps, rms, backend) -> Outputs:
-    """:data:`forward_op` with None for the absent outputs (its schema has none)."""
-    y, residual_out, mean, rstd = forward_call(x, residual, weight, bias, eps, rms, backend)
+def _forward_op_outputs(x, residual, weight, bias, eps, rms, backend, out_dtype=None) -> Outputs:
+    """:data:`forward_op` (:data:`forward_to_op` with an ``out_dtype``) with None for the
+    absent outputs (its schema has none)."""
+    if out_dtype is None:
+        y, residual_out, mean, rstd = forward_call(x, residual, weight, bias, eps, rms, backend)
+    else:
+        y, residual_out, mean, rstd = forward_to_call(
+            x, residual, weight, bias, eps, rms, backend, out_dtype
+        )
     return y, residual_out if residual is not None else None, None if rms else mean, rstd
 
 
-@forward_op.register_vmap
-def _(info, in_dims, x, residual, weight, bias, eps, rms, backend):
-    outputs, out_dims = _vmap_rows(
-        _forward_op_outputs, info, in_dims, x, residual, weight, bias, eps, rms, backend
-    )
+def _op_vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, out_dtype=None):
+    """The vmap rule of :data:`forward_op` and :data:`forward_to_op`."""
+
+    def run(*arguments):
+        return _forward_op_outputs(*arguments, out_dtype)
+
+    outputs, out_dims = _vmap_rows(run, info, in_dims, x, residual, weight, bias, eps, rms, backend)
     # the schema has no optional outputs: an absent one is empty and unbatched
     empty = outputs[3].new_empty(0)
     return tuple(empty if t is None else t for t in outputs), out_dims
+
+
+forward_op.register_vmap(_op_vmap)
+forward_to_op.register_vmap(_op_vmap)
 
 
 def _front(t: Tensor | None, dim: int | None, size: int) -> Tensor | None:
@@ -563,11 +623,15 @@ def decomposition(
     bias: Tensor | None,
     eps: float,
     rms: bool,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``(y, residual_out)`` in differentiable torch operations: the portable backend's
     corrected two-pass (``docs/contract.md`` §3), which jit tracing and scripting,
-    torch.export and the ONNX exporters record op by op."""
-    y, residual_out, _, _ = torch_.portable_forward(x, residual, weight, bias, eps, rms)
+    torch.export and the ONNX exporters record op by op (``y`` converted once to
+    ``out_dtype`` when given)."""
+    y, residual_out, _, _ = torch_.portable_forward(
+        x, residual, weight, bias, eps, rms, True, out_dtype
+    )
     return y, residual_out
 
 

@@ -174,8 +174,10 @@ def _call(
     eps: float | None,
     rms: bool,
     backend: str | None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """The full checks, then :func:`_enter` on kernel arguments."""
+    """The full checks, then :func:`_enter` on kernel arguments (``y`` in ``out_dtype``
+    when given: :func:`_norm_to`)."""
     shape = _normalized_shape(normalized_shape)
     _check_input("input", x, shape, op)
     if residual is not None:
@@ -196,8 +198,34 @@ def _call(
     n = shape[0] if len(shape) == 1 else math.prod(shape)
     rows = _op.kernel_rows(x, n)
     residual_rows = None if residual is None else _op.kernel_rows(residual, n)
-    y, residual_out = _enter(rows, residual_rows, weight, bias, eps, rms, name, FAST_PATHS)
+    y, residual_out = _enter(
+        rows, residual_rows, weight, bias, eps, rms, name, FAST_PATHS, out_dtype
+    )
     return _shaped(y, residual_out, rows, x)
+
+
+def _norm_to(
+    op: str,
+    x: Tensor,
+    residual: Tensor | None,
+    normalized_shape: ShapeLike,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float | None,
+    rms: bool,
+    backend: str | None,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`_norm` with ``y`` in ``out_dtype`` (one of ``torch_.OUT_DTYPES``, no wider
+    than the input's: ``layernorm.options`` checks it), each element rounded once into it
+    by the kernels (``layernorm::forward_to``); ``residual_out`` keeps the input's dtype.
+    The compiled front door does not take it (its entries are the same-dtype ones)."""
+    if not torch.compiler.is_compiling() and torch._C._is_tracing():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            return _call(op, x, residual, normalized_shape, weight, bias, eps, rms, backend,
+                         out_dtype)  # fmt: skip
+    return _call(op, x, residual, normalized_shape, weight, bias, eps, rms, backend, out_dtype)
 
 
 def _custom_op(
@@ -208,13 +236,22 @@ def _custom_op(
     eps: float,
     rms: bool,
     backend: str,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """The op ``layernorm::forward`` on (M, N) rows (the shape its DTensor rules and
-    torch.compile's traces are written for), with the outputs in ``x``'s shape."""
+    """The op ``layernorm::forward`` (``layernorm::forward_to`` with an ``out_dtype``) on
+    (M, N) rows (the shape its DTensor rules and torch.compile's traces are written
+    for), with the outputs in ``x``'s shape."""
     n = x.shape[-1]
     rows = _op.rows(x, n)
     residual_rows = None if residual is None else _op.rows(residual, n)
-    y, residual_out, _, _ = _op.forward_call(rows, residual_rows, weight, bias, eps, rms, backend)
+    if out_dtype is None:
+        y, residual_out, _, _ = _op.forward_call(
+            rows, residual_rows, weight, bias, eps, rms, backend
+        )
+    else:
+        y, residual_out, _, _ = _op.forward_to_call(
+            rows, residual_rows, weight, bias, eps, rms, backend, out_dtype
+        )
     return y.view_as(x), None if residual is None else residual_out.view_as(x)
 
 
@@ -227,6 +264,7 @@ def _enter(
     rms: bool,
     backend: str,
     fast: bool,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Kernel arguments handed to the op (``docs/contract.md`` §6). Every call goes
     through ``layernorm::forward`` and torch's dispatcher, which runs its kernel,
@@ -238,18 +276,20 @@ def _enter(
       :class:`layernorm._op.TransformNorm`, since a custom op cannot carry a JVP;
     - plain inference with the fast paths on: the kernel directly, which skips the
       custom op's Python cost (tens of µs where the C++ part is not built).
+
+    ``out_dtype`` (not None): ``y`` in that dtype, through ``layernorm::forward_to``.
     """
     if torch.compiler.is_compiling():  # (true under torch.export too)
         if torch.compiler.is_exporting():
-            return _op.decomposition(x, residual, weight, bias, eps, rms)
-        return _custom_op(x, residual, weight, bias, eps, rms, backend)
+            return _op.decomposition(x, residual, weight, bias, eps, rms, out_dtype)
+        return _custom_op(x, residual, weight, bias, eps, rms, backend, out_dtype)
     if torch._C._is_any_autocast_enabled():
         x, residual, weight, bias = _op.autocast(x, residual, weight, bias)
     if torch._C._is_tracing():
-        return _op.decomposition(x, residual, weight, bias, eps, rms)
+        return _op.decomposition(x, residual, weight, bias, eps, rms, out_dtype)
     if _forward_ad._current_level >= 0 or torch._C._functorch.peek_interpreter_stack() is not None:
         y, residual_out, _, _ = _op.TransformNorm.apply(
-            x, residual, weight, bias, eps, rms, backend, fast
+            x, residual, weight, bias, eps, rms, backend, fast, out_dtype
         )
         return y, residual_out
     if (
@@ -266,10 +306,10 @@ def _enter(
         and _op.direct_call(x, residual, weight, bias)
     ):
         y, residual_out, _, _ = _op.forward(
-            x, residual, weight, bias, eps, rms, backend, stats=False
+            x, residual, weight, bias, eps, rms, backend, False, out_dtype
         )
         return y, residual_out
-    return _custom_op(x, residual, weight, bias, eps, rms, backend)
+    return _custom_op(x, residual, weight, bias, eps, rms, backend, out_dtype)
 
 
 def _shaped(

@@ -14,7 +14,10 @@ What each one rounds (``docs/contract.md`` §2, "Options"):
 - ``casting_mode`` (RMSNorm): Liger's three casting orders, with the arithmetic between
   two casts exact (:func:`cast_rms_norm`).
 - ``out_dtype``: an output at least as wide as the input: the input converted to it
-  (exactly), then normalized, so the output is correctly rounded in ``out_dtype``.
+  (exactly), then normalized, so the output is correctly rounded in ``out_dtype``; a
+  narrower one (float32 from float64, a 16-bit one from float32 or float64, float16 from
+  bfloat16 and back): the kernels round each element once into it
+  (``layernorm::forward_to``, ``ops._norm_to``).
 - ``out`` / ``residual_out``: preallocated outputs, by torch's ``out=`` rules
   (:func:`store`).
 - ``memory_efficient`` (layer_norm, rms_norm): apex's backward from the saved output,
@@ -35,6 +38,7 @@ from torch import Tensor
 from torch._prims_common.wrappers import _maybe_resize_out
 
 from . import _op, ops, recompute
+from .backends import torch_
 from .backends.torch_ import accumulation_dtype
 
 __all__ = [
@@ -141,7 +145,11 @@ def norm(
                 f"{op}: memory_efficient=True does not combine with offset, casting_mode or out"
             )
         if out_dtype is not None and isinstance(x, Tensor):
-            _check_out_dtype(op, x, out_dtype)
+            if _check_out_dtype(op, x, out_dtype):
+                raise ValueError(
+                    f"{op}: memory_efficient=True takes an out_dtype at least as wide as "
+                    f"the input's {x.dtype}, got out_dtype={out_dtype}"
+                )
             eps = _op.default_eps(x.dtype) if eps is None else eps
             x = x.to(out_dtype)
         y = recompute.norm(op, x, normalized_shape, weight, bias, eps, rms, backend)
@@ -153,8 +161,9 @@ def norm(
         raise ValueError(
             f"{op}: casting_mode must be one of {list(CASTING_MODES)}, got {casting_mode!r}"
         )
+    narrow = False  # y rounded into a dtype narrower than the input's, by the kernels
     if out_dtype is not None:
-        _check_out_dtype(op, x, out_dtype)
+        narrow = _check_out_dtype(op, x, out_dtype)
         if casting_mode is not None:
             raise ValueError(
                 f"{op}: casting_mode={casting_mode!r} fixes the output's dtype (the input's); "
@@ -170,14 +179,17 @@ def norm(
             check_out(op, "residual_out", residual_out, x.dtype, x.device)
     if eps is None:  # the input's rule, not the wider dtype's
         eps = _op.default_eps(x.dtype)
-    compute = x.dtype if out_dtype is None else out_dtype
+    compute = x.dtype if out_dtype is None or narrow else out_dtype
 
     if casting_mode is not None:
         y, h = cast_rms_norm(op, x, residual, normalized_shape, weight, eps, backend,
                              offset, casting_mode)  # fmt: skip
     else:
         gain = weight if not offset else offset_gain(weight, offset, compute)  # type: ignore[arg-type]
-        if compute == x.dtype:
+        if narrow:
+            y, h = ops._norm_to(op, x, residual, normalized_shape, gain, bias, eps, rms,
+                                backend, out_dtype)  # type: ignore[arg-type]  # fmt: skip
+        elif compute == x.dtype:
             y, h = ops._norm(op, x, residual, normalized_shape, gain, bias, eps, rms, backend)
         else:
             h = None if residual is None else residual_sum(op, x, residual)
@@ -231,15 +243,21 @@ def offset_gain(weight: Tensor, offset: float, dtype: torch.dtype) -> Tensor:
 # out_dtype
 
 
-def _check_out_dtype(op: str, x: Tensor, out_dtype: torch.dtype) -> None:
+def _check_out_dtype(op: str, x: Tensor, out_dtype: torch.dtype) -> bool:
+    """Checks ``out_dtype`` (``TypeError`` unless a floating dtype, ``ValueError`` for one
+    the kernels do not write, or an input they do not take); returns whether it is
+    narrower than ``x``'s dtype (it cannot hold every value of it: the kernels then round
+    into it), False when it holds every value (the input is converted to it exactly)."""
     if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
         raise TypeError(f"{op}: out_dtype must be a floating torch.dtype, got {out_dtype!r}")
-    if out_dtype not in _WIDER.get(x.dtype, (x.dtype,)):
+    if out_dtype in _WIDER.get(x.dtype, (x.dtype,)):
+        return False
+    if x.dtype not in _WIDER or out_dtype not in torch_.OUT_DTYPES:
         raise ValueError(
-            f"{op}: out_dtype={out_dtype} is narrower than the input's {x.dtype} (it cannot "
-            "hold every value of it); an output narrower than the input needs the kernels "
-            "to round once into it, which they do not yet (issue 23)"
+            f"{op}: out_dtype={out_dtype} from a {x.dtype} input: the output dtypes are "
+            "float64, float32, bfloat16 and float16, from inputs of those dtypes"
         )
+    return True
 
 
 # ---------------------------------------------------------------------------------------

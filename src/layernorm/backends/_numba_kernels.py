@@ -115,7 +115,7 @@ SEGMENT = 1024
 #: these kernels. numba keys its on-disk cache on this file alone, so a change to that one
 #: must change this line, or a stale cached kernel would keep running the old code;
 #: ``tests/test_numba_vectors.py`` fails until it does.
-VECTORS_SHA256 = "5370a2a51aba880d"
+VECTORS_SHA256 = "293c3df2d0a424b4"
 
 
 def _jit(*signature, **options):
@@ -1317,7 +1317,7 @@ def _weight_f64(address, n, storage_tag, acc_tag, params_x_dtype):
 
 @_jit()
 def _forward_views(
-    storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out,
+    storage_tag, acc_tag, y_tag, x, x_stride, residual, residual_stride, has_residual, residual_out,
     weight, bias, params_x_dtype, y, mean, rstd, m, n, rms, store_stats, flags,
 ):  # fmt: skip
     return (
@@ -1326,7 +1326,7 @@ def _forward_views(
         _view(residual_out, m * n if has_residual else 1, storage_tag),
         _param_row(weight, n, storage_tag, acc_tag, params_x_dtype),
         _param_row(bias, n, storage_tag, acc_tag, params_x_dtype),
-        _view(y, m * n, storage_tag),
+        _view(y, m * n, y_tag),
         _view(mean, 0 if rms or not store_stats else m, acc_tag),
         _view(rstd, m if store_stats else 0, acc_tag),
         _view(flags, m + 1, _FLAG_TAG),
@@ -1335,7 +1335,7 @@ def _forward_views(
 
 @_jit()
 def forward_serial(
-    storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out,
+    storage_tag, acc_tag, y_tag, x, x_stride, residual, residual_stride, has_residual, residual_out,
     weight, bias, params_x_dtype, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags,
 ):  # fmt: skip
     """The forward on addresses (the arguments of ``_kernel_abi.FORWARD``), in the
@@ -1346,7 +1346,7 @@ def forward_serial(
     any row does.
     """
     views = _forward_views(
-        storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual,
+        storage_tag, acc_tag, y_tag, x, x_stride, residual, residual_stride, has_residual,
         residual_out, weight, bias, params_x_dtype, y, mean, rstd, m, n, rms, store_stats,
         flags,
     )  # fmt: skip
@@ -1360,13 +1360,13 @@ def forward_serial(
 
 @_jit()
 def forward_parallel(
-    storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out,
+    storage_tag, acc_tag, y_tag, x, x_stride, residual, residual_stride, has_residual, residual_out,
     weight, bias, params_x_dtype, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags,
 ):  # fmt: skip
     """One span of rows of a forward that ``numba_`` spreads over its threads:
     :func:`forward_serial`, with streaming stores for large float32 outputs."""
     views = _forward_views(
-        storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual,
+        storage_tag, acc_tag, y_tag, x, x_stride, residual, residual_stride, has_residual,
         residual_out, weight, bias, params_x_dtype, y, mean, rstd, m, n, rms, store_stats,
         flags,
     )  # fmt: skip
@@ -1492,27 +1492,33 @@ def _check_parameters(function, direction: str, tags: int = 0) -> None:
         )
 
 
-def entry(name: str, storage_tag: np.ndarray, acc_tag: np.ndarray):
+def entry(name: str, storage_tag: np.ndarray, acc_tag: np.ndarray, y_tag: np.ndarray | None = None):
     """Kernel ``name`` (``forward_serial``, ``forward_parallel``, ``backward_serial`` or
-    ``backward_parallel``) for the storage and accumulation dtypes of the tags, compiled
+    ``backward_parallel``) for the storage and accumulation dtypes of the tags (and, for
+    the forward, ``y_tag``'s storage dtype for ``y``: x's when None; each element of
+    ``y`` is rounded once to it, as to x's, by the same row functions), compiled
     now (or loaded from the on-disk cache) for the arguments of that kernel without its
     two tags: all of them C types (:mod:`layernorm.backends._kernel_abi`), so the compiled
     function also has a C address (:func:`address`) that compiled code calls directly. The
     tags become constants of the compiled code (numba keys its cache on them too)."""
     # One function per kernel, each calling its kernel as a global: numba caches a
-    # function by its code and the closure's values (the two tags).
+    # function by its code and the closure's values (the tags).
+    if y_tag is None:
+        y_tag = storage_tag
+    elif not name.startswith("forward"):
+        raise ValueError(f"kernel entry {name!r} has no output dtype of its own")
     run: Callable[..., None]
     if name == "forward_serial":
 
         def forward(x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, params_x_dtype, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags):  # fmt: skip
-            forward_serial(storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, params_x_dtype, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags)  # fmt: skip
+            forward_serial(storage_tag, acc_tag, y_tag, x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, params_x_dtype, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags)  # fmt: skip
 
         run = forward
 
     elif name == "forward_parallel":
 
         def forward(x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, params_x_dtype, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags):  # fmt: skip
-            forward_parallel(storage_tag, acc_tag, x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, params_x_dtype, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags)  # fmt: skip
+            forward_parallel(storage_tag, acc_tag, y_tag, x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, params_x_dtype, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags)  # fmt: skip
 
         run = forward
 
@@ -1544,13 +1550,17 @@ def entry(name: str, storage_tag: np.ndarray, acc_tag: np.ndarray):
     else:
         direction = name.split("_")[0]
         _check_parameters(run, direction)
-        _check_parameters(globals()[name].py_func, direction, tags=2)
+        tags = 3 if direction == "forward" else 2
+        _check_parameters(globals()[name].py_func, direction, tags=tags)
         signature = entry_type(direction)
     # One name per entry and dtype: :func:`address` finds the compiled function by its
     # symbol, which numba derives from this name and a per-process counter. Closures of
     # one name loaded from the on-disk cache can share a symbol, and the lookup would then
     # return another dtype's kernel.
-    run.__name__ = run.__qualname__ = f"{name}_{storage_tag.dtype.name}_{acc_tag.dtype.name}"
+    label = f"{name}_{storage_tag.dtype.name}_{acc_tag.dtype.name}"
+    if y_tag.dtype != storage_tag.dtype:
+        label += f"_to_{y_tag.dtype.name}"
+    run.__name__ = run.__qualname__ = label
     # nogil: numba_ runs the spans of one call from several Python threads at once
     return _jit(signature, nogil=True)(run)
 

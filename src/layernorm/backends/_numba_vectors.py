@@ -984,13 +984,14 @@ def normalize_row_fast_single_streaming(
 def _single_pass(context, builder, sig, args, streaming: bool) -> ir.Value:
     """:func:`normalize_row_fast_single`'s code (``streaming``: non-temporal vector
     stores). Typed for every output dtype, run for 16-bit ones only: for the others it
-    is :func:`normalize_row_checked`'s."""
+    is :func:`normalize_row_checked`'s, and so for a float64 ``z`` (a 16-bit output of a
+    float64 row: its float64 weight keeps it off the float32 lanes)."""
     rows = tuple(Row(context, builder, sig.args[k], args[k]) for k in (0, 1, 5, 6))
     y = rows[1]
     width = lanes(ir.FloatType())
     flags = _Flags(builder, width)
     scalars64 = args[2:5] + args[7:10]
-    half = y.dtype in _BOUNDARY_BITS
+    half = y.dtype in _BOUNDARY_BITS and rows[0].dtype != types.float64
     slot = cgutils.alloca_once(builder, ir.VectorType(_I16, width))
 
     def element(index: ir.Value, lanes: int) -> None:

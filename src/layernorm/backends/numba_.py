@@ -101,8 +101,9 @@ def _kernels() -> ModuleType:
     return _kernels_module
 
 
-#: the entries compiled so far, by (dtype, kernel name): see :func:`entry`
-_entries: dict[tuple[torch.dtype, str], Callable[..., None]] = {}
+#: the entries compiled so far, by (dtype, kernel name) or, for a forward whose ``y`` has
+#: another dtype, (dtype, kernel name, y's dtype): see :func:`entry`
+_entries: dict[tuple, Callable[..., None]] = {}
 
 #: each thread's forward flags buffer (:func:`_scratch`)
 _flag_buffers = threading.local()
@@ -124,36 +125,44 @@ def _scratch(size: int) -> tuple[np.ndarray, int]:
 ENTRIES = ("forward_serial", "forward_parallel", "backward_serial", "backward_parallel")
 
 
-def _compiled(dtype: torch.dtype, name: str) -> Callable[..., None]:
-    """numba's compiled ``_numba_kernels.entry(name)`` for ``dtype``: loaded from the
-    on-disk cache or compiled, under the cache's lock (see
-    :mod:`layernorm.backends._numba_cache`)."""
-    kernel = _entries.get((dtype, name))
+def _compiled(
+    dtype: torch.dtype, name: str, y_dtype: torch.dtype | None = None
+) -> Callable[..., None]:
+    """numba's compiled ``_numba_kernels.entry(name)`` for ``dtype`` (and a forward's
+    ``y`` in ``y_dtype``, when given and not ``dtype``): loaded from the on-disk cache or
+    compiled, under the cache's lock (see :mod:`layernorm.backends._numba_cache`). An
+    output dtype of its own compiles its entries on their first use only, so
+    :func:`build` and a cold start of the same-dtype entries do not grow."""
+    key: tuple = (dtype, name) if y_dtype is None or y_dtype == dtype else (dtype, name, y_dtype)
+    kernel = _entries.get(key)
     if kernel is None:
         kernels = _kernels()
         from . import _numba_cache
 
         types = _TYPES[dtype]
-        with _numba_cache.locked(), _numba_cache.compiling(f"{dtype} {name}"):
-            kernel = _entries.get((dtype, name))  # another thread may have been first
+        y_tag = None if len(key) == 2 else _TYPES[key[2]].storage
+        what = f"{dtype} {name}" if y_tag is None else f"{dtype} {name} to {y_dtype}"
+        with _numba_cache.locked(), _numba_cache.compiling(what):
+            kernel = _entries.get(key)  # another thread may have been first
             if kernel is None:
-                kernel = _entries[dtype, name] = kernels.entry(name, types.storage, types.acc)
+                kernel = _entries[key] = kernels.entry(name, types.storage, types.acc, y_tag)
     return kernel
 
 
-def entry(dtype: torch.dtype, name: str) -> Callable[..., None]:
+def entry(dtype: torch.dtype, name: str, y_dtype: torch.dtype | None = None) -> Callable[..., None]:
     """Kernel ``name`` (``forward_serial``, ``forward_parallel``, ``backward_serial``
     or ``backward_parallel``) for input dtype ``dtype``, on addresses, sizes and flags
-    (the arguments of :mod:`layernorm.backends._kernel_abi`); compiled on first use.
+    (the arguments of :mod:`layernorm.backends._kernel_abi`); compiled on first use. A
+    forward's ``y`` holds ``y_dtype`` (None: ``dtype``), one of :data:`OUT_DTYPES`'s.
 
     The serial entries run in the calling thread; the parallel ones split the rows into
     spans that the calling thread and helper threads run (:mod:`._threads`), each with the
     compiled ``_numba_kernels`` entry of the same name, so the bits are the same."""
     if name == "forward_parallel":
-        return functools.partial(_forward_over_threads, dtype)
+        return functools.partial(_forward_over_threads, dtype, y_dtype or dtype)
     if name == "backward_parallel":
         return functools.partial(_backward_over_threads, dtype)
-    return _compiled(dtype, name)
+    return _compiled(dtype, name, y_dtype)
 
 
 def entry_address(dtype: torch.dtype, name: str) -> int:
@@ -167,7 +176,7 @@ def entry_address(dtype: torch.dtype, name: str) -> int:
 
 
 def _forward_over_threads(
-    dtype: torch.dtype, x: int, x_stride: int, residual: int, residual_stride: int,
+    dtype: torch.dtype, y_dtype: torch.dtype, x: int, x_stride: int, residual: int, residual_stride: int,
     has_residual: bool, residual_out: int, weight: int, bias: int, params_x_dtype: bool,
     y: int, mean: int,
     rstd: int, m: int, n: int, eps: float, rms: bool, stream: bool, store_stats: bool,
@@ -179,10 +188,10 @@ def _forward_over_threads(
     spans get disjoint stretches of one scratch array (span from block ``start`` at
     ``start * (ROW_BLOCK + 1)``); the caller's ``flags`` (m + 1 bytes) are gathered from
     it afterwards."""
-    run = _compiled(dtype, "forward_parallel")
+    run = _compiled(dtype, "forward_parallel", y_dtype)
     size, acc_size = _TYPES[dtype].itemsize, _TYPES[dtype].acc.itemsize
     # bytes from one row to the next of each argument (0: not read, any valid address)
-    x_step, y_step = x_stride * size, n * size
+    x_step, y_step = x_stride * size, n * _TYPES[y_dtype].itemsize
     residual_step = residual_stride * size if has_residual else 0
     residual_out_step = n * size if has_residual else 0
     mean_step = acc_size if store_stats and not rms else 0
@@ -380,6 +389,7 @@ def forward(
     eps: float,
     rms: bool,
     stats: bool = True,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     # Written flat on purpose: every Python step counts in a small call.
     n = x.shape[-1]
@@ -387,7 +397,11 @@ def forward(
     m = numel // n
     types = _TYPES[x.dtype]
     nbytes = numel * types.itemsize
-    y = _output(x, nbytes)
+    if out_dtype is None or out_dtype == x.dtype:
+        out_dtype = None
+        y = _output(x, nbytes)
+    else:  # y of its own dtype (torch_'s contract: float32 or 16-bit), rounded into it
+        y = _host_memory.empty(x.shape, out_dtype)
     params_x_dtype = _in_x_dtype(x.dtype, types.acc_dtype, weight, bias)
     param_dtype = x.dtype if params_x_dtype else types.acc_dtype
     w = _kernel_param(weight, n, param_dtype, 1.0)
@@ -416,7 +430,9 @@ def forward(
     else:
         flags = np.empty(m + 1, np.uint8)
         flags_address = flags.ctypes.data
-    run = entry(x.dtype, "forward_serial" if numel < SERIAL_NUMEL else "forward_parallel")
+    run = entry(
+        x.dtype, "forward_serial" if numel < SERIAL_NUMEL else "forward_parallel", out_dtype
+    )
     # the arguments of _kernel_abi.FORWARD, in its order
     run(
         x_address,  # x

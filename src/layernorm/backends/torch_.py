@@ -10,8 +10,10 @@ It defines the kernel contract every backend follows (see ``layernorm.backends``
 - ``weight``, ``bias``: ``(N,)`` contiguous or ``None``; any floating dtype.
 - Arithmetic in the accumulation dtype: float64 for float64 input, else float32.
   ``mean`` and ``rstd`` are ``(M,)`` in that dtype; ``mean`` is ``None`` for RMSNorm.
-- ``forward`` returns ``y`` (contiguous, shaped like ``x``, ``x``'s dtype),
-  ``residual_out = x + residual``
+- ``forward`` returns ``y`` (contiguous, shaped like ``x``, ``x``'s dtype, or
+  ``out_dtype`` when given: a keyword argument after ``stats``, ``None`` or a dtype of
+  :data:`OUT_DTYPES` no wider than ``x``'s, each element rounded once into it:
+  docs/contract.md §3), ``residual_out = x + residual``
   (``x``'s dtype, or ``None`` without a residual; the normalization reads the rounded
   ``residual_out``), ``mean`` and ``rstd``.
 - ``backward`` gets the normalized input (``residual_out`` when there was a residual) as
@@ -35,6 +37,12 @@ import torch
 
 CHUNK = 4096  # a reduction of <= 32768 elements is never split by torch's CPU reducer
 ROW_BLOCK = 1024  # fixed row partition for dweight/dbias partial sums
+
+
+#: the dtypes ``forward``'s ``y`` may have apart from ``x``'s (``out_dtype``), when no
+#: wider than it (a wider output is the input converted exactly, then normalized:
+#: ``layernorm.options``)
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def unavailable_reason() -> str | None:
@@ -101,12 +109,13 @@ def portable_forward(
     eps: float,
     rms: bool,
     stats: bool = True,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """The decomposition (``_op.decomposition``, ``_op.scripted_norm``: what tracing,
     scripting, export and ONNX record): the corrected two-pass in the accumulation dtype
-    (float32 for every dtype but float64), then one conversion to x's dtype. It is
-    within the bounds of docs/contract.md §3 but not correctly rounded; the backend's
-    :func:`forward` is. Written for TorchScript too."""
+    (float32 for every dtype but float64), then one conversion to x's dtype (or
+    ``out_dtype``). It is within the bounds of docs/contract.md §3 but not correctly
+    rounded; the backend's :func:`forward` is. Written for TorchScript too."""
     acc = accumulation_dtype(x.dtype)
     shape = x.shape
     rows = matrix(x)
@@ -134,7 +143,8 @@ def portable_forward(
         y = y * weight.to(acc)
     if bias is not None:
         y = y + bias.to(acc)
-    return y.to(x.dtype).contiguous().view(shape), residual_out, mean, rstd
+    y_dtype = x.dtype if out_dtype is None else out_dtype
+    return y.to(y_dtype).contiguous().view(shape), residual_out, mean, rstd
 
 
 # ---------------------------------------------------------------------------------------
@@ -187,14 +197,18 @@ def forward(
     eps: float,
     rms: bool,
     stats: bool = True,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """The backend's forward: every output element of a float32, float16 or bfloat16
-    input is the exact result rounded once (docs/contract.md §3); float64 input is
-    :func:`portable_forward`. Rows whose rounding the float64 bound leaves open are
-    recomputed exactly on the host (``_exact``); on a GPU, reading the flags synchronizes
-    (docs/contract.md §3 says so)."""
-    if x.dtype == torch.float64 or x.numel() == 0:
-        return portable_forward(x, residual, weight, bias, eps, rms, stats)
+    output is the exact result rounded once (docs/contract.md §3); a float64 output is
+    :func:`portable_forward`'s. ``y`` has x's dtype, or ``out_dtype`` when given: float32,
+    bfloat16 or float16, from any input (a float64 one included: the same float64
+    arithmetic, bound and test, rounded into ``out_dtype``). Rows whose rounding the
+    float64 bound leaves open are recomputed exactly on the host (``_exact``); on a GPU,
+    reading the flags synchronizes (docs/contract.md §3 says so)."""
+    y_dtype = x.dtype if out_dtype is None else out_dtype
+    if y_dtype == torch.float64 or x.numel() == 0:
+        return portable_forward(x, residual, weight, bias, eps, rms, stats, out_dtype)
     acc = accumulation_dtype(x.dtype)
     shape = x.shape
     rows = matrix(x)
@@ -251,9 +265,9 @@ def forward(
     yh = p + beta
     e_c = (c.abs() + d.abs()) * k_c + e_mean[:, None]
     bound = e_c * gamma.abs() * k_w[:, None] + p.abs() * k_p[:, None] + yh.abs() * k_y
-    y = round_once(yh, x.dtype)
-    low = _storage_bits(round_once(yh - bound, x.dtype))
-    high = _storage_bits(round_once(yh + bound, x.dtype))
+    y = round_once(yh, y_dtype)
+    low = _storage_bits(round_once(yh - bound, y_dtype))
+    high = _storage_bits(round_once(yh + bound, y_dtype))
     flagged = (low != high).any(1) | loose
     if bool(flagged.any()):
         _fix_rows(y, rows, gamma, beta, eps, rms, flagged)

@@ -239,7 +239,10 @@ def forward(
     eps: float,
     rms: bool,
     stats: bool = True,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The forward (``torch_``'s contract); ``y`` in ``out_dtype`` when given (the
+    kernels round into ``Y``'s element type, whatever ``x``'s)."""
     kernels = _kernels()
     shape = x.shape
     x, residual = (
@@ -249,7 +252,7 @@ def forward(
     weight, bias = _unit_stride(weight), _unit_stride(bias)
     with _quiet(kernels):
         y, residual_out, mean, rstd, flags = _launch_forward(
-            kernels, x, residual, weight, bias, eps, rms
+            kernels, x, residual, weight, bias, eps, rms, out_dtype or x.dtype
         )
         _settle(y, x if residual_out is None else residual_out, weight, bias, eps, rms, flags)
     return y.view(shape), None if residual_out is None else residual_out.view(shape), mean, rstd
@@ -263,13 +266,15 @@ def _launch_forward(
     bias: torch.Tensor | None,
     eps: float,
     rms: bool,
+    y_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """The forward's launches, no host work: ``(y, residual_out, mean, rstd, flags)``,
-    with ``flags[i]`` 0 where stage 1 settled row ``i``, 2 where stage 2 did, and 1
-    where the row is open (``y``'s row is then not final: :func:`_settle`)."""
+    """The forward's launches, no host work: ``(y, residual_out, mean, rstd, flags)``
+    (``y`` in ``y_dtype``), with ``flags[i]`` 0 where stage 1 settled row ``i``, 2 where
+    stage 2 did, and 1 where the row is open (``y``'s row is then not final:
+    :func:`_settle`)."""
     m, n = x.shape
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    residual_out = None if residual is None else torch.empty_like(y)
+    y = torch.empty((m, n), dtype=y_dtype, device=x.device)
+    residual_out = None if residual is None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     mean = None if rms else torch.empty(m, dtype=torch.float32, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     flags = torch.empty(m, dtype=torch.int32, device=x.device)
