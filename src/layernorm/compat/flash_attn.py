@@ -52,8 +52,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import fused_norm
+from ..fused import fused_norm
 from ..recompute import layer_norm_linear
+from ._fused import fused_last_dim
 
 __all__ = ["RMSNorm", "layer_norm_fn", "layer_norm_linear_fn", "rms_norm_fn"]
 
@@ -111,9 +112,8 @@ def _norm(
         )
     if rowscale is not None:
         rowscale = rowscale.detach().reshape(-1)
-    result = fused_norm(
+    result = fused_last_dim(
         x,
-        x.shape[-1:],
         weight,
         bias,
         eps,
@@ -132,7 +132,7 @@ def _norm(
     y = _fill(out, result.y)
     h = x if result.residual_out is None else result.residual_out
     h = _fill(residual_out, h)
-    outputs: list[Tensor | None] = [y]
+    outputs: list[Tensor | None] = [y]  # y first: a single output is y, a Tensor
     if weight1 is not None:
         outputs.append(result.y1)
     if prenorm:
@@ -140,7 +140,7 @@ def _norm(
     if return_dropout_mask:
         masks = (result.dropout_mask, result.dropout_mask1 if x1 is not None else None)
         outputs.extend(None if m is None else m.reshape(x.shape) for m in masks)
-    return outputs[0] if len(outputs) == 1 else tuple(outputs)
+    return y if len(outputs) == 1 else tuple(outputs)
 
 
 def layer_norm_fn(
@@ -310,7 +310,7 @@ def layer_norm_linear_fn(
                 h, h.shape[-1:], norm_weight, norm_bias, weight, bias, eps, rms=is_rms_norm
             )
         else:
-            y = fused_norm(h, h.shape[-1:], norm_weight, norm_bias, eps, rms=is_rms_norm,
-                           out_dtype=y_dtype).y  # fmt: skip
+            y = fused_last_dim(h, norm_weight, norm_bias, eps, rms=is_rms_norm,
+                               out_dtype=y_dtype).y  # fmt: skip
             out = F.linear(y, weight, bias)
     return out if not prenorm else (out, h)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import fused_norm
+from ._fused import fused_last_dim
 
 __all__ = ["QuackRMSNorm", "rmsnorm"]
 
@@ -51,9 +51,8 @@ def _one(
     weight_offset: float,
 ) -> tuple[Tensor, Tensor]:
     """``(out, residual_out)`` over the last dim."""
-    result = fused_norm(
+    result = fused_last_dim(
         x,
-        x.shape[-1:],
         weight,
         bias,
         eps,
