@@ -204,16 +204,19 @@ def test_rmsnorm_compile_2d_then_4d():
 
 def test_rmsnorm_compile_matches_eager():
     """quack's ``use_compile=True`` variants: the compiled function (fullgraph) gives
-    the eager call's output and gradients bit for bit (residual, bias, prenorm)."""
+    the eager call's outputs (residual, bias, prenorm) and gradients bit for bit. (The
+    gradient is taken through ``out`` alone: inductor may add two bfloat16 gradients of
+    ``residual_out`` in float32 where eager autograd rounds each.)"""
     torch.random.manual_seed(0)
     x, r = torch.randn(8, 128, dtype=BF16), torch.randn(8, 128, dtype=BF16)
     w, b = torch.randn(128), torch.randn(128)
+    g = torch.randn(8, 128, dtype=BF16)
     f = torch.compile(quack.rmsnorm, fullgraph=True)
     results = []
     for call in (quack.rmsnorm, f):
         leaves = _leaves(x, w, b, r)
         out, h = call(leaves[0], leaves[1], leaves[2], leaves[3], eps=1e-6, prenorm=True)
-        (out.float().sum() + h.float().square().sum()).backward()
+        out.backward(g)
         results.append([out, h] + [t.grad for t in leaves])
     for eager, compiled in zip(*results, strict=True):
         assert torch.equal(eager, compiled)
@@ -281,14 +284,13 @@ def test_rmsnorm_with_bias():
     _close(ours[2].grad, ref[2].grad, ref64[2].grad, 1e-4)
 
 
-@pytest.mark.parametrize("prenorm", [True, False])
-@pytest.mark.parametrize("backward_type", ["only_output", "both"])
-def test_rmsnorm_with_residual(backward_type, prenorm):
+@pytest.mark.parametrize(
+    ("prenorm", "backward_type"), [(True, "only_output"), (True, "both"), (False, "only_output")]
+)
+def test_rmsnorm_with_residual(prenorm, backward_type):
     """quack ``test_rmsnorm_with_residual`` (prenorm=True; ``both`` back-propagates
     ``out + residual_out``) and ``test_rmsnorm_prenorm_false`` (a bare tensor): float16
     input and residual, float32 weight, atol 1e-2."""
-    if not prenorm and backward_type == "both":
-        pytest.skip("prenorm=False returns no residual_out")
     torch.random.manual_seed(0)
     x = torch.randn(32, 1024, dtype=F16)
     weight = torch.randn(1024)
