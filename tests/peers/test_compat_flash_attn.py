@@ -12,7 +12,8 @@ under autocast). Its rule, for every output and gradient::
 with ``pt`` its reference in the call's dtypes and ``ref`` the upcast one, both with the
 masks ours returned; here ``ref`` is float64 (flash-attn upcasts to float32) and the
 references are rewritten (``_reference``). Kept: the parametrization's flags (all of
-them, rowscale with x1 skipped as flash-attn skips it), every (input, residual) dtype pair
+them, rowscale with x1 left out as flash-attn skips it; ``zero_centered_weight=True``,
+which flash-attn comments out, on a few cases), every (input, residual) dtype pair
 and every weight dtype (each pair with one weight dtype, ``DTYPES``), eps 1e-6, the
 gradient randn / batch through ``out * gelu(out1)`` and ``out * sigmoid(residual)``.
 Shrunk: 8 x 512 rows -> 2 x 8; hidden sizes 192 (all flags) and 3000 (a few); the keep
@@ -25,6 +26,7 @@ from torch's generator, signatures and module surface as flash-attn's source, er
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 from fractions import Fraction
 
@@ -210,26 +212,43 @@ def _run_layer_norm(hidden_size, input_dtype, residual_dtype, weight_dtype, has_
         assert _allclose(mine.grad, theirs.grad, want.grad, atol), name
 
 
-@pytest.mark.parametrize("zero_centered_weight", [False, True])
-@pytest.mark.parametrize("has_weight1", [False, True])
-@pytest.mark.parametrize("has_x1", [False, True])
-@pytest.mark.parametrize("has_rowscale", [False, True])
-@pytest.mark.parametrize("dropout_p", [0.0, 0.27])
-@pytest.mark.parametrize("prenorm", [True, False])
-@pytest.mark.parametrize("is_rms_norm", [False, True])
-@pytest.mark.parametrize("has_residual", [True, False])
+#: flash-attn's flags (has_residual, is_rms_norm, prenorm, dropout_p, has_rowscale,
+#: has_x1, has_weight1), rowscale with x1 left out as flash-attn skips it
+FLAGS = [
+    pytest.param(*flags, id="-".join(map(str, flags)))
+    for flags in itertools.product(
+        (True, False), (False, True), (True, False), (0.0, 0.27), (False, True),
+        (False, True), (False, True),
+    )
+    if not (flags[4] and flags[5])
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("has_residual", "is_rms_norm", "prenorm", "dropout_p", "has_rowscale", "has_x1",
+     "has_weight1"),
+    FLAGS,
+)  # fmt: skip
 @pytest.mark.parametrize(("input_dtype", "residual_dtype", "weight_dtype"), DTYPES)
 def test_layer_norm(input_dtype, residual_dtype, weight_dtype, has_residual, is_rms_norm,
-                    prenorm, dropout_p, has_rowscale, has_x1, has_weight1,
-                    zero_centered_weight):  # fmt: skip
-    """flash-attn ``test_layer_norm`` at hidden size 192: every flag (flash-attn runs
-    ``zero_centered_weight=False`` only; both here), the outputs, the returned residual
-    and masks, and every gradient within flash-attn's rule."""
-    if has_rowscale and has_x1:
-        pytest.skip("Not supported")  # as flash-attn
+                    prenorm, dropout_p, has_rowscale, has_x1, has_weight1):  # fmt: skip
+    """flash-attn ``test_layer_norm`` at hidden size 192 with its flags
+    (``zero_centered_weight=False``, as flash-attn runs it): the outputs, the returned
+    residual and masks, and every gradient within flash-attn's rule."""
     _run_layer_norm(192, input_dtype, residual_dtype, weight_dtype, has_residual, is_rms_norm,
-                    prenorm, dropout_p, has_rowscale, has_x1, has_weight1,
-                    zero_centered_weight)  # fmt: skip
+                    prenorm, dropout_p, has_rowscale, has_x1, has_weight1, False)  # fmt: skip
+
+
+@pytest.mark.parametrize("is_rms_norm", [False, True])
+@pytest.mark.parametrize(("input_dtype", "residual_dtype", "weight_dtype"), DTYPES)
+@pytest.mark.parametrize(("has_x1", "has_rowscale"), [(True, False), (False, True)])
+def test_layer_norm_zero_centered_weight(input_dtype, residual_dtype, weight_dtype, has_x1,
+                                         has_rowscale, is_rms_norm):  # fmt: skip
+    """flash-attn's ``zero_centered_weight=True`` (commented out of its parametrization;
+    its reference adds 1 to the weights): residual, dropout, prenorm, weight1, with x1
+    or rowscale, at hidden size 192."""
+    _run_layer_norm(192, input_dtype, residual_dtype, weight_dtype, True, is_rms_norm, True,
+                    0.27, has_rowscale, has_x1, True, True)  # fmt: skip
 
 
 @pytest.mark.parametrize("is_rms_norm", [False, True])
