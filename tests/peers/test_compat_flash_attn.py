@@ -549,3 +549,54 @@ def test_rms_norm_module_is_rms_norm_fn_and_drops_in_training_only():
                           zero_centered_weight=True)  # fmt: skip
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert not torch.equal(got[1], (x.float() + res.float()).to(BF16))
+
+
+@pytest.mark.parametrize(("x_dtype", "out_dtype"), [(BF16, F32), (F32, BF16), (F16, F64)])
+def test_out_dtype_is_fused_norms(x_dtype, out_dtype):
+    """``out_dtype`` sets ``out``'s and ``out1``'s dtype, each correctly rounded from
+    ``residual_out`` (``layernorm.fused_norm``'s, bit for bit), wider or narrower."""
+    torch.manual_seed(4)
+    x, res = torch.randn(3, 4, 64, dtype=x_dtype), torch.randn(3, 4, 64, dtype=F32)
+    w, b, w1, b1 = (torch.randn(64) for _ in range(4))
+    out, out1, h = fa.layer_norm_fn(x, w, b, res, weight1=w1, bias1=b1, prenorm=True,
+                                    out_dtype=out_dtype)  # fmt: skip
+    assert out.dtype == out1.dtype == out_dtype and h.dtype == F32
+    want = layernorm.fused_norm(x, 64, w, b, 1e-6, residual=res, weight1=w1, bias1=b1,
+                                out_dtype=out_dtype)  # fmt: skip
+    assert torch.equal(out, want.y) and torch.equal(out1, want.y1)
+    assert torch.equal(h, want.residual_out)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+def test_rms_bias_is_the_float64_norm_plus_bias(dtype):
+    """``rms_norm_fn`` with ``bias`` (and ``bias1``), which ``fused_norm(rms=True)`` does
+    not take: ``RN(RN64(h / rms(h)·w) + b)`` bit for bit, so within half a unit in the
+    last place plus 2^-52 (relative) of the float64 reference."""
+    torch.manual_seed(5)
+    x, res = torch.randn(4, 5, 96, dtype=dtype), torch.randn(4, 5, 96, dtype=dtype)
+    w, b, w1, b1 = (torch.randn(96) for _ in range(4))
+    out, out1, h = fa.rms_norm_fn(x, w, b, res, weight1=w1, bias1=b1, prenorm=True)
+    for y, weight, bias in ((out, w, b), (out1, w1, b1)):
+        y64 = layernorm.rms_norm(h, 96, weight, 1e-6, out_dtype=F64)
+        assert torch.equal(y, (y64 + bias.double()).to(dtype))
+        ref = h.double() * torch.rsqrt(h.double().square().mean(-1, keepdim=True) + 1e-6)
+        ref = ref * weight.double() + bias.double()
+        ulp = torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(ref.abs())))
+        assert bool(((y.double() - ref).abs() <= ulp / 2 + ref.abs() * 2**-50).all())
+
+
+def test_layer_norm_linear_residual_of_a_narrower_dtype():
+    """``layer_norm_linear_fn`` with a float32 input and a bfloat16 residual: ``h`` is
+    ``x + residual`` rounded once to bfloat16 (``fused_norm``'s ``residual_out``), ``out``
+    the linear of the norm of ``h`` in x's dtype, with gradients."""
+    torch.manual_seed(6)
+    x = torch.randn(2, 3, 32, requires_grad=True)
+    res = torch.randn(2, 3, 32, dtype=BF16, requires_grad=True)
+    nw, nb, lw, lb = torch.randn(32), torch.randn(32), torch.randn(48, 32), torch.randn(48)
+    out, h = fa.layer_norm_linear_fn(x, nw, nb, lw, lb, residual=res, prenorm=True)
+    want_h = layernorm.fused_norm(x, 32, residual=res).residual_out
+    assert h.dtype == BF16 and torch.equal(h, want_h)
+    y = layernorm.fused_norm(h, 32, nw, nb, 1e-6, out_dtype=F32).y
+    assert out.dtype == F32 and torch.equal(out, F.linear(y, lw, lb))
+    out.sum().backward()
+    assert x.grad.dtype == F32 and res.grad.dtype == BF16

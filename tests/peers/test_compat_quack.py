@@ -383,3 +383,23 @@ def test_signature_and_module_are_quacks():
     with torch.no_grad():
         m.weight.normal_()
     assert torch.equal(m.to(BF16)(x), quack.rmsnorm(x, m.weight, eps=1e-6))
+
+
+@pytest.mark.parametrize(("x_dtype", "out_dtype"), [(BF16, F32), (F32, BF16), (F16, F16)])
+def test_out_dtype_is_fused_norms(x_dtype, out_dtype):
+    """``out_dtype`` sets ``out``'s dtype, correctly rounded from ``residual_out``
+    (``layernorm.fused_norm``'s, bit for bit); per-head parameters too."""
+    torch.manual_seed(3)
+    x, r = torch.randn(2, 5, 4, 32, dtype=x_dtype), torch.randn(2, 5, 4, 32, dtype=x_dtype)
+    w = torch.randn(128)
+    out = quack.rmsnorm(x.reshape(2, 5, 128), w, residual=r.reshape(2, 5, 128),
+                        out_dtype=out_dtype)  # fmt: skip
+    want = layernorm.fused_norm(x.reshape(2, 5, 128), 128, w, None, 1e-6, rms=True,
+                                residual=r.reshape(2, 5, 128), out_dtype=out_dtype)  # fmt: skip
+    assert out.dtype == out_dtype and torch.equal(out, want.y)
+    wh = torch.randn(4, 32)
+    out = quack.rmsnorm(x, wh, residual=r, out_dtype=out_dtype)
+    for head in range(4):
+        want = layernorm.fused_norm(x[..., head, :], 32, wh[head], None, 1e-6, rms=True,
+                                    residual=r[..., head, :], out_dtype=out_dtype)  # fmt: skip
+        assert torch.equal(out[..., head, :], want.y)
