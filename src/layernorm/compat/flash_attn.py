@@ -14,7 +14,8 @@ order), output and gradient dtypes, and ``RMSNorm``'s attributes, ``state_dict``
   rounded into ``residual_out``; here ``residual_out`` is exactly what was normalized
   (the same when the residual dtype is float32 and the float32 sum is exact).
 - ``out`` (``y``) and ``y1``: ``norm(h)·(weight [+1]) + bias`` correctly rounded to
-  ``out_dtype`` (default ``x``'s dtype, as flash-attn's).
+  ``out_dtype`` (default ``x``'s dtype, as flash-attn's); an RMSNorm's bias is added as
+  :mod:`layernorm.compat._fused` states (to the float64 norm, then rounded).
 - Dropout: the keep masks of ``docs/contract.md`` §7 (Philox keyed by a seed, the
   element's offset ``row·N + col``; ``x1``'s mask the second Philox word), with the exact
   scale ``1/(1 − p)``. flash-attn's masks come from per-row seeds drawn on the GPU; these

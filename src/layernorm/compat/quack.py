@@ -11,9 +11,10 @@ keys, ``repr``). The values are :func:`layernorm.fused_norm`'s (``rms=True``):
   quack returns), and the norm normalizes that ``h``. quack normalizes its float32 sum
   before it is rounded into ``residual_out``; here ``residual_out`` is exactly what was
   normalized (the same when ``residual_dtype`` is float32 and the float32 sum is exact).
-- ``out = h / rms(h) · (weight + weight_offset) + bias`` correctly rounded to
-  ``out_dtype`` (default ``x``'s), the gain ``weight + weight_offset`` formed exactly
-  (``offset``); the weight's gradient is the gain's, as quack's.
+- ``out = h / rms(h) · (weight + weight_offset)`` correctly rounded to ``out_dtype``
+  (default ``x``'s), the gain ``weight + weight_offset`` formed exactly (``offset``); the
+  weight's gradient is the gain's, as quack's. A bias is added as
+  :mod:`layernorm.compat._fused` states (to the float64 norm, then rounded).
 - Per-head weights (``weight`` or ``bias`` of shape ``(H, D)`` with ``x`` of shape
   ``(..., H, D)``): each head normalized over ``D`` with its own row of the parameters,
   one call per head.
