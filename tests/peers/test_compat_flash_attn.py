@@ -16,7 +16,9 @@ them, rowscale with x1 left out as flash-attn skips it; ``zero_centered_weight=T
 which flash-attn comments out, on a few cases), every (input, residual) dtype pair
 and every weight dtype (each pair with one weight dtype, ``DTYPES``), eps 1e-6, the
 gradient randn / batch through ``out * gelu(out1)`` and ``out * sigmoid(residual)``.
-Shrunk: 8 x 512 rows -> 2 x 8; hidden sizes 192 (all flags) and 3000 (a few); the keep
+Shrunk: 8 x 512 rows -> 2 x 8; hidden sizes 192 and 3000 (a few); every flag with
+the two dtype triples whose residual is wider than the input, the flags with a
+residual and dropout with the other three; the keep
 rate within 5 sigma of ``1 - p`` (flash-attn: 0.01 on 2M draws). Beyond flash-attn:
 ``residual_out`` is the exact dropout-add rounded once (a ``Fraction`` oracle), ``out``
 is the norm of that ``residual_out``, the masks are §7's Philox masks of the seed drawn
@@ -215,21 +217,28 @@ def _run_layer_norm(hidden_size, input_dtype, residual_dtype, weight_dtype, has_
 #: flash-attn's flags (has_residual, is_rms_norm, prenorm, dropout_p, has_rowscale,
 #: has_x1, has_weight1), rowscale with x1 left out as flash-attn skips it
 FLAGS = [
-    pytest.param(*flags, id="-".join(map(str, flags)))
+    flags
     for flags in itertools.product(
         (True, False), (False, True), (True, False), (0.0, 0.27), (False, True),
         (False, True), (False, True),
     )
     if not (flags[4] and flags[5])
 ]  # fmt: skip
+#: every flag with the two dtype triples whose residual is wider than the input; with the
+#: other three, the flags with a residual and dropout (the time on 2 CPU cores)
+CASES = [
+    pytest.param(*dtypes.values, *flags, id=f"{dtypes.id}-" + "-".join(map(str, flags)))
+    for dtypes in DTYPES
+    for flags in FLAGS
+    if dtypes.values[1] != dtypes.values[0] or (flags[0] and flags[3] > 0)
+]
 
 
 @pytest.mark.parametrize(
-    ("has_residual", "is_rms_norm", "prenorm", "dropout_p", "has_rowscale", "has_x1",
-     "has_weight1"),
-    FLAGS,
+    ("input_dtype", "residual_dtype", "weight_dtype", "has_residual", "is_rms_norm",
+     "prenorm", "dropout_p", "has_rowscale", "has_x1", "has_weight1"),
+    CASES,
 )  # fmt: skip
-@pytest.mark.parametrize(("input_dtype", "residual_dtype", "weight_dtype"), DTYPES)
 def test_layer_norm(input_dtype, residual_dtype, weight_dtype, has_residual, is_rms_norm,
                     prenorm, dropout_p, has_rowscale, has_x1, has_weight1):  # fmt: skip
     """flash-attn ``test_layer_norm`` at hidden size 192 with its flags
@@ -288,10 +297,12 @@ def test_layer_norm_linear(input_dtype, residual_dtype, has_residual, is_rms_nor
     residual_in_fp32 = (not has_residual) and residual_dtype == F32
     x_, r_, nw, nb, lw, lb = ours_in
     with torch.autocast("cpu", dtype=input_dtype):
-        out, *rest = fa.layer_norm_linear_fn(
+        got = fa.layer_norm_linear_fn(
             x_, nw, nb, lw, lb, residual=r_, eps=1e-6, prenorm=prenorm,
             residual_in_fp32=residual_in_fp32, is_rms_norm=is_rms_norm,
         )  # fmt: skip
+    out, *rest = got if prenorm else (got,)
+    assert isinstance(out, torch.Tensor) and len(rest) == prenorm
     x_, r_, nw, nb, lw, lb = pt_in
     out_pt, *rest_pt = _reference(x_, nw, nb, r_, eps=1e-6, prenorm=True, rms=is_rms_norm)
     with torch.autocast("cpu", dtype=input_dtype):
@@ -305,8 +316,6 @@ def test_layer_norm_linear(input_dtype, residual_dtype, has_residual, is_rms_nor
         (residual,) = rest
         assert residual.dtype == residual_dtype
         assert _allclose(residual, rest_pt[0], rest_ref[0], atol)
-    else:
-        assert rest == []
     assert _allclose(out, out_pt, out_ref, atol)
     g = torch.randn_like(out) / batch_size
     out.backward(g)
