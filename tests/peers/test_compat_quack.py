@@ -346,6 +346,15 @@ def test_rmsnorm_fwd_empty():
     assert residual_out is x
 
 
+def test_residual_dtype_without_residual_converts_x():
+    """As quack's ``rmsnorm_fwd``: no residual but a ``residual_dtype`` other than x's
+    gives ``residual_out`` = x in that dtype (exactly, here), and ``out`` = the norm of x."""
+    x, w = torch.randn(5, 64, dtype=BF16), torch.randn(64)
+    out, residual_out = quack.rmsnorm(x, w, residual_dtype=F32, prenorm=True)
+    assert residual_out.dtype == F32 and torch.equal(residual_out, x.float())
+    assert out.dtype == BF16 and torch.equal(out, quack.rmsnorm(x, w))
+
+
 def test_residual_out_is_x_plus_residual_rounded_once():
     """``residual_out`` is the exact ``x + residual`` rounded once to ``residual_dtype``
     (every case here is an exact float64 sum, so float64 then one rounding is the
