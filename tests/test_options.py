@@ -311,11 +311,13 @@ def test_out_dtype_keeps_the_inputs_eps_and_equals_the_upcast_call():
 
 
 def test_out_dtype_checks():
+    """A narrower out_dtype is rounded into by the kernels (``tests/test_out_dtype.py``);
+    a dtype they do not write raises ValueError, a non-floating one TypeError."""
     x = torch.randn(2, 4)
-    with pytest.raises(ValueError, match=r"narrower than the input.s torch\.float32"):
-        layernorm.layer_norm(x, 4, out_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="narrower"):
-        layernorm.rms_norm(x.half(), 4, out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"output dtypes are float64, float32, bfloat16"):
+        layernorm.layer_norm(x, 4, out_dtype=torch.float8_e5m2)
+    with pytest.raises(ValueError, match="memory_efficient=True takes an out_dtype"):
+        layernorm.rms_norm(x.half(), 4, out_dtype=torch.bfloat16, memory_efficient=True)
     with pytest.raises(TypeError, match=r"floating torch\.dtype"):
         layernorm.add_rms_norm(x, x, 4, out_dtype=torch.int32)
 

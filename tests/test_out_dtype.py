@@ -177,14 +177,18 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize("backend", [None, "numba", "torch"], ids=str)
-@pytest.mark.parametrize(("xdtype", "ydtype"), PAIRS[:1] + PAIRS[-1:], ids=PAIR_IDS[:1] + PAIR_IDS[-1:])
+@pytest.mark.parametrize(
+    ("xdtype", "ydtype"), PAIRS[:1] + PAIRS[-1:], ids=PAIR_IDS[:1] + PAIR_IDS[-1:]
+)
 @pytest.mark.parametrize("op", ["layer_norm", "add_rms_norm"])
 def test_every_layout_gives_the_rows_bits(op, xdtype, ydtype, backend):
     """1-D to 4-D inputs, normalized shapes of two dims, a transposed (non-contiguous)
     input and zero-size inputs: the shape and dtype of the outputs, and the bits of the
     same rows normalized as a contiguous (M, N) matrix."""
     g = torch.Generator().manual_seed(7)
-    cases = [(name, torch.randn(shape, generator=g, dtype=xdtype), ns) for name, shape, ns in LAYOUTS]
+    cases = [
+        (name, torch.randn(shape, generator=g, dtype=xdtype), ns) for name, shape, ns in LAYOUTS
+    ]
     cases.append(("transposed", torch.randn(8, 5, generator=g, dtype=xdtype).t(), (8,)))
     cases.append(("zero-rows", torch.randn(0, 8, dtype=xdtype), (8,)))
     cases.append(("zero-inner", torch.randn(3, 0, 8, dtype=xdtype), (8,)))
@@ -251,7 +255,9 @@ def _unit(t: torch.Tensor) -> float:
 
 @pytest.mark.parametrize(("xdtype", "ydtype"), [PAIRS[0], PAIRS[4]], ids=[PAIR_IDS[0], PAIR_IDS[4]])
 @pytest.mark.parametrize("op", ["layer_norm", "add_rms_norm"])
-@pytest.mark.parametrize(("shape", "ns"), [lay[1:] for lay in LAYOUTS], ids=[lay[0] for lay in LAYOUTS])
+@pytest.mark.parametrize(
+    ("shape", "ns"), [lay[1:] for lay in LAYOUTS], ids=[lay[0] for lay in LAYOUTS]
+)
 def test_vmap_and_grad(shape, ns, op, xdtype, ydtype):
     """vmap over a leading batch is the eager call per sample, bit for bit;
     torch.func.grad is eager autograd's gradient, bit for bit."""
@@ -294,7 +300,9 @@ def test_jvp_and_forward_ad(op):
     assert value.dtype == got.dtype == torch.float32
     assert torch.equal(value, f(*primals, out_dtype=torch.float32))
     jac = torch.autograd.functional.jacobian(f, primals)
-    want = sum(j.reshape(got.numel(), -1) @ t.reshape(-1) for j, t in zip(jac, tangents, strict=True))
+    want = sum(
+        j.reshape(got.numel(), -1) @ t.reshape(-1) for j, t in zip(jac, tangents, strict=True)
+    )
     assert_close(got.double(), want, rtol=4 * _unit(got), atol=4 * _unit(got))
 
 

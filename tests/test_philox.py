@@ -143,6 +143,40 @@ def test_numba_matches_torch_bitwise(block):
             assert torch.equal(torch.from_numpy(mask), philox.keep_from_uniform(expected, p))
 
 
+@pytest.mark.parametrize("block", BLOCKS, ids=str)
+def test_second_word_numba_matches_torch_bitwise(block):
+    # x1's mask of a dropout-add: Philox's second output word of the same counter
+    row_start, n_rows, n_cols = block
+    for seed in SEEDS:
+        k0, k1 = philox.seed_key(seed)
+        off = philox.offsets(n_rows, n_cols, row_start)
+        first = philox.random_bits(seed, off)
+        second = philox.random_bits(seed, off, word=1)
+        pairs = [nphilox.random_bits_pair(k0, k1, int(o)) for o in off.reshape(-1)]
+        assert [int(a) for a, _ in pairs] == first.reshape(-1).tolist()
+        assert [int(b) for _, b in pairs] == second.reshape(-1).tolist()
+        for p in PROBABILITIES:
+            kept = [bool(nphilox.keep_from_bits(b, philox.threshold(p))) for _, b in pairs]
+            assert kept == philox.keep(seed, off, p, word=1).reshape(-1).tolist()
+
+
+def test_second_word_is_the_known_answer_and_independent():
+    # counter 0, key 0: Random123's second word; the chunked CPU path gives the same bits
+    assert philox.random_bits(0, torch.zeros(1, dtype=torch.int64), word=1).item() == 0xE169C58D
+    off = philox.offsets(40, 1000, row_start=7)
+    second = philox.random_bits(3, off, word=1)
+    assert off.numel() > philox.CPU_CHUNK
+    assert torch.equal(second[:2], philox.random_bits(3, off[:2], word=1))
+    u0 = philox.uniform(3, off).double().reshape(-1)
+    u1 = philox.uniform(3, off, word=1).double().reshape(-1)
+    corr = torch.corrcoef(torch.stack([u0, u1]))[0, 1].item()
+    assert abs(corr) < 5 / math.sqrt(u0.numel())
+    rate = philox.keep_mask(3, 40, 1000, 0.3, row_start=7, word=1).double().mean().item()
+    assert abs(rate - 0.7) < 5 * math.sqrt(0.3 * 0.7 / u0.numel())
+    with pytest.raises(ValueError, match="dropout uses Philox words 0 and 1, got word=2"):
+        philox.random_bits(3, off, word=2)
+
+
 @given(
     seed=st.integers(-(2**63), 2**64 - 1),
     row=st.integers(0, 2**40),

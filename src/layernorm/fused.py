@@ -173,7 +173,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dh, _dmask0=None, _dmask1=None):
     rowscale, seed = ctx.saved_tensors
-    dx0, dx1, dresidual = dropout_add_backward_op(
+    dx0, dx1, dresidual = dropout_add_backward(
         dh.contiguous(), rowscale, seed, ctx.p, ctx.x0_dtype, ctx.x1_dtype,
         ctx.residual_dtype, ctx.backend,
     )  # fmt: skip
@@ -191,7 +191,7 @@ dropout_add_op.register_autograd(_backward, setup_context=_setup_context)
 def _backward_setup_context(ctx, inputs, output) -> None:
     dh, rowscale, seed, p, x0_dtype, x1_dtype, residual_dtype, backend = inputs
     ctx.save_for_backward(rowscale, seed)
-    ctx.p, ctx.backend, ctx.dh_dtype = p, backend, dh.dtype
+    ctx.p, ctx.backend, ctx.dh_dtype, ctx.shape = p, backend, dh.dtype, dh.shape
     ctx.x0_dtype, ctx.x1_dtype, ctx.residual_dtype = x0_dtype, x1_dtype, residual_dtype
 
 
@@ -199,11 +199,11 @@ def _backward_backward(ctx, ddx0, ddx1, ddresidual):
     # The backward is linear in dh, and its transpose is the dropout-add itself:
     # d(dh) = ddx0·k0·s·rs + ddx1·k1·s + ddresidual, rounded once to dh's dtype.
     rowscale, seed = ctx.saved_tensors
-    present1 = ctx.x1_dtype is not None and ddx1 is not None and ddx1.numel()
-    presentr = ctx.residual_dtype is not None and ddresidual is not None and ddresidual.numel()
+    present1 = ctx.x1_dtype is not None and ddx1 is not None and ddx1.numel() > 0
+    presentr = ctx.residual_dtype is not None and ddresidual is not None and ddresidual.numel() > 0
     if ddx0 is None:
-        ddx0 = torch.zeros_like(ddx1 if present1 else ddresidual, dtype=ctx.x0_dtype)
-    ddh, _, _ = dropout_add_op(
+        ddx0 = torch.zeros(ctx.shape, dtype=ctx.x0_dtype, device=seed.device)
+    ddh, _, _ = dropout_add(
         ddx0.contiguous(),
         ddx1.contiguous() if present1 else None,
         ddresidual.contiguous() if presentr else None,
@@ -267,7 +267,7 @@ class TransformDropoutAdd(torch.autograd.Function):
         rowscale, seed = ctx.saved_tensors
         if x0_t is None:
             x0_t = torch.zeros(ctx.shape, dtype=ctx.x0_dtype, device=seed.device)
-        h_t, _, _ = dropout_add_op(
+        h_t, _, _ = dropout_add(
             x0_t.contiguous(),
             None if x1_t is None or ctx.x1_dtype is None else x1_t.contiguous(),
             None if residual_t is None or ctx.residual_dtype is None else residual_t.contiguous(),
@@ -305,6 +305,59 @@ def dropout_add(
             x0, x1, residual, rowscale, seed, p, rdtype, want_masks, backend
         )
     return dropout_add_op(x0, x1, residual, rowscale, seed, p, rdtype, want_masks, backend)
+
+
+class TransformDropoutAddBackward(torch.autograd.Function):
+    """The backward op's autograd as an ``autograd.Function``, for the backward of
+    :class:`TransformDropoutAdd` under ``torch.func`` (a custom op's registered autograd
+    does not run under functorch): its backward is the dropout-add (the transpose), its
+    ``jvp`` the backward of the tangent (it is linear)."""
+
+    @staticmethod
+    def forward(dh, rowscale, seed, p, x0_dtype, x1_dtype, residual_dtype, backend):
+        return dropout_add_backward_op(
+            dh, rowscale, seed, p, x0_dtype, x1_dtype, residual_dtype, backend
+        )
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _backward_setup_context(ctx, inputs, output)
+        ctx.save_for_forward(inputs[1], inputs[2])
+
+    @staticmethod
+    def backward(ctx, ddx0, ddx1, ddresidual):
+        return _backward_backward(ctx, ddx0, ddx1, ddresidual)
+
+    @staticmethod
+    def jvp(ctx, dh_t, *_):
+        rowscale, seed = ctx.saved_tensors
+        return dropout_add_backward(
+            dh_t.contiguous(), rowscale, seed, ctx.p, ctx.x0_dtype, ctx.x1_dtype,
+            ctx.residual_dtype, ctx.backend,
+        )  # fmt: skip
+
+    @staticmethod
+    def vmap(info, in_dims, dh, rowscale, seed, p, x0_dtype, x1_dtype, residual_dtype, backend):
+        args = (dh, rowscale, seed, p, x0_dtype, x1_dtype, residual_dtype, backend)
+        return _vmap_per_sample(TransformDropoutAddBackward.apply, info, in_dims, args, 3)
+
+
+def dropout_add_backward(
+    dh: Tensor,
+    rowscale: Tensor | None,
+    seed: Tensor,
+    p: float,
+    x0_dtype: torch.dtype,
+    x1_dtype: torch.dtype | None,
+    residual_dtype: torch.dtype | None,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward op, through :class:`TransformDropoutAddBackward` where a forward-AD
+    level or a ``torch.func`` transform is active."""
+    args = (dh, rowscale, seed, p, x0_dtype, x1_dtype, residual_dtype, backend)
+    if not torch.compiler.is_compiling() and _transformed():
+        return TransformDropoutAddBackward.apply(*args)
+    return dropout_add_backward_op(*args)
 
 
 # ---------------------------------------------------------------------------------------

@@ -182,6 +182,10 @@ def _call(
     _check_input("input", x, shape, op)
     if residual is not None:
         _check_input("residual", residual, shape, op)
+        if residual.dtype != x.dtype and _options.holds(residual.dtype, x.dtype):
+            # a wider residual: the residual stream in its dtype (layernorm.options)
+            return _options.norm(op, x, residual, normalized_shape, weight, bias, eps, rms,
+                                 backend, out_dtype=out_dtype)  # fmt: skip
         if residual.shape != x.shape or residual.dtype != x.dtype:
             raise NormalizedShapeError(
                 f"{op}: residual must match input in shape and dtype, but got input "

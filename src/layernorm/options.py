@@ -18,6 +18,11 @@ What each one rounds (``docs/contract.md`` §2, "Options"):
   narrower one (float32 from float64, a 16-bit one from float32 or float64, float16 from
   bfloat16 and back): the kernels round each element once into it
   (``layernorm::forward_to``, ``ops._norm_to``).
+- ``residual_dtype`` (add_layer_norm, add_rms_norm; quack's ``residual_dtype``,
+  flash-attn's ``residual_in_fp32``), and a residual wider than ``x``: the residual
+  stream in its own dtype (:func:`residual_stream`): ``residual_out`` the exact
+  ``x + residual`` rounded once into it, ``y`` the norm of that rounded once into ``x``'s
+  dtype (or ``out_dtype``).
 - ``out`` / ``residual_out``: preallocated outputs, by torch's ``out=`` rules
   (:func:`store`).
 - ``memory_efficient`` (layer_norm, rms_norm): apex's backward from the saved output,
@@ -73,13 +78,21 @@ _ALL: dict[str, tuple[Any, Any]] = {
     "out_dtype": (None, "torch.dtype | None"),
     "out": (None, "Tensor | None"),
     "residual_out": (None, "Tensor | None"),
+    "residual_dtype": (None, "torch.dtype | None"),
     "memory_efficient": (False, "bool"),
 }
 OPTIONS = {
     "layer_norm": ("offset", "out_dtype", "out", "memory_efficient"),
     "rms_norm": ("offset", "casting_mode", "out_dtype", "out", "memory_efficient"),
-    "add_layer_norm": ("offset", "out_dtype", "out", "residual_out"),
-    "add_rms_norm": ("offset", "casting_mode", "out_dtype", "out", "residual_out"),
+    "add_layer_norm": ("offset", "out_dtype", "out", "residual_out", "residual_dtype"),
+    "add_rms_norm": (
+        "offset",
+        "casting_mode",
+        "out_dtype",
+        "out",
+        "residual_out",
+        "residual_dtype",
+    ),
 }
 
 
@@ -136,9 +149,22 @@ def norm(
     out: Tensor | None = None,
     residual_out: Tensor | None = None,
     memory_efficient: bool = False,
+    residual_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """One call of ``op`` with options: the checks of every option first (before any
     work), then the composition. Returns ``(y, residual_out)`` as ``ops._norm`` does."""
+    if (
+        isinstance(residual, Tensor)
+        and isinstance(x, Tensor)
+        and (residual_dtype is not None or residual.dtype != x.dtype)
+    ):
+        rdtype = _residual_dtype(op, x, residual, residual_dtype)
+        if rdtype != x.dtype or residual.dtype != x.dtype:
+            return residual_stream(
+                op, x, residual, normalized_shape, weight, bias, eps, rms, backend,
+                rdtype, offset=offset, casting_mode=casting_mode, out_dtype=out_dtype,
+                out=out, residual_out=residual_out,
+            )  # fmt: skip
     if memory_efficient:
         if offset or casting_mode is not None or out is not None:
             raise ValueError(
@@ -258,6 +284,101 @@ def _check_out_dtype(op: str, x: Tensor, out_dtype: torch.dtype) -> bool:
             "float64, float32, bfloat16 and float16, from inputs of those dtypes"
         )
     return True
+
+
+# ---------------------------------------------------------------------------------------
+# residual_dtype: the residual stream in a dtype of its own
+
+
+def holds(wide: torch.dtype, narrow: torch.dtype) -> bool:
+    """Whether ``wide`` holds every value of ``narrow`` (both floating dtypes)."""
+    return wide in _WIDER.get(narrow, (narrow,))
+
+
+def _residual_dtype(
+    op: str, x: Tensor, residual: Tensor, residual_dtype: torch.dtype | None
+) -> torch.dtype:
+    """The residual stream's dtype: ``residual_dtype``, else the residual's; checked
+    (``TypeError`` for a non-floating one, ``ValueError`` unless it holds ``x``'s and the
+    residual's values) after the residual's own check (a residual narrower than ``x``,
+    or of another shape: ``ops.NormalizedShapeError``, as today)."""
+    if not holds(residual.dtype, x.dtype) or residual.shape != x.shape:
+        _check(_check_residual, op, x, residual)  # raises
+    if residual_dtype is None:
+        return residual.dtype
+    if not isinstance(residual_dtype, torch.dtype) or not residual_dtype.is_floating_point:
+        raise TypeError(
+            f"{op}: residual_dtype must be a floating torch.dtype, got {residual_dtype!r}"
+        )
+    if not (holds(residual_dtype, x.dtype) and holds(residual_dtype, residual.dtype)):
+        raise ValueError(
+            f"{op}: residual_dtype={residual_dtype} must hold every value of the input "
+            f"({x.dtype}) and of the residual ({residual.dtype})"
+        )
+    return residual_dtype
+
+
+def residual_stream(
+    op: str,
+    x: Tensor,
+    residual: Tensor,
+    normalized_shape: ops.ShapeLike,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float | None,
+    rms: bool,
+    backend: str | None,
+    rdtype: torch.dtype,
+    *,
+    offset: float = 0.0,
+    casting_mode: str | None = None,
+    out_dtype: torch.dtype | None = None,
+    out: Tensor | None = None,
+    residual_out: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``add_*_norm`` with the residual stream in ``rdtype`` (float32 or float64, holding
+    ``x``'s and the residual's values; :func:`_residual_dtype`):
+
+    - ``residual_out = RN_rdtype(x + residual)``: the sum in float64, then one conversion.
+      That is the exact sum rounded once: in float64 for ``rdtype`` float64 (one
+      rounding); for float32 the operands have at most 24 bits and 53 >= 2·24 + 1, so
+      rounding to float64 first and then to float32 gives the exact sum's rounding
+      (Figueroa's double-rounding theorem for addition).
+    - ``y``: the fused op on ``residual_out`` and a residual of ``-0.0`` (``h + -0.0 = h``
+      bitwise), ``y`` rounded once into ``out_dtype`` (default: ``x``'s dtype; a narrower
+      one through ``layernorm::forward_to``), with ``eps=None`` resolved by ``x``'s dtype.
+      Going through the fused op keeps ``residual_out``'s gradient inside the kernel's
+      one rounding: the stream's gradient ``dh = RN_rdtype(dz + d residual_out)`` is
+      correctly rounded (docs/contract.md §3).
+    - Gradients: ``dresidual`` is ``dh`` in the residual's dtype (exact when it is
+      ``rdtype``, else rounded once from it); ``dx`` is ``dh`` rounded to ``x``'s dtype:
+      two roundings of the exact value when ``x`` is narrower (as flash-attn and quack,
+      whose ``dx`` is their float32 ``dresidual`` converted; docs/contract.md §3 states
+      the bound).
+
+    ``casting_mode`` does not combine with it (``ValueError``); ``residual_out=`` must
+    have ``rdtype``."""
+    if casting_mode is not None:
+        raise ValueError(
+            f"{op}: casting_mode={casting_mode!r} does not combine with a residual stream "
+            f"in another dtype ({rdtype}) than the input's ({x.dtype})"
+        )
+    ops._check_device("residual", residual, x)
+    if residual_out is not None:
+        _check_no_grad(op, x, residual, weight, bias)
+        check_out(op, "residual_out", residual_out, rdtype, x.device)
+    if eps is None:  # the input's rule, as for out_dtype
+        eps = _op.default_eps(x.dtype)
+    wide = torch.float64
+    h = (x.to(wide) + residual.to(wide)).to(rdtype)
+    y, stream = norm(
+        op, h, torch.full_like(h, -0.0), normalized_shape, weight, bias, eps, rms, backend,
+        offset=offset, out_dtype=x.dtype if out_dtype is None else out_dtype, out=out,
+    )  # fmt: skip
+    assert stream is not None
+    if residual_out is not None:
+        stream = store(op, "residual_out", stream, residual_out)
+    return y, stream
 
 
 # ---------------------------------------------------------------------------------------

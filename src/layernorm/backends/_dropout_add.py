@@ -297,6 +297,8 @@ def dropout_add_backward(
     if x1_dtype is not None:
         dx1 = _scaled(dh, _philox.keep(seed, offset, p, word=1), s, None, x1_dtype)
     dresidual = None
-    if residual_dtype is not None:
+    if residual_dtype == dh.dtype:  # a new tensor: outputs never alias inputs
+        dresidual = dh.clone(memory_format=torch.contiguous_format)
+    elif residual_dtype is not None:
         dresidual = round_once(dh.to(torch.float64), residual_dtype)
     return dx0, dx1, dresidual

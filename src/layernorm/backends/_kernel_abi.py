@@ -28,6 +28,13 @@ __all__ = ["BACKWARD", "CTYPES", "FORWARD", "KERNELS", "names", "signature"]
 #: fallback (``layernorm.backends._exact``), ``flags[m]`` when any row does.
 #: ``weight`` and ``bias`` (N,) hold x's dtype when ``params_x_dtype`` (16-bit ones are
 #: widened exactly inside the kernel, once per call), else the accumulation dtype.
+#: ``y`` holds the entry's output dtype: x's for the entries compiled ahead
+#: (``numba_.build``) and the only ones a compiled caller takes; an entry for a narrower
+#: ``y`` (``numba_.entry(dtype, name, y_dtype)``: float32 from float64, a 16-bit dtype from
+#: a wider or the other 16-bit one) takes these same arguments, compiled on first use,
+#: each element of ``y`` rounded once into its dtype. The output dtype is a property of the
+#: compiled entry, not an argument, so the signature (and a compiled caller's check of it)
+#: is the same for every entry.
 FORWARD: tuple[tuple[str, str], ...] = (
     ("x", "i64"),
     ("x_stride", "i64"),
@@ -54,7 +61,9 @@ FORWARD: tuple[tuple[str, str], ...] = (
 #: there is no residual gradient; ``dweight`` and ``dbias`` are 0 when not wanted; ``x``
 #: is the normalized input ``z`` (``x + residual``), whose statistics the kernel
 #: recomputes with ``eps`` (``mean``/``rstd`` are the forward's, a starting point only);
-#: ``flags`` is (m + 1) bytes as in :data:`FORWARD`: ``flags[i]`` is set when row ``i`` of
+#: ``dy`` holds x's dtype (a ``dy`` of a narrower ``y`` is widened to it by the caller,
+#: exactly: ``layernorm._op``); ``flags`` is (m + 1) bytes as in :data:`FORWARD`:
+#: ``flags[i]`` is set when row ``i`` of
 #: ``dx`` needs the exact fallback (``layernorm.backends._exact``), ``flags[m]`` when any
 #: row does. ``weight`` holds x's dtype when ``params_x_dtype``, else the accumulation
 #: dtype, as in :data:`FORWARD`; ``dweight`` and ``dbias`` are in the accumulation dtype.

@@ -4,7 +4,8 @@ numba kernels: the same bits as the torch implementation and as Triton's ``tl.ra
 
 Per element, from the key ``(k0, k1) = _philox.seed_key(seed)`` and the int64 offset
 ``row · N + col``: :func:`random_bits`, :func:`uniform` and :func:`keep` (the keep rule
-on ``p32 = _philox.threshold(p)``); per row, :func:`keep_row` and :func:`uniform_row`;
+on ``p32 = _philox.threshold(p)``), and :func:`random_bits_pair` with
+:func:`keep_from_bits` for the two masks of a dropout-add (words 0 and 1); per row, :func:`keep_row` and :func:`uniform_row`;
 over rows, :func:`keep_rows` (numba's threads, each row's bits independent of the
 others). All are ``@njit(nogil=True)`` with the on-disk cache; the per-element ones are
 inlined by numba into their caller (``inline="always"``), where LLVM vectorizes the
@@ -75,6 +76,21 @@ def random_bits(k0, k1, offset):  # pragma: no cover - compiled
     o = np.uint64(offset)
     word, _, _, _ = philox4x32(o & _MASK, o >> _SHIFT, _ZERO, _ZERO, k0, k1)
     return word
+
+
+@_jit(inline="always")
+def random_bits_pair(k0, k1, offset):  # pragma: no cover - compiled
+    """The first two Philox words of the counter of ``offset`` (``tl.randint4x``'s first
+    two blocks), as uint64 in ``[0, 2^32)``: ``x``'s (or ``x0``'s) and ``x1``'s masks."""
+    o = np.uint64(offset)
+    word0, word1, _, _ = philox4x32(o & _MASK, o >> _SHIFT, _ZERO, _ZERO, k0, k1)
+    return word0, word1
+
+
+@_jit(inline="always")
+def keep_from_bits(word, p32):  # pragma: no cover - compiled
+    """The keep rule on a word: ``p32 == 0`` or its uniform ``> p32``."""
+    return p32 == 0 or uniform_from_bits(word) > p32
 
 
 @_jit(inline="always")

@@ -11,7 +11,8 @@ with ``seed`` a Python int kernel argument in ``[-2^63, 2^64)`` (Triton types it
 int64 or uint64 by value and ``tl.randint`` takes it modulo 2^64, as
 ``_philox.seed_key`` does) and ``p`` a float kernel argument (float32: the keep rule's
 ``p32``). ``tl.rand`` keeps the first of Philox's four output words, so one Philox call
-gives one element's uniform (the price of matching ``tl.rand(seed, offset)``).
+gives one element's uniform (the price of matching ``tl.rand(seed, offset)``);
+:func:`keep_pair` takes two masks from one call (words 0 and 1, ``tl.rand4x``).
 
 Like ``_triton_kernels``, this module imports triton at import and its ``@triton.jit``
 decorations see ``TRITON_INTERPRET`` as it is then: a kernel module that calls these
@@ -41,6 +42,14 @@ def uniform(seed, offsets):
 def keep(seed, offsets, p):
     """The keep rule: ``p == 0`` or ``tl.rand(seed, offsets) > p`` (``p`` float32)."""
     return (tl.rand(seed, offsets) > p) | (p == 0.0)
+
+
+@triton.jit
+def keep_pair(seed, offsets, p):
+    """The keep rule on the first two words of one Philox call (``tl.rand4x``'s first two
+    uniforms): ``x0``'s and ``x1``'s masks of a dropout-add. The first is :func:`keep`'s."""
+    u0, u1, _, _ = tl.rand4x(seed, offsets)
+    return (u0 > p) | (p == 0.0), (u1 > p) | (p == 0.0)
 
 
 @triton.jit

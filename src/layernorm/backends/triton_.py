@@ -252,7 +252,7 @@ def forward(
     weight, bias = _unit_stride(weight), _unit_stride(bias)
     with _quiet(kernels):
         y, residual_out, mean, rstd, flags = _launch_forward(
-            kernels, x, residual, weight, bias, eps, rms, out_dtype or x.dtype
+            kernels, x, residual, weight, bias, eps, rms, out_dtype
         )
         _settle(y, x if residual_out is None else residual_out, weight, bias, eps, rms, flags)
     return y.view(shape), None if residual_out is None else residual_out.view(shape), mean, rstd
@@ -266,14 +266,14 @@ def _launch_forward(
     bias: torch.Tensor | None,
     eps: float,
     rms: bool,
-    y_dtype: torch.dtype,
+    y_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The forward's launches, no host work: ``(y, residual_out, mean, rstd, flags)``
-    (``y`` in ``y_dtype``), with ``flags[i]`` 0 where stage 1 settled row ``i``, 2 where
+    (``y`` in ``y_dtype``, default x's), with ``flags[i]`` 0 where stage 1 settled row ``i``, 2 where
     stage 2 did, and 1 where the row is open (``y``'s row is then not final:
     :func:`_settle`)."""
     m, n = x.shape
-    y = torch.empty((m, n), dtype=y_dtype, device=x.device)
+    y = torch.empty((m, n), dtype=y_dtype or x.dtype, device=x.device)
     residual_out = None if residual is None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     mean = None if rms else torch.empty(m, dtype=torch.float32, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)

@@ -1,0 +1,473 @@
+"""The fused dropout-add in numba: ``h = RN(k0·s·x0·rs + k1·s·x1 + residual)``, the exact
+sum rounded once, and its backward, bit for bit the torch version's (the definition and
+the interface, the checks and the definition's special values:
+:mod:`layernorm.backends._dropout_add`; the masks: docs/contract.md §7).
+
+For row ``r`` and column ``c`` of ``(M, N)`` rows::
+
+    h[r, c] = RN_rdtype(k0[r,c]·s·x0[r,c]·rs[r] + k1[r,c]·s·x1[r,c] + residual[r,c])
+
+``k0``/``k1``: the keep rule of §7 on Philox's first/second word of the counter of offset
+``r·N + c`` (one Philox call per element gives both); ``s = _philox.dropout_scale(p)``.
+An absent ``x1`` or ``residual`` is no term, an absent ``rowscale`` is 1.
+
+**Exactness.** Every term is split into float64 pieces whose sum is the term exactly:
+``TwoProd(a, b) = (a·b, fma(a, b, -a·b))`` (an explicit ``llvm.fma``) gives
+``x0·rs = a0 + b0``, then ``a0·s`` and ``b0·s`` two pieces each, ``x1·s`` two more, and
+the residual one: seven floats. Shewchuk's Grow-Expansion (TwoSum only) turns them into a
+nonoverlapping expansion with the same exact sum, which is rounded once from the top
+(:func:`_scan`): the first inexact TwoSum from the top decides the float64 neighbours the
+sum lies between, and the sign of the rest decides a tie. float64 ``h`` is the sum
+rounded to nearest-even; a narrower ``h`` is the sum rounded to odd in float64, then to
+nearest-even in its dtype (``_numba_vectors.narrow_once``: correct because 53 >= p + 2,
+Boldo and Melquiond), so every output element is the exact value rounded once.
+The pieces are exact while no product underflows: for float32/16-bit inputs always (their
+products stay above 2^-400); float64 inputs whose products fall below about 2^-969 lose
+the bits of their error terms below float64's subnormal grid (the result is then the sum
+of the rounded pieces, rounded once). Not compiled with ``fastmath`` (it would reorder
+the TwoSums); LLVM on the CPU contracts nothing without it.
+
+**Special values.** A dropped term is +0.0 whatever ``x`` is (NaN, Inf). When a kept
+term or the residual is Inf or NaN, ``h`` is the IEEE float64 sum
+``(x0·rs·s + x1·s) + residual`` of the rounded terms, then rounded (Inf, -Inf or NaN).
+An exact sum of zero is +0.0, unless every present term is a zero and all of them are
+-0.0 (IEEE's rule for a sum), then -0.0.
+
+**Backward.** ``dx0 = RN_x0dtype(dh·k0·s·rs)`` (four pieces, the same rounding),
+``dx1 = RN_x1dtype(dh·k1·s)``, ``dresidual = RN_residualdtype(dh)``; rowscale gets no
+gradient.
+
+Layout: each ``(M, N)`` tensor reaches the kernels as a flat 1-D array over its storage
+plus a row stride (as ``_numba_kernels``): strided rows are read in place; float16 and
+bfloat16 as their int16 / uint16 patterns. Rows are split over ``_threads`` spans; a row's
+bits depend only on its global index and the seed, not on the split or the batch.
+
+numba caches these kernels keyed on this file alone: :data:`DEPENDS_SHA256` records the
+code they inline from ``_numba_philox`` and ``_numba_vectors``
+(``tests/test_dropout_kernels.py`` fails until it is updated after a change there).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.core.typing import signature
+from numba.extending import intrinsic
+
+from . import _numba_cache, _numba_philox, _numba_vectors, _philox, _threads
+from ._dropout_add import FLOAT_DTYPES, check_args
+from ._numba_philox import keep_from_bits, random_bits_pair
+from ._numba_vectors import narrow_once, widen
+
+__all__ = ["DEPENDS_SHA256", "depends_digest", "dropout_add", "dropout_add_backward"]
+
+#: the digest of the inlined code this file's cached kernels were compiled with
+DEPENDS_SHA256 = "e83f498d0419979e"
+
+
+def depends_digest() -> str:
+    """sha256 (16 hex digits) of the functions of ``_numba_philox`` and
+    ``_numba_vectors`` these kernels inline."""
+    parts = [
+        inspect.getsource(_numba_philox),
+        *(
+            inspect.getsource(f)
+            for f in (
+                _numba_vectors.widen,
+                _numba_vectors.narrow,
+                _numba_vectors.narrow_once,
+                _numba_vectors._fabs,
+                _numba_vectors._shaped,
+                _numba_vectors._constant,
+            )
+        ),
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _jit(**options):
+    """``numba.njit(nogil=True)`` with the on-disk cache of ``_numba_cache``; IEEE
+    division (``error_model="numpy"``), never fastmath."""
+    options.setdefault("error_model", "numpy")
+
+    def decorate(func):
+        dispatcher = njit(nogil=True, cache=False, **options)(func)
+        if not options.get("inline"):
+            _numba_cache.enable(dispatcher)
+        return dispatcher
+
+    return decorate
+
+
+# --- scalar intrinsics --------------------------------------------------------------------
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """``a·b + c`` rounded once (``llvm.fma.f64``)."""
+
+    def codegen(context, builder, sig, args):
+        double = ir.DoubleType()
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(double, [double] * 3), "llvm.fma.f64"
+        )
+        return builder.call(fn, args)
+
+    return signature(types.float64, types.float64, types.float64, types.float64), codegen
+
+
+@intrinsic
+def _bits(typingctx, x):
+    """The float64 ``x``'s bit pattern as an int64."""
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(64))
+
+    return signature(types.int64, types.float64), codegen
+
+
+@intrinsic
+def _from_bits(typingctx, b):
+    """The float64 of the int64 bit pattern ``b``."""
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+
+    return signature(types.float64, types.int64), codegen
+
+
+@intrinsic
+def _wide(typingctx, raw):
+    """A stored element (float16 bits as int16, bfloat16 bits as uint16, float32, float64)
+    as a float64, exactly."""
+
+    def codegen(context, builder, sig, args):
+        value = widen(builder, args[0], sig.args[0])
+        if not isinstance(value.type, ir.DoubleType):
+            value = builder.fpext(value, ir.DoubleType())
+        return value
+
+    return signature(types.float64, raw), codegen
+
+
+@intrinsic
+def _stored(typingctx, value, like):
+    """The float64 ``value`` rounded once to nearest-even in the dtype of array ``like``,
+    as that array stores it (``_numba_vectors.narrow_once``)."""
+    dtype = like.dtype
+
+    def codegen(context, builder, sig, args):
+        return narrow_once(builder, args[0], dtype)
+
+    return signature(dtype, types.float64, like), codegen
+
+
+# --- exact arithmetic ---------------------------------------------------------------------
+
+
+@_jit(inline="always")
+def _two_sum(a, b):  # pragma: no cover - compiled
+    """Knuth's TwoSum: ``(RN(a + b), e)`` with ``RN(a + b) + e == a + b`` exactly."""
+    t = a + b
+    bb = t - a
+    return t, (a - (t - bb)) + (b - bb)
+
+
+@_jit(inline="always")
+def _two_prod(a, b):  # pragma: no cover - compiled
+    """``(RN(a·b), e)`` with ``RN(a·b) + e == a·b`` exactly (no underflow)."""
+    p = a * b
+    return p, _fma(a, b, -p)
+
+
+@_jit(inline="always")
+def _scan(c0, c1, c2, c3, c4, c5, c6):  # pragma: no cover - compiled
+    """The exact sum of seven float64 as ``(t, u, rest)``: ``t`` its float64 value when
+    ``u == 0`` (exact); else the sum lies strictly between ``t`` (the nearest float64
+    unless a tie) and ``t``'s neighbour on ``u``'s side, ``u`` is ``t``'s distance to the
+    exact sum of the two top pieces, and ``rest`` has the sign of what lies below (0:
+    nothing).
+
+    Grow-Expansion (Shewchuk, 1997, Theorem 10) makes ``e0 .. e6`` nonoverlapping,
+    increasing in magnitude, zeros anywhere, with the inputs' exact sum. From the top,
+    ``(t, u) = TwoSum(t, e)``: while ``u == 0`` the sum of the pieces above is ``t``, a
+    float64 whose lowest bit lies above everything below; at the first ``u != 0``, ``u``
+    is a multiple of the next piece's last bit and the pieces below sum to less than it,
+    so ``|u + rest| < 2|u|`` <= the spacing of float64 on ``u``'s side of ``t``."""
+    e0 = c0
+    q, e0 = _two_sum(c1, e0)
+    e1 = q
+    q, e0 = _two_sum(c2, e0)
+    q, e1 = _two_sum(q, e1)
+    e2 = q
+    q, e0 = _two_sum(c3, e0)
+    q, e1 = _two_sum(q, e1)
+    q, e2 = _two_sum(q, e2)
+    e3 = q
+    q, e0 = _two_sum(c4, e0)
+    q, e1 = _two_sum(q, e1)
+    q, e2 = _two_sum(q, e2)
+    q, e3 = _two_sum(q, e3)
+    e4 = q
+    q, e0 = _two_sum(c5, e0)
+    q, e1 = _two_sum(q, e1)
+    q, e2 = _two_sum(q, e2)
+    q, e3 = _two_sum(q, e3)
+    q, e4 = _two_sum(q, e4)
+    e5 = q
+    q, e0 = _two_sum(c6, e0)
+    q, e1 = _two_sum(q, e1)
+    q, e2 = _two_sum(q, e2)
+    q, e3 = _two_sum(q, e3)
+    q, e4 = _two_sum(q, e4)
+    q, e5 = _two_sum(q, e5)
+    t = q
+    u = 0.0
+    rest = 0.0
+    for e in (e5, e4, e3, e2, e1, e0):
+        if u != 0.0:
+            if rest == 0.0:
+                rest = e
+        else:
+            t, u = _two_sum(t, e)
+    return t, u, rest
+
+
+@_jit(inline="always")
+def _neighbour(t, u):  # pragma: no cover - compiled
+    """The float64 next to ``t`` (nonzero) on ``u``'s side."""
+    b = _bits(t)
+    return _from_bits(b + 1 if (u > 0.0) == (t > 0.0) else b - 1)
+
+
+@_jit(inline="always")
+def _rounded(t, u, rest, nearest):  # pragma: no cover - compiled
+    """:func:`_scan`'s sum rounded once in float64: to nearest-even (``nearest``) or to
+    odd (for a second rounding to a narrower dtype)."""
+    if u == 0.0:
+        return t
+    n = _neighbour(t, u)
+    if nearest:  # t is RN of the top; past a tie when the rest leans towards n
+        return n if (n - t == 2.0 * u and rest != 0.0 and (rest > 0.0) == (u > 0.0)) else t
+    return t if _bits(t) & 1 else n
+
+
+@_jit(inline="always")
+def _finish(t, u, rest, naive, all_zero, nearest):  # pragma: no cover - compiled
+    """The rounded sum, with the special values of the module's rules: ``naive`` (the IEEE
+    sum of the rounded terms) when it is not finite, or when the exact sum is 0 and every
+    term is a zero (its signed zero); +0.0 for any other exact zero."""
+    if not np.isfinite(naive):
+        return naive
+    if t == 0.0 and u == 0.0:
+        return naive if all_zero else 0.0
+    return _rounded(t, u, rest, nearest)
+
+
+# --- the row kernels -----------------------------------------------------------------------
+
+
+@_jit()
+def _forward_rows(
+    x0, sx0, x1, sx1, res, sres, rs, h, m0, m1,
+    n_cols, k0, k1, p32, s, has_x1, has_res, has_rs, want_masks, nearest, row_lo, row_hi,
+):  # fmt: skip  # pragma: no cover - compiled
+    """Rows ``row_lo .. row_hi - 1`` of ``h`` (and the masks, ``want_masks``); see the
+    module's docstring. Arrays are flat (row ``i`` at ``i * stride``); ``h`` and the
+    masks are contiguous."""
+    for i in range(row_lo, row_hi):
+        scale = rs[i] if has_rs else 1.0
+        base = np.int64(i) * np.int64(n_cols)
+        for c in range(n_cols):
+            w0, w1 = random_bits_pair(k0, k1, base + c)
+            keep0 = keep_from_bits(w0, p32)
+            keep1 = keep_from_bits(w1, p32)
+            a, b = _two_prod(_wide(x0[i * sx0 + c]), scale)
+            c0, c1 = _two_prod(a, s)
+            c2, c3 = _two_prod(b, s)
+            n0 = a * s
+            if not keep0:
+                c0 = c1 = c2 = c3 = n0 = 0.0
+            c4 = c5 = 0.0
+            n1 = -0.0  # no term: IEEE's neutral zero
+            if has_x1:
+                c4, c5 = _two_prod(_wide(x1[i * sx1 + c]), s)
+                n1 = c4
+                if not keep1:
+                    c4 = c5 = n1 = 0.0
+            r = _wide(res[i * sres + c]) if has_res else -0.0
+            t, u, rest = _scan(c0, c1, c2, c3, c4, c5, r)
+            naive = (n0 + n1) + r
+            all_zero = n0 == 0.0 and n1 == 0.0 and r == 0.0
+            h[base + c] = _stored(_finish(t, u, rest, naive, all_zero, nearest), h)
+            if want_masks:
+                m0[base + c] = keep0
+                if has_x1:
+                    m1[base + c] = keep1
+
+
+@_jit()
+def _backward_rows(
+    dh, sdh, rs, dx0, dx1, dres, n_cols, k0, k1, p32, s,
+    has_rs, has_x1, has_res, nearest0, nearest1, row_lo, row_hi,
+):  # fmt: skip  # pragma: no cover - compiled
+    """Rows ``row_lo .. row_hi - 1`` of ``dx0``, ``dx1`` (``has_x1``) and ``dresidual``
+    (``has_res``); outputs contiguous."""
+    for i in range(row_lo, row_hi):
+        scale = rs[i] if has_rs else 1.0
+        base = np.int64(i) * np.int64(n_cols)
+        for c in range(n_cols):
+            w0, w1 = random_bits_pair(k0, k1, base + c)
+            g = _wide(dh[i * sdh + c])
+            a, b = _two_prod(g, scale)
+            c0, c1 = _two_prod(a, s)
+            c2, c3 = _two_prod(b, s)
+            n0 = a * s
+            if not keep_from_bits(w0, p32):
+                c0 = c1 = c2 = c3 = n0 = 0.0
+            t, u, rest = _scan(c0, c1, c2, c3, 0.0, 0.0, 0.0)
+            dx0[base + c] = _stored(_finish(t, u, rest, n0, n0 == 0.0, nearest0), dx0)
+            if has_x1:
+                c4, c5 = _two_prod(g, s)
+                if not keep_from_bits(w1, p32):
+                    c4 = c5 = 0.0
+                t, u, rest = _scan(c4, c5, 0.0, 0.0, 0.0, 0.0, 0.0)
+                dx1[base + c] = _stored(_finish(t, u, rest, c4, c4 == 0.0, nearest1), dx1)
+            if has_res:
+                dres[base + c] = _stored(g, dres)
+
+
+# --- torch front ----------------------------------------------------------------------------
+
+
+def _flat(t: torch.Tensor) -> tuple[np.ndarray, int]:
+    """A (M, N) tensor with unit column stride as (flat storage array, row stride); 16-bit
+    floats as their int16 (float16) / uint16 (bfloat16) patterns."""
+    m, n = t.shape
+    stride = t.stride(0) if m > 1 else n
+    span = torch.as_strided(t, ((m - 1) * stride + n,), (1,))
+    if t.dtype == torch.float16:
+        return span.view(torch.int16).numpy(), stride
+    if t.dtype == torch.bfloat16:
+        return span.view(torch.int16).numpy().view(np.uint16), stride
+    return span.numpy(), stride
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with unit column stride (a copy only when its columns are strided)."""
+    return t if t.shape[1] <= 1 or t.stride(1) == 1 else t.contiguous()
+
+
+def _on_cpu(**tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and not t.is_cpu:
+            raise ValueError(
+                f"dropout_add: the numba kernels take CPU tensors, {name} is on {t.device}"
+            )
+
+
+def _rowscale(rowscale: torch.Tensor | None) -> np.ndarray:
+    """``rowscale`` as float64 (exact), a one-element placeholder when absent."""
+    if rowscale is None:
+        return np.ones(1, np.float64)
+    return rowscale.detach().to(torch.float64).contiguous().numpy()
+
+
+def _run(kernel, args: tuple, m: int, n: int) -> None:
+    """``kernel(*args, row_lo, row_hi)`` over all rows, in spans over ``_threads``."""
+    _threads.run(lambda lo, hi: kernel(*args, lo, hi), m, max(n, 1))
+
+
+def dropout_add(
+    x0: torch.Tensor,
+    x1: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    rowscale: torch.Tensor | None,
+    seed: int,
+    p: float,
+    rdtype: torch.dtype,
+    want_masks: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``h = RN_rdtype(k0·s·x0·rs + k1·s·x1 + residual)`` of ``(M, N)`` rows (see the
+    module), with ``x0``'s and ``x1``'s keep-masks when ``want_masks`` (``mask1`` None
+    without ``x1``).
+
+    Raises:
+        TypeError, ValueError: as ``_dropout_add.check_args`` (the same checks and
+            messages as the torch version), and ValueError for tensors not on the CPU.
+    """
+    check_args(x0, x1, residual, rowscale, seed, p, rdtype)
+    _on_cpu(x0=x0)
+    m, n = x0.shape
+    k0, k1 = _philox.seed_key(seed)
+    s = _philox.dropout_scale(p)
+    p32 = np.float32(_philox.threshold(p))
+    scale = _rowscale(rowscale)
+    h = torch.empty((m, n), dtype=rdtype)
+    mask0 = torch.empty((m, n), dtype=torch.bool) if want_masks else None
+    mask1 = torch.empty((m, n), dtype=torch.bool) if want_masks and x1 is not None else None
+    if m * n == 0:
+        return h, mask0, mask1
+    a0, s0 = _flat(_rows(x0))
+    a1, s1 = _flat(_rows(x1)) if x1 is not None else (a0, s0)
+    ar, sr = _flat(_rows(residual)) if residual is not None else _flat(h)
+    dummy = np.zeros(1, np.bool_)
+    args = (
+        a0, s0, a1, s1, ar, sr, scale, _flat(h)[0],
+        mask0.view(-1).numpy() if mask0 is not None else dummy,
+        mask1.view(-1).numpy() if mask1 is not None else dummy,
+        n, k0, k1, p32, s, x1 is not None, residual is not None, rowscale is not None,
+        want_masks, rdtype == torch.float64,
+    )  # fmt: skip
+    _run(_forward_rows, args, m, n)
+    return h, mask0, mask1
+
+
+def dropout_add_backward(
+    dh: torch.Tensor,
+    rowscale: torch.Tensor | None,
+    seed: int,
+    p: float,
+    x0_dtype: torch.dtype,
+    x1_dtype: torch.dtype | None,
+    residual_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``dx0 = RN(dh·k0·s·rs)``, ``dx1 = RN(dh·k1·s)`` (None without ``x1_dtype``),
+    ``dresidual = RN(dh)`` (None without ``residual_dtype``), each rounded once to its
+    dtype, from the forward's ``(seed, p)`` and ``rowscale``.
+
+    Raises:
+        TypeError, ValueError: as :func:`dropout_add`.
+    """
+    check_args(dh, None, None, rowscale, seed, p, x0_dtype)
+    for dtype in (x1_dtype, residual_dtype):
+        if dtype is not None and dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dropout_add: gradient dtypes must be float dtypes, got {dtype}")
+    _on_cpu(dh=dh)
+    m, n = dh.shape
+    k0, k1 = _philox.seed_key(seed)
+    s = _philox.dropout_scale(p)
+    p32 = np.float32(_philox.threshold(p))
+    scale = _rowscale(rowscale)
+    dx0 = torch.empty((m, n), dtype=x0_dtype)
+    dx1 = torch.empty((m, n), dtype=x1_dtype) if x1_dtype is not None else None
+    dres = torch.empty((m, n), dtype=residual_dtype) if residual_dtype is not None else None
+    if m * n == 0:
+        return dx0, dx1, dres
+    g, sg = _flat(_rows(dh))
+    o0 = _flat(dx0)[0]
+    args = (
+        g, sg, scale, o0,
+        _flat(dx1)[0] if dx1 is not None else o0,
+        _flat(dres)[0] if dres is not None else o0,
+        n, k0, k1, p32, s, rowscale is not None, dx1 is not None, dres is not None,
+        x0_dtype == torch.float64, x1_dtype == torch.float64,
+    )  # fmt: skip
+    _run(_backward_rows, args, m, n)
+    return dx0, dx1, dres
