@@ -798,9 +798,10 @@ def test_signatures_name_the_options():
         "layer_norm": {"offset": 0.0, "out_dtype": None, "out": None, "memory_efficient": False},
         "rms_norm": {"offset": 0.0, "casting_mode": None, "out_dtype": None, "out": None,
                      "memory_efficient": False},
-        "add_layer_norm": {"offset": 0.0, "out_dtype": None, "out": None, "residual_out": None},
+        "add_layer_norm": {"offset": 0.0, "out_dtype": None, "out": None, "residual_out": None,
+                           "residual_dtype": None},
         "add_rms_norm": {"offset": 0.0, "casting_mode": None, "out_dtype": None, "out": None,
-                         "residual_out": None},
+                         "residual_out": None, "residual_dtype": None},
     }  # fmt: skip
     for name, names in want.items():
         params = inspect.signature(getattr(layernorm, name)).parameters

@@ -260,16 +260,19 @@ def _unit(t: torch.Tensor) -> float:
 )
 def test_vmap_and_grad(shape, ns, op, xdtype, ydtype):
     """vmap over a leading batch is the eager call per sample, bit for bit;
-    torch.func.grad is eager autograd's gradient, bit for bit."""
+    torch.func.grad is eager autograd's gradient (its backward is the differentiable
+    composite one: within float32's rounding)."""
     g = torch.Generator().manual_seed(17)
     x, r = (torch.randn((5, *shape), generator=g, dtype=xdtype) for _ in range(2))
     w, b = (torch.randn(ns, generator=g, dtype=xdtype) for _ in range(2))
-    batched = vmap(lambda x, r: _call(op, x, r, ns, w, b, out_dtype=ydtype))(x, r)
+
+    def outputs(x, r):
+        return tuple(t for t in _call(op, x, r, ns, w, b, out_dtype=ydtype) if t is not None)
+
+    batched = vmap(outputs)(x, r)
     for i in range(5):
-        want = _call(op, x[i], r[i], ns, w, b, out_dtype=ydtype)
-        for got, e in zip(batched, want, strict=True):
-            if e is not None:
-                assert got.dtype == e.dtype and torch.equal(got[i], e)
+        for got, e in zip(batched, outputs(x[i], r[i]), strict=True):
+            assert got.dtype == e.dtype and torch.equal(got[i], e)
     c = torch.randn(shape, generator=g, dtype=torch.float64).to(ydtype)
 
     def loss(x, r, w, b):
@@ -278,8 +281,9 @@ def test_vmap_and_grad(shape, ns, op, xdtype, ydtype):
     got = grad(loss, argnums=(0, 1, 2, 3))(x[0], r[0], w, b)
     leaves = [t.clone().requires_grad_() for t in (x[0], r[0], w, b)]
     want = torch.autograd.grad(loss(*leaves), leaves, allow_unused=True, materialize_grads=True)
-    for a, e in zip(got, want, strict=True):
-        assert torch.equal(a, e)
+    for a, e in zip(got, want, strict=True):  # (grad's backward is the composite one)
+        assert a.dtype == e.dtype
+        assert_close(a, e)
 
 
 @pytest.mark.parametrize("op", ["layer_norm", "add_rms_norm"])

@@ -14,8 +14,8 @@ built for (``docs/contract.md`` §6):
 bits).
 
 The keyword options (``offset``, ``casting_mode``, ``out_dtype``, ``out``,
-``residual_out``, ``memory_efficient``: :mod:`layernorm.options`) arrive as ``**options``,
-so a call without them costs one check (``if options``; explicit keyword-only parameters
+``residual_out``, ``memory_efficient``, ``residual_dtype``: :mod:`layernorm.options`)
+arrive as ``**options``, so a call without them costs one check (``if options``; explicit keyword-only parameters
 would cost a lookup of each default at every call); ``options.signed`` gives each
 function its full signature for ``inspect`` and ``help``.
 """
@@ -445,10 +445,17 @@ def add_layer_norm(
     ``y = layer_norm(residual_out)``, in one pass over memory where the backend allows.
 
     Args:
-        x, residual: tensors of one shape ``(*, *normalized_shape)`` and one dtype.
+        x, residual: tensors of one shape ``(*, *normalized_shape)``; the residual of
+            ``x``'s dtype or a wider one (then the residual stream keeps its dtype, as
+            with ``residual_dtype``).
         normalized_shape, weight, bias, eps, backend, offset, out: as in :func:`layer_norm`.
         out_dtype: ``y``'s dtype, as in :func:`layer_norm`; ``residual_out`` keeps ``x``'s.
         residual_out: a preallocated ``residual_out``, by the rules of ``out``.
+        residual_dtype: the residual stream's dtype (quack's; flash-attn's
+            ``residual_in_fp32=True`` is ``torch.float32``): ``residual_out`` is the exact
+            ``x + residual`` rounded once into it, ``y`` its norm rounded once into
+            ``x``'s dtype (:func:`layernorm.options.residual_stream`). Default: ``None``,
+            the residual's dtype.
 
     Returns:
         ``(y, residual_out)``, both shaped like ``x``.
@@ -484,7 +491,7 @@ def add_rms_norm(
         x, residual: tensors of one shape ``(*, *normalized_shape)`` and one dtype.
         normalized_shape, weight, eps, backend, offset, casting_mode, out: as in
             :func:`rms_norm` (a casting mode applies to the rounded ``x + residual``).
-        out_dtype, residual_out: as in :func:`add_layer_norm`.
+        out_dtype, residual_out, residual_dtype: as in :func:`add_layer_norm`.
 
     Returns:
         ``(y, residual_out)``, both shaped like ``x``.

@@ -39,7 +39,12 @@ torch's settings are never changed (:mod:`layernorm.backends._threads`).
 
 JIT cost: nothing is compiled until the first call; each dtype then compiles its forward
 or backward entries once (a few seconds each) and stores them in the on-disk cache, which
-later processes load (:func:`build`, ``layernorm build``, compiles them all ahead). Where
+later processes load (:func:`build`, ``layernorm build``, compiles them all ahead). A
+forward whose ``y`` has a narrower dtype than ``x`` (``out_dtype``: float32 from float64,
+a 16-bit dtype from a wider or the other 16-bit one) has entries of its own per (x's
+dtype, y's dtype), compiled (or loaded) on their first use only, so the build and the
+same-dtype calls' cold start do not grow; the compiled front door calls the same-dtype
+entries only. Where
 the cache lives, and the lock that lets processes starting together share it:
 :mod:`layernorm.backends._numba_cache` (:func:`cache_location` says where).
 
