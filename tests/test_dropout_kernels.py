@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+import subprocess
+import sys
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from _triton_interpreter import import_for_the_interpreter
+from _triton_interpreter import HAS_TRITON, import_for_the_interpreter
 from layernorm.backends import _dropout_add as td
 from layernorm.backends import _numba_dropout as nd
 from layernorm.backends import _philox as philox
@@ -311,6 +315,139 @@ def test_numba_backward_narrower_gradients():
     bf = torch.bfloat16
     check_backward(dh, rs, 6, 0.3, bf, bf, bf)
     check_backward(dh.double(), rs.double(), 6, 0.3, torch.float32, torch.float16, bf)
+
+
+# --- Triton, interpreted ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tdrop():
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.rand, InterpretedFunction):
+        pytest.skip("triton was imported compiled: run TRITON_INTERPRET=1 pytest " + __file__)
+    from layernorm.backends import _triton_dropout
+
+    return _triton_dropout
+
+
+@pytest.mark.parametrize("p", PROBABILITIES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_forward_is_numbas_and_torchs(tdrop, dtype, p):
+    for has_x1, has_res, has_rs in FLAGS:
+        x0, x1, res, rs = _inputs(dtype, dtype, has_x1, has_res, has_rs)
+        got = check_forward(x0, x1, res, rs, 1234, p, dtype, backend=tdrop.dropout_add)
+        for a, b in zip(got, nd.dropout_add(x0, x1, res, rs, 1234, p, dtype, True), strict=True):
+            assert_same_bits(a, b)
+
+
+def test_triton_special_values_midpoints_and_wider_residual(tdrop):
+    inf, nan = math.inf, math.nan
+    x0 = torch.tensor([[inf, -inf, nan, inf, 1.0, 2.0, -0.0, -0.0, 0.0, 1.0, 1.0, 1.0]] * 4)
+    x1 = torch.tensor([[1.0, 2.0, 3.0, -inf, nan, inf, -0.0, 0.0, -0.0, -1.0, 2**-60, 0]] * 4)
+    res = torch.tensor([[0.0, inf, 1.0, 1.0, 1.0, -inf, -0.0, -0.0, -0.0, 0.0, 2**-24, 0]] * 4)
+    for p in (0.0, 0.5, 1.0):
+        for args in ((x1, res), (None, res), (x1, None), (None, None)):
+            check_forward(x0, *args, None, 8, p, torch.float32, backend=tdrop.dropout_add)
+    res64 = res.double()
+    res64[:, 10] = 2.0**-53
+    check_forward(x0, x1, res64, None, 8, 0.0, torch.float64, backend=tdrop.dropout_add)
+    p = _midpoint_p()
+    x = torch.full((1, 64), 0.75)
+    check_forward(x, None, None, None, 0, p, torch.float32, backend=tdrop.dropout_add)
+    for dtype in (torch.bfloat16, torch.float16):
+        for rdtype in (torch.float32, torch.float64):
+            x0, x1, res, rs = _inputs(dtype, rdtype, True, True, True, seed=5)
+            check_forward(x0, x1, res, rs, 99, 0.1, rdtype, backend=tdrop.dropout_add)
+            check_forward(x0, x1, None, rs.double(), 99, 0.1, rdtype, backend=tdrop.dropout_add)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_backward_is_numbas_and_torchs(tdrop, dtype):
+    dh = _values(dtype, (3, 37), 21)
+    dh[0, :3] = torch.tensor([math.inf, -math.inf, math.nan])
+    back = tdrop.dropout_add_backward
+    for p in (0.0, 0.1, 1.0):
+        for rs in (None, _values(torch.float32, (3,), 22)):
+            for x1_dtype, res_dtype in ((None, None), (dtype, dtype)):
+                check_backward(dh, rs, 5, p, dtype, x1_dtype, res_dtype, backend=back)
+    check_backward(dh, None, 5, 0.3, torch.bfloat16, torch.float16, torch.bfloat16, backend=back)
+
+
+def test_triton_layouts_blocks_and_batch_invariance(tdrop):
+    # rows wider than a block (several programs per row), strided rows, zero size
+    base = _values(torch.bfloat16, (6, 2100), 61)
+    x0, x1 = base[::2, 3:2000], base[1::2, 5:2002]
+    res = _values(torch.float32, (1997, 3), 62).t()
+    got = tdrop.dropout_add(x0, x1, res, None, 2**64 - 1, 0.3, torch.float32, True)
+    for a, b in zip(
+        got, nd.dropout_add(x0, x1, res, None, 2**64 - 1, 0.3, torch.float32, True), strict=True
+    ):
+        assert_same_bits(a, b)
+    part = tdrop.dropout_add(x0[:2], x1[:2], res[:2], None, 2**64 - 1, 0.3, torch.float32, True)
+    for a, b in zip(part, got, strict=True):
+        assert_same_bits(a, b[:2])
+    h, m0, m1 = tdrop.dropout_add(torch.ones(0, 5), None, None, None, 0, 0.5, torch.float32, True)
+    assert h.shape == m0.shape == (0, 5) and m1 is None
+    with pytest.raises(ValueError, match="x0 must be an"):
+        tdrop.dropout_add(torch.ones(3), None, None, None, 0, 0.5, torch.float32, False)
+
+
+_COMPILE = """
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from layernorm.backends import _triton_dropout as td
+
+def fmas(fn, sig, constexprs):
+    names = list(sig)
+    for k in constexprs:
+        sig[k] = "constexpr"
+    names = list(sig)
+    src = ASTSource(fn=fn, signature=sig,
+                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=td.LAUNCH).asm["ptx"]
+    return len(re.findall(r"\\bfma\\.rn\\.f64", ptx))
+
+for x, out in (("bf16", "bf16"), ("fp16", "fp32"), ("fp32", "fp32"), ("fp64", "fp64")):
+    sig = {"X0": f"*{x}", "X1": f"*{x}", "RES": f"*{out}", "RS": "*fp64", "H": f"*{out}",
+           "M0": "*i1", "M1": "*i1", "stride_x0": "i64", "stride_x1": "i64",
+           "stride_res": "i64", "n_cols": "i32", "seed": "i64", "p": "fp32", "s_bits": "i64"}
+    cx = {"HAS_X1": True, "HAS_RES": True, "HAS_RS": True, "WANT_MASKS": True,
+          "NEAREST": out == "fp64", "BLOCK": 1024}
+    print("forward", x, out, fmas(td.forward_kernel, sig, cx))
+sig = {"DH": "*fp32", "RS": "*fp64", "DX0": "*bf16", "DX1": "*bf16", "DRES": "*fp32",
+       "stride_dh": "i64", "n_cols": "i32", "seed": "i64", "p": "fp32", "s_bits": "i64"}
+cx = {"HAS_RS": True, "HAS_X1": True, "HAS_RES": True, "NEAREST0": False, "NEAREST1": False,
+      "BLOCK": 1024}
+print("backward", fmas(td.backward_kernel, sig, cx))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_triton_kernels_compile_for_sm90_with_only_the_explicit_fmas():
+    # With the backend's launch options (no fp fusion), the only fmas in the PTX are the
+    # four explicit tl.fma per element (TwoProd's errors: x0·rs, its two halves ·s, x1·s;
+    # backward: dh·rs, ·s twice, dh·s), 8 elements per thread (1024 columns, 4 warps):
+    # no product is fused into a TwoSum.
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / "src"), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "forward bf16 bf16 32",
+        "forward fp16 fp32 32",
+        "forward fp32 fp32 32",
+        "forward fp64 fp64 32",
+        "backward 32",
+    ]
 
 
 # --- invariance and layouts --------------------------------------------------------------
