@@ -609,3 +609,21 @@ def test_layer_norm_linear_residual_of_a_narrower_dtype():
     assert out.dtype == F32 and torch.equal(out, F.linear(y, lw, lb))
     out.sum().backward()
     assert x.grad.dtype == F32 and res.grad.dtype == BF16
+
+
+def test_layer_norm_linear_does_not_save_the_norms_output():
+    """Where ``y``'s dtype is ``h``'s, autograd keeps no tensor equal to the norm's output
+    ``y`` (``layernorm.layer_norm_linear``: it is recomputed in the backward)."""
+    torch.manual_seed(8)
+    x = torch.randn(4, 6, 32, requires_grad=True)
+    res = torch.randn(4, 6, 32)
+    nw, nb = torch.randn(32, requires_grad=True), torch.randn(32, requires_grad=True)
+    lw, lb = torch.randn(40, 32, requires_grad=True), torch.randn(40, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out, h = fa.layer_norm_linear_fn(x, nw, nb, lw, lb, residual=res, prenorm=True)
+    y = layernorm.layer_norm(h.detach(), 32, nw.detach(), nb.detach(), 1e-6)
+    assert torch.equal(out, F.linear(y, lw, lb))
+    assert saved and not any(t.shape == y.shape and torch.equal(t, y) for t in saved)
+    out.sum().backward()
+    assert all(t.grad is not None for t in (x, nw, nb, lw, lb))
