@@ -51,6 +51,10 @@ def _leaves(*tensors):
     return [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
 
 
+def _64(t):
+    return None if t is None else t.double()
+
+
 def _close(ours, ref, ref64, atol, rtol=1e-3):
     """quack's assert_close, or ours nearer float64 than quack's float32 reference."""
     assert_close_or_nearer(ours.detach(), ref.detach(), ref64.detach(), atol=atol, rtol=rtol)
@@ -93,10 +97,6 @@ def test_rmsnorm_forward_backward(M, N, input_dtype, weight_dtype):
         else:
             weight_atol = 2 * torch.finfo(weight_dtype).eps * float(w_r.grad.abs().max())
         _close(w_o.grad, w_r.grad, w_64.grad, weight_atol)
-
-
-def _64(t):
-    return None if t is None else t.double()
 
 
 @pytest.mark.parametrize("weight_dtype", [BF16, F32])
