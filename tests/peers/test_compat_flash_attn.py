@@ -631,3 +631,29 @@ def test_layer_norm_linear_does_not_save_the_norms_output():
     )  # (the composition F.linear(layer_norm(h), ...) saves y as a (24, 32) view)
     out.sum().backward()
     assert all(t.grad is not None for t in (x, nw, nb, lw, lb))
+
+
+def test_compile_fullgraph_is_eager():
+    """``torch.compile(layer_norm_fn, fullgraph=True)`` (flash-attn registers its kernels
+    as ``torch.library`` ops for it) gives the eager call's outputs bit for bit: x1,
+    weight1, a float32 residual, prenorm; and with dropout the same masks from the same
+    ``torch.manual_seed``."""
+    torch.manual_seed(0)
+    x, res = torch.randn(2, 4, 64, dtype=BF16), torch.randn(2, 4, 64)
+    x1 = torch.randn_like(x)
+    w, b, w1, b1 = (torch.randn(64) for _ in range(4))
+
+    def plain(x, res, x1):
+        return fa.layer_norm_fn(x, w, b, res, x1, w1, b1, prenorm=True)
+
+    def dropped(x, res, x1):
+        return fa.layer_norm_fn(x, w, b, res, x1, dropout_p=0.3, prenorm=True,
+                                return_dropout_mask=True)  # fmt: skip
+
+    for f in (plain, dropped):
+        torch.manual_seed(3)
+        eager = f(x, res, x1)
+        torch.manual_seed(3)
+        compiled = torch.compile(f, fullgraph=True)(x, res, x1)
+        assert len(eager) == len(compiled)
+        assert all(torch.equal(a, c) for a, c in zip(eager, compiled, strict=True))
