@@ -340,3 +340,27 @@ def test_errors_before_any_work():
         da.dropout_add_backward(x, None, 0, 0.1, F32, torch.int64, None)
     with pytest.raises(ValueError, match="Philox words 0 and 1"):
         _philox.random_bits(0, torch.zeros(1, dtype=torch.int64), word=2)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize(
+    "in_dtype,rdtype", [(F32, F32), (BF16, BF16), (F32, BF16), (F16, F16), (F32, F64)]
+)
+def test_ties_and_near_ties_of_the_output_dtype(in_dtype, rdtype, p):
+    """Sums placed on and next to the midpoints between two neighbours in ``rdtype``:
+    residual v, x0·s about half a unit of v, x1 a tiny term of either sign or zero, and
+    a rowscale of 1 or a float64 just off 1 (Dekker's products): against the oracle."""
+    gen = torch.Generator().manual_seed(17)
+    m, n = 40, 50
+    digits, _ = _FORMAT[rdtype]
+    v = _values((m, n), rdtype if rdtype != F64 else F32, gen, spread=4).double()
+    half_unit = torch.ldexp(torch.ones(m, n, dtype=F64), torch.frexp(v).exponent - digits - 1)
+    s = _philox.dropout_scale(p)
+    x0 = (half_unit / s).to(in_dtype)
+    sign = torch.randint(0, 3, (m, n), generator=gen).double() - 1
+    x1 = (sign * half_unit * 2.0 ** -torch.randint(3, 30, (m, n), generator=gen)).to(in_dtype)
+    residual = v.to(rdtype if rdtype == F64 else in_dtype)
+    rowscale = torch.where(torch.rand(m, generator=gen) < 0.5, 1.0, 1.0 + 2.0**-40).double()
+    for rs in (None, rowscale):
+        h, _, _ = da.dropout_add(x0, x1, residual, rs, 5, p, rdtype, False)
+        assert _same(h, oracle(x0, x1, residual, rs, 5, p, rdtype))

@@ -319,6 +319,23 @@ def test_compile_fullgraph():
         assert_close(a, e, rtol=1e-6, atol=1e-6)
 
 
+def test_compile_draws_the_eager_seed():
+    """seed=None under torch.compile: the compiled graph's draw is eager's, so
+    torch.manual_seed gives the eager masks."""
+    x = torch.randn(4, 64)
+
+    def f(x):
+        return fused_norm(x, 64, dropout_p=0.5, return_dropout_mask=True).dropout_mask
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    torch.manual_seed(3)
+    eager = f(x)
+    torch.manual_seed(3)
+    assert torch.equal(compiled(x), eager)
+    assert not torch.equal(compiled(x), eager)  # the generator moved on
+
+
 def test_vmap_is_the_call_per_sample():
     """vmap over a leading batch: each sample is a call of its own (its rows 0..M-1, so
     its mask is what a call on it alone draws)."""
@@ -328,6 +345,22 @@ def test_vmap_is_the_call_per_sample():
         want = _call(args[0][i], args[1][i], args[2][i], *args[3:])
         for a, e in zip(batched, want, strict=True):
             assert torch.equal(a[i], e)
+
+
+def test_vmap_randomness_modes_are_torchs():
+    """seed=None under vmap draws as torch's random ops do: "same" one seed for every
+    sample (the same masks), "different" one per sample, "error" raises."""
+    x = torch.randn(3, 4, 64)
+
+    def f(x):
+        return fused_norm(x, 64, dropout_p=0.5, return_dropout_mask=True).dropout_mask
+
+    same = vmap(f, randomness="same")(x)
+    assert torch.equal(same[0], same[1]) and torch.equal(same[1], same[2])
+    different = vmap(f, randomness="different")(x)
+    assert not torch.equal(different[0], different[1])
+    with pytest.raises(RuntimeError, match="randomness error mode"):
+        vmap(f)(x)
 
 
 def test_func_grad_and_vjp_are_eager_autograd():
