@@ -136,7 +136,14 @@ def _forward_impl(
     rms: bool,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    y, residual_out, mean, rstd = forward(x, residual, weight, bias, eps, rms, backend)
+    return _schema_outputs(x, *forward(x, residual, weight, bias, eps, rms, backend))
+
+
+def _schema_outputs(
+    x: Tensor, y: Tensor, residual_out: Tensor | None, mean: Tensor | None, rstd: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A forward's outputs as the ops' schemas have them (no optional outputs: an absent
+    one is empty)."""
     return (
         y,
         _empty(x) if residual_out is None else residual_out,
@@ -178,14 +185,8 @@ def _forward_to_impl(
     backend: str,
     out_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    y, residual_out, mean, rstd = forward(x, residual, weight, bias, eps, rms, backend, True,
-                                          out_dtype)  # fmt: skip
-    return (
-        y,
-        _empty(x) if residual_out is None else residual_out,
-        _empty(rstd) if mean is None else mean,
-        rstd,
-    )
+    outputs = forward(x, residual, weight, bias, eps, rms, backend, True, out_dtype)
+    return _schema_outputs(x, *outputs)
 
 
 forward_op = torch.library.custom_op("layernorm::forward", mutates_args=())(_forward_impl)

@@ -156,12 +156,17 @@ def _norm(
         if out is not None:
             return out
     if not compiling and torch._C._is_tracing():
-        # The checks and the decomposition branch on sizes that normalized_shape fixes,
-        # which is what jit.trace warns about: the graph it records is right for them.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", torch.jit.TracerWarning)
-            return _call(op, x, residual, normalized_shape, weight, bias, eps, rms, backend)
+        return _traced_call(op, x, residual, normalized_shape, weight, bias, eps, rms, backend)
     return _call(op, x, residual, normalized_shape, weight, bias, eps, rms, backend)
+
+
+def _traced_call(*arguments: Any) -> tuple[Tensor, Tensor | None]:
+    """:func:`_call` under jit.trace. The checks and the decomposition branch on sizes that
+    normalized_shape fixes, which is what jit.trace warns about: the graph it records is
+    right for them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return _call(*arguments)
 
 
 def _call(
@@ -224,12 +229,10 @@ def _norm_to(
     than the input's: ``layernorm.options`` checks it), each element rounded once into it
     by the kernels (``layernorm::forward_to``); ``residual_out`` keeps the input's dtype.
     The compiled front door does not take it (its entries are the same-dtype ones)."""
+    arguments = (op, x, residual, normalized_shape, weight, bias, eps, rms, backend, out_dtype)
     if not torch.compiler.is_compiling() and torch._C._is_tracing():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", torch.jit.TracerWarning)
-            return _call(op, x, residual, normalized_shape, weight, bias, eps, rms, backend,
-                         out_dtype)  # fmt: skip
-    return _call(op, x, residual, normalized_shape, weight, bias, eps, rms, backend, out_dtype)
+        return _traced_call(*arguments)
+    return _call(*arguments)
 
 
 def _custom_op(
@@ -248,15 +251,10 @@ def _custom_op(
     n = x.shape[-1]
     rows = _op.rows(x, n)
     residual_rows = None if residual is None else _op.rows(residual, n)
-    if out_dtype is None:
-        y, residual_out, _, _ = _op.forward_call(
-            rows, residual_rows, weight, bias, eps, rms, backend
-        )
-    else:
-        y, residual_out, _, _ = _op.forward_to_call(
-            rows, residual_rows, weight, bias, eps, rms, backend, out_dtype
-        )
-    return y.view_as(x), None if residual is None else residual_out.view_as(x)
+    y, residual_out, _, _ = _op._forward_op_outputs(
+        rows, residual_rows, weight, bias, eps, rms, backend, out_dtype
+    )
+    return y.view_as(x), None if residual_out is None else residual_out.view_as(x)
 
 
 def _enter(

@@ -158,7 +158,8 @@ def entry(dtype: torch.dtype, name: str, y_dtype: torch.dtype | None = None) -> 
     """Kernel ``name`` (``forward_serial``, ``forward_parallel``, ``backward_serial``
     or ``backward_parallel``) for input dtype ``dtype``, on addresses, sizes and flags
     (the arguments of :mod:`layernorm.backends._kernel_abi`); compiled on first use. A
-    forward's ``y`` holds ``y_dtype`` (None: ``dtype``), one of :data:`OUT_DTYPES`'s.
+    forward's ``y`` holds ``y_dtype`` (None: ``dtype``): one of ``torch_.OUT_DTYPES`` no wider
+    than ``dtype``.
 
     The serial entries run in the calling thread; the parallel ones split the rows into
     spans that the calling thread and helper threads run (:mod:`._threads`), each with the
