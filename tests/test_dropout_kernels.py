@@ -211,6 +211,10 @@ def test_numba_forward_operands_of_other_dtypes():
         check_forward(x0, x1, res, rs, 3, 0.3, torch.float32)
     # x1 in float64, x0 in bfloat16, a float16 residual, h in float32
     check_forward(x0.bfloat16(), x1.double(), res.half(), rs64, 3, 0.3, torch.float32)
+    # h narrower than the operands: float32 and float64 in, bfloat16 and float16 out
+    for rdtype in (torch.bfloat16, torch.float16):
+        check_forward(x0, x1, res, rs16, 3, 0.3, rdtype)
+        check_forward(x0.double(), x1.double(), res.double(), rs64, 3, 0.3, rdtype)
 
 
 def _midpoint_p() -> float:
@@ -315,6 +319,8 @@ def test_numba_backward_narrower_gradients():
     bf = torch.bfloat16
     check_backward(dh, rs, 6, 0.3, bf, bf, bf)
     check_backward(dh.double(), rs.double(), 6, 0.3, torch.float32, torch.float16, bf)
+    # a residual wider than h: dresidual is dh exactly
+    check_backward(dh.to(bf), rs, 6, 0.3, bf, bf, torch.float32)
 
 
 # --- Triton, interpreted ----------------------------------------------------------------
@@ -363,6 +369,10 @@ def test_triton_special_values_midpoints_and_wider_residual(tdrop):
             x0, x1, res, rs = _inputs(dtype, rdtype, True, True, True, seed=5)
             check_forward(x0, x1, res, rs, 99, 0.1, rdtype, backend=tdrop.dropout_add)
             check_forward(x0, x1, None, rs.double(), 99, 0.1, rdtype, backend=tdrop.dropout_add)
+    # h narrower than the operands
+    x0, x1, res, rs = _inputs(torch.float64, torch.float32, True, True, True, seed=6)
+    for rdtype in (torch.bfloat16, torch.float16):
+        check_forward(x0, x1, res, rs, 98, 0.3, rdtype, backend=tdrop.dropout_add)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -303,11 +303,15 @@ def _forward_rows(
 ):  # fmt: skip  # pragma: no cover - compiled
     """Rows ``row_lo .. row_hi - 1`` of ``h`` (and the masks, ``want_masks``); see the
     module's docstring. Arrays are flat (row ``i`` at ``i * stride``); ``h`` and the
-    masks are contiguous. Per row: the masks first, in a loop of their own (LLVM
-    vectorizes the Philox rounds there: 7x faster than inside the element loop), then
-    :func:`_exact_h` per element."""
+    masks are contiguous. Per row, three loops: the masks (LLVM vectorizes the Philox
+    rounds there: 7x faster than inside the element loop), the operands widened to
+    float64 rows (16-bit loads in the element loop make LLVM pick 32-lane vectors, whose
+    float64 arithmetic spills: 7-10x slower), then :func:`_exact_h` per element."""
     keep0 = np.empty(n_cols, np.bool_)
     keep1 = np.empty(n_cols, np.bool_)
+    wide0 = np.empty(n_cols, np.float64)
+    wide1 = np.zeros(n_cols, np.float64)
+    wide_r = np.full(n_cols, -0.0)  # no residual: IEEE's neutral zero
     for i in range(row_lo, row_hi):
         scale = rs[i] if has_rs else 1.0
         base = np.int64(i) * np.int64(n_cols)
@@ -316,10 +320,16 @@ def _forward_rows(
             keep0[c] = keep_from_bits(w0, p32)
             keep1[c] = keep_from_bits(w1, p32) and has_x1
         for c in range(n_cols):
-            x1v = _wide(x1[i * sx1 + c]) if has_x1 else 0.0
-            r = _wide(res[i * sres + c]) if has_res else -0.0
+            wide0[c] = _wide(x0[i * sx0 + c])
+        if has_x1:
+            for c in range(n_cols):
+                wide1[c] = _wide(x1[i * sx1 + c])
+        if has_res:
+            for c in range(n_cols):
+                wide_r[c] = _wide(res[i * sres + c])
+        for c in range(n_cols):
             v = _exact_h(
-                _wide(x0[i * sx0 + c]), keep0[c], scale, x1v, keep1[c], has_x1, r, s, nearest
+                wide0[c], keep0[c], scale, wide1[c], keep1[c], has_x1, wide_r[c], s, nearest
             )
             h[base + c] = _stored(v, h)
         if want_masks:
@@ -336,9 +346,11 @@ def _backward_rows(
     has_rs, has_x1, has_res, nearest0, nearest1, row_lo, row_hi,
 ):  # fmt: skip  # pragma: no cover - compiled
     """Rows ``row_lo .. row_hi - 1`` of ``dx0``, ``dx1`` (``has_x1``) and ``dresidual``
-    (``has_res``); outputs contiguous. The masks first, as :func:`_forward_rows`."""
+    (``has_res``); outputs contiguous. The masks and ``dh`` widened first, in loops of
+    their own, as :func:`_forward_rows`."""
     keep0 = np.empty(n_cols, np.bool_)
     keep1 = np.empty(n_cols, np.bool_)
+    wide = np.empty(n_cols, np.float64)
     for i in range(row_lo, row_hi):
         scale = rs[i] if has_rs else 1.0
         base = np.int64(i) * np.int64(n_cols)
@@ -347,7 +359,9 @@ def _backward_rows(
             keep0[c] = keep_from_bits(w0, p32)
             keep1[c] = keep_from_bits(w1, p32)
         for c in range(n_cols):
-            g = _wide(dh[i * sdh + c])
+            wide[c] = _wide(dh[i * sdh + c])
+        for c in range(n_cols):
+            g = wide[c]
             a, b = _two_prod(g, scale)
             c0, c1 = _two_prod(a, s)
             c2, c3 = _two_prod(b, s)
