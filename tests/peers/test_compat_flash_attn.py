@@ -579,8 +579,9 @@ def test_out_dtype_is_fused_norms(x_dtype, out_dtype):
 @pytest.mark.parametrize("dtype", [BF16, F16, F32])
 def test_rms_bias_is_the_float64_norm_plus_bias(dtype):
     """``rms_norm_fn`` with ``bias`` (and ``bias1``), which ``fused_norm(rms=True)`` does
-    not take: ``RN(RN64(h / rms(h)·w) + b)`` bit for bit, so within half a unit in the
-    last place plus 2^-52 (relative) of the float64 reference."""
+    not take: ``RN(RN64(n) + b)`` with ``n = h / rms(h)·w``, bit for bit, so within half
+    a unit in the last place plus ``2^-53·(|n| + |n + b|)`` of the float64 reference
+    (``compat/_fused.py``)."""
     torch.manual_seed(5)
     x, res = torch.randn(4, 5, 96, dtype=dtype), torch.randn(4, 5, 96, dtype=dtype)
     w, b, w1, b1 = (torch.randn(96) for _ in range(4))
@@ -588,10 +589,12 @@ def test_rms_bias_is_the_float64_norm_plus_bias(dtype):
     for y, weight, bias in ((out, w, b), (out1, w1, b1)):
         y64 = layernorm.rms_norm(h, 96, weight, 1e-6, out_dtype=F64)
         assert torch.equal(y, (y64 + bias.double()).to(dtype))
-        ref = h.double() * torch.rsqrt(h.double().square().mean(-1, keepdim=True) + 1e-6)
-        ref = ref * weight.double() + bias.double()
-        ulp = torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(ref.abs())))
-        assert bool(((y.double() - ref).abs() <= ulp / 2 + ref.abs() * 2**-50).all())
+        n = h.double() * torch.rsqrt(h.double().square().mean(-1, keepdim=True) + 1e-6)
+        n = n * weight.double()
+        ref = n + bias.double()
+        ulp = torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(y.double().abs())))
+        bound = ulp / 2 + 2**-50 * (n.abs() + ref.abs())  # 2^-53 with room for ref's error
+        assert bool(((y.double() - ref).abs() <= bound).all())
 
 
 def test_layer_norm_linear_residual_of_a_narrower_dtype():

@@ -2,13 +2,14 @@
 it, with one addition: an RMSNorm with a bias (theirs have one; ``fused_norm(rms=True)``
 takes none, as RMSNorm's output has none).
 
-With a bias, RMSNorm's output is ``RN_out(RN64(h / rms(h) · gain) + bias)``: the norm
-correctly rounded to float64 (``out_dtype=torch.float64``), the bias added in float64,
-the sum rounded to ``out_dtype``. That is within half a unit in the last place of
-``out_dtype`` plus 2^-52 (relative), so it is the correctly rounded value of
-``h / rms(h) · gain + bias`` except where that value lies within about 2^-52
-(relative) of a rounding boundary of ``out_dtype``, and for float64 output it is
-faithful (two float64 roundings). Without a bias, and for layer norm, the call is
+With a bias, RMSNorm's output is ``RN_out(RN64(n) + bias)`` with ``n = h / rms(h) · gain``:
+the norm correctly rounded to float64 (``out_dtype=torch.float64``), the bias added in
+float64 (rounded), the sum rounded to ``out_dtype``. So ``|y − (n + bias)|`` is at most
+half a unit in the last place of ``y`` in ``out_dtype`` plus ``2^-53·(|n| + |n + bias|)``
+(the two float64 roundings): ``y`` is the correctly rounded ``n + bias`` except where
+that value lies within about ``2^-52·(|n| + |bias|)`` of a rounding boundary of
+``out_dtype`` (for float64 output: the two roundings, faithful where there is no
+cancellation). Without a bias, and for layer norm, the call is
 :func:`layernorm.fused_norm`'s, correctly rounded.
 """
 
