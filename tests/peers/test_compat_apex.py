@@ -124,7 +124,11 @@ def test_functions_are_the_modules():
     assert torch.equal(apex.fused_rms_norm(xb, shape), layernorm.rms_norm(xb, shape, eps=1e-6))
 
 
-def test_mixed_parameters_narrower_than_the_input_raise():
+def test_mixed_parameters_narrower_than_the_input_give_their_dtype():
+    """apex's mixed modules output the parameters' dtype, a narrower one too: the norm
+    rounded once into it (``out_dtype``, ``tests/test_out_dtype.py``)."""
     m = apex.MixedFusedRMSNorm(8).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="narrower than the input"):
-        m(torch.randn(2, 8))
+    x = torch.randn(2, 8)
+    y = m(x)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, layernorm.rms_norm(x, 8, m.weight, 1e-5, out_dtype=torch.bfloat16))

@@ -9,8 +9,8 @@ as apex's CUDA path:
 - ``FusedLayerNorm`` / ``FusedRMSNorm``: the output in the input's dtype;
 - ``MixedFusedLayerNorm`` / ``MixedFusedRMSNorm`` (always affine): the output in the
   parameters' dtype (float32 from a bfloat16 input with float32 parameters: ``out_dtype``,
-  correctly rounded in it). Parameters narrower than the input raise ``ValueError``
-  (``out_dtype`` narrower than the input: not yet supported).
+  correctly rounded in it; bfloat16 from a float32 input with bfloat16 parameters,
+  rounded once into it by the kernels).
 
 ``memory_efficient=True`` is :func:`layernorm.layer_norm`'s (:mod:`layernorm.recompute`):
 autograd saves the output, and the backward recovers the normalized input from it, within
