@@ -42,7 +42,7 @@ def exact_round(q: Fraction, dtype: torch.dtype) -> float:
         n += 1
     big = Fraction(2) ** (_floor_log2(Fraction(torch.finfo(dtype).max)) + 1)
     if abs(n * unit) >= big:
-        return math.copysign(math.inf, q)
+        return math.inf if q > 0 else -math.inf
     return float(n * unit)  # exact: n has at most `digits` bits
 
 
@@ -364,3 +364,29 @@ def test_ties_and_near_ties_of_the_output_dtype(in_dtype, rdtype, p):
     for rs in (None, rowscale):
         h, _, _ = da.dropout_add(x0, x1, residual, rs, 5, p, rdtype, False)
         assert _same(h, oracle(x0, x1, residual, rs, 5, p, rdtype))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.25])
+@pytest.mark.parametrize("with_rowscale", [False, True])
+def test_float64_near_its_largest_value(p, with_rowscale):
+    """float64 terms up to 2^1023: the exact sum rounded once where the IEEE evaluation
+    ``((x0·rs)·s + x1·s) + residual`` is finite (the splitting of Dekker's product and
+    the first TwoSum sweep do not overflow there), that evaluation where it is not."""
+    gen = torch.Generator().manual_seed(23)
+    m, n = 6, 40
+
+    def huge():
+        signs = torch.randint(0, 2, (m, n), generator=gen).double() * 2 - 1
+        exps = torch.randint(1020, 1024, (m, n), generator=gen).double()
+        return signs * (1 + torch.rand(m, n, generator=gen, dtype=F64)) * 2.0**exps
+
+    x0, x1, residual = huge(), huge(), huge()
+    rs = torch.rand(m, generator=gen, dtype=F64) + 0.5 if with_rowscale else None
+    h, k0, k1 = da.dropout_add(x0, x1, residual, rs, 3, p, F64, True)
+    s = _philox.dropout_scale(p)
+    scaled = x0 if rs is None else x0 * rs[:, None]
+    naive = (torch.where(k0, scaled * s, 0.0) + torch.where(k1, x1 * s, 0.0)) + residual
+    finite = naive.isfinite()
+    assert 0 < int(finite.sum()) < m * n  # both kinds of element
+    want = torch.where(finite, oracle(x0, x1, residual, rs, 3, p, F64), naive)
+    assert _same(h, want)

@@ -135,8 +135,8 @@ def test_fused_norm_is_the_composition(shapes, dtype, features, p):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rms_and_options_are_the_public_functions_on_h(dtype):
-    """rms=True is rms_norm of h (eps=None: rms_norm's rule for x's dtype); offset and a
-    wider out_dtype are those options of the public functions, applied to h."""
+    """rms=True is rms_norm of h (eps=None: rms_norm's rule for x's dtype); offset and
+    out_dtype (wider or narrower) are those options of the public functions, on h."""
     shape, nshape = (3, 4, 16), 16
     x, w, _, kw = _make(shape, nshape, dtype, ("residual", "x1", "weight1"), seed=9)
     kw.pop("bias1")
@@ -146,10 +146,15 @@ def test_rms_and_options_are_the_public_functions_on_h(dtype):
     assert torch.equal(out.y1, layernorm.rms_norm(h, nshape, kw["weight1"]))
     out = fused_norm(x, nshape, w, eps=1e-3, rms=True, offset=1.0, dropout_p=0.2, seed=5, **kw)
     assert torch.equal(out.y, layernorm.rms_norm(h, nshape, w, 1e-3, offset=1.0))
-    if dtype != F64:
-        out = fused_norm(x, nshape, w, dropout_p=0.2, seed=5, out_dtype=F64, **kw)
-        assert out.y.dtype == F64 and out.residual_out.dtype == dtype
-        assert torch.equal(out.y, layernorm.layer_norm(h, nshape, w, out_dtype=F64))
+    # out_dtype wider or narrower than h's: the public functions' out_dtype on h
+    other = F64 if dtype != F64 else F32
+    for out_dtype in (other, BF16 if dtype != BF16 else F16):
+        out = fused_norm(x, nshape, w, dropout_p=0.2, seed=5, out_dtype=out_dtype, **kw)
+        assert out.y.dtype == out_dtype and out.residual_out.dtype == dtype
+        assert torch.equal(out.y, layernorm.layer_norm(h, nshape, w, out_dtype=out_dtype))
+        assert torch.equal(
+            out.y1, layernorm.layer_norm(h, nshape, kw["weight1"], out_dtype=out_dtype)
+        )
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16])

@@ -26,7 +26,8 @@ inputs.
 
 **Arithmetic** (how the exact value is formed, so that any implementation can be
 checked against this one). Every operand is widened to float64. Each term is an exact
-sum of float64 numbers (TwoProd, :func:`_two_prod`: Dekker's product with Veltkamp's
+sum of float64 numbers (a float32 or 16-bit value times the two halves of ``s``,
+:func:`_times_scale`; else TwoProd, :func:`_two_prod`: Dekker's product with Veltkamp's
 splitting, exact for every product of float32 and 16-bit operands);
 the components are then distilled by error-free TwoSum sweeps
 (:func:`_distill`) to a fixed point ``a1 > a2 > ...`` where ``fl(a_i + a_(i+1)) = a_i``:
@@ -36,9 +37,11 @@ that to float32, float16 or bfloat16 (``torch_.round_once``) rounds the sum once
 (53 >= 24 + 2; Boldo and Melquiond, "When double rounding is odd"). For ``rdtype``
 float64: ``fl(a1 + round_to_odd(a2, a3))``, the sum rounded once to nearest-even.
 **float64 operands:** the same algorithm; it is exact, and ``h`` correctly rounded, when
-no partial product leaves float64's normal range: every nonzero ``x0·rs``, ``x0·rs·s``
-and ``x1·s`` of magnitude in ``[2^-969, 2^995]`` (outside it Dekker's error term can
-lose bits or the splitting overflow: ``h`` is then what these float64 operations give).
+no product's error term falls below float64's normal range (every nonzero ``x0·rs``,
+``x0·rs·s`` and ``x1·s`` at least 2^-969 in magnitude: below, Dekker's error term loses
+bits and ``h`` is the sum of the pieces as computed, rounded once) and the first TwoSum
+sweep, which adds the pieces in the order of the IEEE evaluation below, does not
+overflow where that evaluation does not (terms up to about 2^1023 / 2).
 
 **Backward** (the masks regenerated from ``seed``, not stored)::
 
@@ -119,13 +122,32 @@ def _split(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _two_prod(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 ``a·b == product + error`` exactly (Dekker), when ``a·b`` and the partial
-    products stay in float64's normal range (module docstring)."""
+    """float64 ``a·b == product + error`` exactly (Dekker), when ``a·b`` is finite and
+    its error term is not below float64's normal range (module docstring). Operands
+    above 2^995 are scaled by 2^-60 for the splitting (which would overflow), and the
+    results scaled back: powers of two, exact."""
+    big = 2.0**995
+    scale_a = torch.where(a.abs() > big, 2.0**-60, 1.0)
+    scale_b = torch.where(b.abs() > big, 2.0**-60, 1.0)
+    a, b = a * scale_a, b * scale_b
     product = a * b
     ah, al = _split(a)
     bh, bl = _split(b)
     error = ((ah * bh - product) + ah * bl + al * bh) + al * bl
-    return product, error
+    back = 1.0 / (scale_a * scale_b)
+    return product * back, error * back
+
+
+def _times_scale(
+    wide: torch.Tensor, dtype: torch.dtype, s: float, scale: torch.Tensor
+) -> list[torch.Tensor]:
+    """``wide·s`` exactly, as two float64 tensors: ``wide`` (a ``dtype`` tensor widened)
+    times ``s``'s two halves (29 and 24 bits, ``_philox._split``) when ``dtype`` has at
+    most 24 bits (both products exact), else Dekker's product."""
+    if dtype == torch.float64:
+        return list(_two_prod(wide, scale))
+    high, low = _philox._split(s)
+    return [wide * high, wide * low]
 
 
 def _two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,7 +193,9 @@ def round_sum(
     parts = [torch.where(finite, part, zero) for part in parts]
     while len(parts) < 3:
         parts.append(torch.zeros_like(parts[0]))
-    a = _distill(parts)
+    # (bottom first: the first sweep adds the terms in the IEEE evaluation's order, so
+    # that its partial sums overflow only where that evaluation's do)
+    a = _distill(parts[::-1])
     if dtype == torch.float64:
         total = a[0] + _philox._round_to_odd(a[1], a[2])
     else:
@@ -179,6 +203,13 @@ def round_sum(
     signed_zero = torch.where(negative_zero, -0.0, zero)
     total = torch.where(total == 0, signed_zero, total)
     return round_once(torch.where(finite, total, ieee), dtype)
+
+
+def _keep(seed: int, offset: torch.Tensor, p: float, word: int) -> torch.Tensor:
+    """``_philox.keep``, without drawing the Philox words where ``p32 == 0`` keeps all."""
+    if _philox.threshold(p) == 0.0:
+        return torch.ones(offset.shape, dtype=torch.bool, device=offset.device)
+    return _philox.keep(seed, offset, p, word=word)
 
 
 def _is_negative_zero(t: torch.Tensor) -> torch.Tensor:
@@ -207,8 +238,8 @@ def dropout_add(
     device = x0.device
     s = _philox.dropout_scale(p)
     offset = _philox.offsets(m, n, device=device)
-    k0 = _philox.keep(seed, offset, p, word=0)
-    k1 = None if x1 is None else _philox.keep(seed, offset, p, word=1)
+    k0 = _keep(seed, offset, p, 0)
+    k1 = None if x1 is None else _keep(seed, offset, p, 1)
     zero = torch.zeros((), dtype=torch.float64, device=device)
     scale = torch.tensor(s, dtype=torch.float64, device=device)
 
@@ -223,7 +254,7 @@ def dropout_add(
     else:
         ieee = wide * s
         neg = _is_negative_zero(wide)
-        terms = list(_two_prod(wide, scale))
+        terms = _times_scale(wide, x0.dtype, s, scale)
     ieee = torch.where(k0, ieee, zero)
     neg = neg & k0
     parts += [torch.where(k0, term, zero) for term in terms]
@@ -232,7 +263,7 @@ def dropout_add(
         wide1 = x1.to(torch.float64)
         ieee = ieee + torch.where(k1, wide1 * s, zero)
         neg = neg & k1 & _is_negative_zero(wide1)
-        parts += [torch.where(k1, term, zero) for term in _two_prod(wide1, scale)]
+        parts += [torch.where(k1, term, zero) for term in _times_scale(wide1, x1.dtype, s, scale)]
     if residual is not None:
         wide_r = residual.to(torch.float64)
         ieee = ieee + wide_r
@@ -261,7 +292,7 @@ def _scaled(
         terms = [*_two_prod(product, scale), *_two_prod(error, scale)]
     else:
         product = wide
-        terms = list(_two_prod(wide, scale))
+        terms = _times_scale(wide, dh.dtype, s, scale)
     ieee = torch.where(keep, product * s, zero)
     parts = [torch.where(keep, term, zero) for term in terms]
     return round_sum(parts, _is_negative_zero(ieee), ieee, dtype)
@@ -292,10 +323,10 @@ def dropout_add_backward(
     m, n = dh.shape
     s = _philox.dropout_scale(p)
     offset = _philox.offsets(m, n, device=dh.device)
-    dx0 = _scaled(dh, _philox.keep(seed, offset, p, word=0), s, rowscale, x0_dtype)
+    dx0 = _scaled(dh, _keep(seed, offset, p, 0), s, rowscale, x0_dtype)
     dx1 = None
     if x1_dtype is not None:
-        dx1 = _scaled(dh, _philox.keep(seed, offset, p, word=1), s, None, x1_dtype)
+        dx1 = _scaled(dh, _keep(seed, offset, p, 1), s, None, x1_dtype)
     dresidual = None
     if residual_dtype == dh.dtype:  # a new tensor: outputs never alias inputs
         dresidual = dh.clone(memory_format=torch.contiguous_format)
