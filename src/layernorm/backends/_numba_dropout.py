@@ -64,6 +64,7 @@ from . import _numba_cache, _numba_philox, _numba_vectors, _philox, _threads
 from ._dropout_add import FLOAT_DTYPES, check_args
 from ._numba_philox import keep_from_bits, random_bits_pair
 from ._numba_vectors import narrow_once, widen
+from .torch_ import contiguous_rows
 
 __all__ = ["DEPENDS_SHA256", "depends_digest", "dropout_add", "dropout_add_backward"]
 
@@ -396,11 +397,6 @@ def _flat(t: torch.Tensor) -> tuple[np.ndarray, int]:
     return span.numpy(), stride
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with unit column stride (a copy only when its columns are strided)."""
-    return t if t.shape[1] <= 1 or t.stride(1) == 1 else t.contiguous()
-
-
 def _on_cpu(**tensors: torch.Tensor | None) -> None:
     for name, t in tensors.items():
         if t is not None and not t.is_cpu:
@@ -451,9 +447,9 @@ def dropout_add(
     mask1 = torch.empty((m, n), dtype=torch.bool) if want_masks and x1 is not None else None
     if m * n == 0:
         return h, mask0, mask1
-    a0, s0 = _flat(_rows(x0))
-    a1, s1 = _flat(_rows(x1)) if x1 is not None else (a0, s0)
-    ar, sr = _flat(_rows(residual)) if residual is not None else _flat(h)
+    a0, s0 = _flat(contiguous_rows(x0))
+    a1, s1 = _flat(contiguous_rows(x1)) if x1 is not None else (a0, s0)
+    ar, sr = _flat(contiguous_rows(residual)) if residual is not None else _flat(h)
     dummy = np.zeros(1, np.bool_)
     args = (
         a0, s0, a1, s1, ar, sr, scale, _flat(h)[0],
@@ -497,7 +493,7 @@ def dropout_add_backward(
     dres = torch.empty((m, n), dtype=residual_dtype) if residual_dtype is not None else None
     if m * n == 0:
         return dx0, dx1, dres
-    g, sg = _flat(_rows(dh))
+    g, sg = _flat(contiguous_rows(dh))
     o0 = _flat(dx0)[0]
     args = (
         g, sg, scale, o0,

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from . import _philox
 from ._dropout_add import FLOAT_DTYPES, check_args
+from .torch_ import contiguous_rows
 
 __all__ = ["dropout_add", "dropout_add_backward"]
 
@@ -297,10 +298,6 @@ def _launching() -> Iterator[None]:
             yield
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    return t if t.shape[1] <= 1 or t.stride(1) == 1 else t.contiguous()
-
-
 def _row_stride(t: torch.Tensor) -> int:
     return t.stride(0) if t.shape[0] > 1 else t.shape[1]
 
@@ -356,9 +353,9 @@ def dropout_add(
     if m * n == 0:
         return h, mask0, mask1
     k = _kernels()
-    x0 = _rows(x0)
-    x1 = None if x1 is None else _rows(x1)
-    residual = None if residual is None else _rows(residual)
+    x0 = contiguous_rows(x0)
+    x1 = None if x1 is None else contiguous_rows(x1)
+    residual = None if residual is None else contiguous_rows(residual)
     rs = None if rowscale is None else rowscale.detach().to(torch.float64).contiguous()
     grid, block = _grid(m, n)
     with _launching():
@@ -405,7 +402,7 @@ def dropout_add_backward(
     if m * n == 0:
         return dx0, dx1, dres
     k = _kernels()
-    dh = _rows(dh)
+    dh = contiguous_rows(dh)
     rs = None if rowscale is None else rowscale.detach().to(torch.float64).contiguous()
     grid, block = _grid(m, n)
     with _launching():
