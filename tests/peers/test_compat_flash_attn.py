@@ -660,3 +660,25 @@ def test_compile_fullgraph_is_eager():
         compiled = torch.compile(f, fullgraph=True)(x, res, x1)
         assert len(eager) == len(compiled)
         assert all(torch.equal(a, c) for a, c in zip(eager, compiled, strict=True))
+
+
+@pytest.mark.parametrize("shape", [(64,), (3, 64), (2, 3, 64), (2, 2, 3, 64), (0, 3, 64)])
+def test_any_rank_strided_and_empty_inputs(shape):
+    """1-D to 4-D, zero-size and non-contiguous (every other element of a wider row)
+    inputs: the same bits as the call on contiguous copies, x's shape and dtypes."""
+    torch.manual_seed(9)
+    wide = [torch.randn(*shape[:-1], 128, dtype=BF16) for _ in range(3)]
+    x, res, x1 = (t[..., ::2] for t in wide)
+    assert x.shape == shape and (x.numel() == 0 or not x.is_contiguous())
+    w, b = torch.randn(64), torch.randn(64)
+
+    def call(x, res, x1):
+        torch.manual_seed(2)
+        return fa.layer_norm_fn(x, w, b, res, x1, dropout_p=0.2, prenorm=True,
+                                residual_in_fp32=True, return_dropout_mask=True)  # fmt: skip
+
+    strided, got = call(x, res, x1), call(*(t.contiguous() for t in (x, res, x1)))
+    assert all(torch.equal(a, c) for a, c in zip(strided, got, strict=True))
+    out, h, mask, mask1 = got
+    assert out.shape == h.shape == mask.shape == mask1.shape == shape
+    assert (out.dtype, h.dtype) == (BF16, BF16)
