@@ -168,6 +168,21 @@ def test_rows_placed_on_the_outputs_rounding_boundaries(xdtype, ydtype, backend)
         _assert_correctly_rounded(y, x, w, None if rms else b, 1e-5, rms)
 
 
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("ydtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_float64_rows_over_a_wide_range(ydtype, backend):
+    """float64 rows at magnitudes 1e-150 to 1e150 (statistics within float64's range:
+    docs/contract.md §2 says where this stops) are correctly rounded into y's dtype."""
+    g = torch.Generator().manual_seed(37)
+    for scale in (1e-150, 1e-100, 1e-30, 1e30, 1e100, 1e150):
+        x = torch.randn(2, 40, generator=g, dtype=torch.float64) * scale + 3 * scale
+        w = torch.randn(40, generator=g, dtype=torch.float64)
+        for rms in (False, True):
+            y = _call("rms_norm" if rms else "layer_norm", x, None, 40, w, None, eps=1e-5,
+                      backend=backend, out_dtype=ydtype)[0]  # fmt: skip
+            _assert_correctly_rounded(y, x, w, None, 1e-5, rms)
+
+
 LAYOUTS = [
     ("1d", (8,), (8,)),
     ("2d", (5, 8), (8,)),

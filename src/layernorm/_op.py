@@ -95,7 +95,9 @@ def forward(
     """The backend's forward on kernel arguments (``docs/contract.md`` §5):
     ``(y, residual_out, mean, rstd)``; ``backend`` "" is the automatic choice. ``y`` in
     ``out_dtype`` when given (``torch_.OUT_DTYPES``, no wider than ``x``'s: each element
-    rounded once into it)."""
+    rounded once into it; passed to the backend only when given)."""
+    if out_dtype is None:
+        return _kernels(x, backend).forward(x, residual, weight, bias, eps, rms, stats)
     return _kernels(x, backend).forward(x, residual, weight, bias, eps, rms, stats, out_dtype)
 
 

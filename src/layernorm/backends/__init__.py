@@ -13,9 +13,11 @@ A backend is a module under ``layernorm.backends`` imported only when first used
         automatic choice takes the first backend in ``AUTO_ORDER`` that is available, can
         run and prefers. Both look at nothing else of ``x``, never its size, so the
         choice is remembered per device type and dtype (docs/contract.md §2, §5).
-    forward(x, residual, weight, bias, eps, rms, stats=True) -> (y, residual_out, mean, rstd)
+    forward(x, residual, weight, bias, eps, rms, stats=True, out_dtype=None)
+        -> (y, residual_out, mean, rstd)
         (with ``stats=False`` the caller will not use mean and rstd: a backend may skip
-        computing them and return None for both)
+        computing them and return None for both; ``out_dtype``, passed only when ``y``
+        has a narrower dtype than ``x``: ``y`` in it, each element rounded once)
     backward(dy, x, weight, mean, rstd, dresidual_out, rms, need_dweight, need_dbias, eps)
         -> (dx, dweight, dbias)
         (``x`` is the normalized input ``z``, ``eps`` the forward's: the backward may
