@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from _triton_interpreter import HAS_TRITON, import_for_the_interpreter
 from layernorm.backends import _dropout_add as td
@@ -458,6 +460,53 @@ def test_triton_kernels_compile_for_sm90_with_only_the_explicit_fmas():
         "forward fp64 fp64 32",
         "backward 32",
     ]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (HAS_TRITON and torch.cuda.is_available()), reason="needs a CUDA device and triton"
+)
+def test_gpu_dropout_add_is_the_cpu_result():
+    # compiled Triton on the GPU gives numba's (and the oracle's) bits, forward and backward
+    from layernorm.backends import _triton_dropout
+
+    for dtype, rdtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                          (torch.float16, torch.float16), (torch.float64, torch.float64),
+                          (torch.float32, torch.bfloat16)):  # fmt: skip
+        for p in PROBABILITIES:
+            x0, x1, res, rs = _inputs(dtype, rdtype, True, True, True, (67, 1500), 71)
+            x0[0, :4] = torch.tensor([math.inf, -math.inf, math.nan, -0.0])
+            cpu = nd.dropout_add(x0, x1, res, rs, 2**63 + 5, p, rdtype, True)
+            gpu = _triton_dropout.dropout_add(
+                x0.cuda(), x1.cuda(), res.cuda(), rs.cuda(), 2**63 + 5, p, rdtype, True
+            )
+            for a, b in zip(gpu, cpu, strict=True):
+                assert_same_bits(a.cpu(), b)
+            back_cpu = nd.dropout_add_backward(res, rs, 9, p, dtype, dtype, rdtype)
+            back_gpu = _triton_dropout.dropout_add_backward(
+                res.cuda(), rs.cuda(), 9, p, dtype, dtype, rdtype
+            )
+            for a, b in zip(back_gpu, back_cpu, strict=True):
+                assert_same_bits(a.cpu(), b)
+    x0, x1, res, _ = _inputs(torch.float32, torch.float32, True, True, False, (3, 37))
+    check_forward(x0, x1, res, None, 3, 0.5, torch.float32)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    values=st.lists(st.floats(width=32), min_size=3, max_size=3),
+    rs=st.floats(width=32),
+    p=st.sampled_from([0.0, 0.1, 1 / 3, 0.5, 0.999]),
+    seed=st.integers(0, 2**64 - 1),
+)
+def test_numba_any_float32_values(values, rs, p, seed):
+    # any float32 operands (subnormals, Inf, NaN, the extremes) give the oracle's bits
+    x0, x1, res = (torch.tensor([[v] * 4], dtype=torch.float32) for v in values)
+    rowscale = torch.tensor([rs])
+    for rdtype in (torch.float32, torch.bfloat16):
+        got = nd.dropout_add(x0, x1, res, rowscale, seed, p, rdtype, True)
+        for a, b in zip(got, oracle(x0, x1, res, rowscale, seed, p, rdtype), strict=True):
+            assert_same_bits(a, b)
 
 
 # --- invariance and layouts --------------------------------------------------------------

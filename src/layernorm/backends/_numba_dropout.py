@@ -348,7 +348,8 @@ def _backward_rows(
 ):  # fmt: skip  # pragma: no cover - compiled
     """Rows ``row_lo .. row_hi - 1`` of ``dx0``, ``dx1`` (``has_x1``) and ``dresidual``
     (``has_res``); outputs contiguous. The masks and ``dh`` widened first, in loops of
-    their own, as :func:`_forward_rows`."""
+    their own, as :func:`_forward_rows`; each gradient is :func:`_exact_h` of one term
+    (no ``x1``, no residual: the product rounded once), in a loop of its own."""
     keep0 = np.empty(n_cols, np.bool_)
     keep1 = np.empty(n_cols, np.bool_)
     wide = np.empty(n_cols, np.float64)
@@ -362,23 +363,15 @@ def _backward_rows(
         for c in range(n_cols):
             wide[c] = _wide(dh[i * sdh + c])
         for c in range(n_cols):
-            g = wide[c]
-            a, b = _two_prod(g, scale)
-            c0, c1 = _two_prod(a, s)
-            c2, c3 = _two_prod(b, s)
-            n0 = a * s
-            if not keep0[c]:
-                c0 = c1 = c2 = c3 = n0 = 0.0
-            t, u, rest = _scan(c0, c1, c2, c3, 0.0, 0.0, 0.0)
-            dx0[base + c] = _stored(_finish(t, u, rest, n0, n0 == 0.0, nearest0), dx0)
-            if has_x1:
-                c4, c5 = _two_prod(g, s)
-                if not keep1[c]:
-                    c4 = c5 = 0.0
-                t, u, rest = _scan(c4, c5, 0.0, 0.0, 0.0, 0.0, 0.0)
-                dx1[base + c] = _stored(_finish(t, u, rest, c4, c4 == 0.0, nearest1), dx1)
-            if has_res:
-                dres[base + c] = _stored(g, dres)
+            v = _exact_h(wide[c], keep0[c], scale, 0.0, False, False, -0.0, s, nearest0)
+            dx0[base + c] = _stored(v, dx0)
+        if has_x1:
+            for c in range(n_cols):
+                v = _exact_h(wide[c], keep1[c], 1.0, 0.0, False, False, -0.0, s, nearest1)
+                dx1[base + c] = _stored(v, dx1)
+        if has_res:
+            for c in range(n_cols):
+                dres[base + c] = _stored(wide[c], dres)
 
 
 # --- torch front ----------------------------------------------------------------------------
