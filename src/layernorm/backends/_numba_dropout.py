@@ -24,7 +24,8 @@ Boldo and Melquiond), so every output element is the exact value rounded once.
 The pieces are exact while no product underflows: for float32/16-bit inputs always (their
 products stay above 2^-400); float64 inputs whose products fall below about 2^-969 lose
 the bits of their error terms below float64's subnormal grid (the result is then the sum
-of the rounded pieces, rounded once). Not compiled with ``fastmath`` (it would reorder
+of the rounded pieces, rounded once), and terms near float64's overflow threshold may
+overflow in a TwoSum (Inf or NaN where the exact sum is finite). Not compiled with ``fastmath`` (it would reorder
 the TwoSums); LLVM on the CPU contracts nothing without it.
 
 **Special values.** A dropped term is +0.0 whatever ``x`` is (NaN, Inf). When a kept
@@ -319,7 +320,7 @@ def _forward_rows(
         for c in range(n_cols):
             w0, w1 = random_bits_pair(k0, k1, base + c)
             keep0[c] = keep_from_bits(w0, p32)
-            keep1[c] = keep_from_bits(w1, p32) and has_x1
+            keep1[c] = keep_from_bits(w1, p32)  # unused without x1
         for c in range(n_cols):
             wide0[c] = _wide(x0[i * sx0 + c])
         if has_x1:
