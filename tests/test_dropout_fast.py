@@ -71,6 +71,25 @@ def test_three_piece_sum_is_the_general_path(dtype, p):
                 same_bits(a, c, nan_payloads=False)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_x1_without_dropout_is_the_general_path(dtype):
+    # x1 with p = 0 and no rowscale: the three-piece sum of x0, x1 and r, and no Philox
+    # draw; a rowscale of ones takes the general seven-piece path: the same bits
+    ones = torch.ones(16, dtype=torch.float64)
+    for rdtype in {dtype, torch.float32, torch.float64}:
+        x, res = near_midpoints(dtype, rdtype, 0.0, 5)
+        x1 = (-res.double() * (1 + 2.0**-40)).to(dtype).flip(0)  # cancels x0 + r in places
+        x1.view(-1)[:8] = torch.tensor([0.0, -0.0, -math.inf, -0.0, -0.0, math.nan, -0.0, 1])
+        for r in (res, None):
+            fast = nd.dropout_add(x, x1, r, None, 9, 0.0, rdtype, True)
+            general = nd.dropout_add(x, x1, r, ones, 9, 0.0, rdtype, True)
+            reference = td.dropout_add(x, x1, r, None, 9, 0.0, rdtype, True)
+            assert fast[1].all() and fast[2].all()  # p = 0 keeps everything
+            for a, b, c in zip(fast, general, reference, strict=True):
+                same_bits(a, b)
+                same_bits(a, c, nan_payloads=False)
+
+
 def test_three_piece_sum_float64_extremes():
     # float64 products near the subnormal range and near overflow: whatever the general
     # path computes there (docs/contract.md §7), the three-piece path computes too

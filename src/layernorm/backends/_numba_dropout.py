@@ -336,6 +336,18 @@ def _exact_h1(x0v, keep0, r, s, nearest):  # pragma: no cover - compiled
 
 
 @_jit(inline="always")
+def _exact_sum3(x0v, x1v, r, nearest):  # pragma: no cover - compiled
+    """:func:`_exact_h` when every element is kept, ``s`` is 1 and there is no rowscale
+    (``dropout_p`` 0 with ``x1``): the pieces ``x0``, ``x1`` and ``r`` summed by
+    :func:`_scan3`, the same bits (there ``TwoProd(v, 1) = (v, 0)``, so the other pieces
+    are zeros, ``n0 = x0`` and ``n1 = x1``; the rounding of an exact sum is unique)."""
+    t, u, rest = _scan3(x0v, x1v, r)
+    naive = (x0v + x1v) + r
+    all_zero = (x0v == 0.0) & (x1v == 0.0) & (r == 0.0)
+    return _finish(t, u, rest, naive, all_zero, nearest)
+
+
+@_jit(inline="always")
 def _exact_prod(xv, keep, s, nearest):  # pragma: no cover - compiled
     """:func:`_exact_h1` with no residual (``r = -0.0``): ``k·s·x`` rounded once. The
     exact sum is ``c0 + c1`` of ``TwoProd(x, s)``, already the top two of the scan
@@ -350,8 +362,12 @@ def _exact_prod(xv, keep, s, nearest):  # pragma: no cover - compiled
 @_jit(inline="always")
 def _keep_masks(keep0, keep1, both, k0, k1, p32, base, n_cols):  # pragma: no cover
     """The keep masks of words 0 (``keep0``) and 1 (``keep1``, only when ``both``) of
-    the row at offset ``base``: word 0 is the same Philox call's either way."""
-    if both:
+    the row at offset ``base``: word 0 is the same Philox call's either way. With
+    ``p32 == 0`` the keep rule keeps every element: no draw."""
+    if p32 == 0.0:
+        keep0[:] = True
+        keep1[:] = True
+    elif both:
         for c in range(n_cols):
             w0, w1 = random_bits_pair(k0, k1, base + c)
             keep0[c] = keep_from_bits(w0, p32)
@@ -389,7 +405,10 @@ def _forward_rows(
         if has_res:
             for c in range(n_cols):
                 wide_r[c] = _wide(res[i * sres + c])
-        if has_x1 or has_rs:
+        if has_x1 and not has_rs and s == 1.0 and p32 == 0.0:
+            for c in range(n_cols):
+                h[base + c] = _stored(_exact_sum3(wide0[c], wide1[c], wide_r[c], nearest), h)
+        elif has_x1 or has_rs:
             for c in range(n_cols):
                 v = _exact_h(
                     wide0[c], keep0[c], scale, wide1[c], keep1[c], has_x1, wide_r[c], s, nearest
