@@ -130,6 +130,7 @@ def compare(
         values = {
             "storage_tag": types.storage,
             "acc_tag": types.acc,
+            "y_tag": types.storage,  # y in x's dtype (the forward's third tag, if it has one)
             "x": x.data_ptr(),
             "x_stride": n,
             "residual": x.data_ptr(),
