@@ -148,16 +148,23 @@ def _norm(
     eps: float | None,
     rms: bool,
     backend: str | None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor | None]:
+    """One call of ``op``; with ``out_dtype`` (one of ``torch_.OUT_DTYPES``, no wider than
+    the input's: ``layernorm.options`` checks it) ``y`` is in that dtype, each element
+    rounded once into it by the kernels (``layernorm::forward_to``), and ``residual_out``
+    keeps the input's dtype. The compiled front door takes only calls without it (its
+    entries are the same-dtype ones)."""
     compiling = torch.compiler.is_compiling()
-    if FAST_PATHS and not compiling:
+    if FAST_PATHS and not compiling and out_dtype is None:
         # the common call, when no mechanism would see it: checked and run in C++
         out = _compiled.norm(x, residual, normalized_shape, weight, bias, eps, rms, backend)
         if out is not None:
             return out
+    arguments = (op, x, residual, normalized_shape, weight, bias, eps, rms, backend, out_dtype)
     if not compiling and torch._C._is_tracing():
-        return _traced_call(op, x, residual, normalized_shape, weight, bias, eps, rms, backend)
-    return _call(op, x, residual, normalized_shape, weight, bias, eps, rms, backend)
+        return _traced_call(*arguments)
+    return _call(*arguments)
 
 
 def _traced_call(*arguments: Any) -> tuple[Tensor, Tensor | None]:
@@ -182,7 +189,7 @@ def _call(
     out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The full checks, then :func:`_enter` on kernel arguments (``y`` in ``out_dtype``
-    when given: :func:`_norm_to`)."""
+    when given: :func:`_norm`)."""
     shape = _normalized_shape(normalized_shape)
     _check_input("input", x, shape, op)
     if residual is not None:
@@ -211,28 +218,6 @@ def _call(
         rows, residual_rows, weight, bias, eps, rms, name, FAST_PATHS, out_dtype
     )
     return _shaped(y, residual_out, rows, x)
-
-
-def _norm_to(
-    op: str,
-    x: Tensor,
-    residual: Tensor | None,
-    normalized_shape: ShapeLike,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    eps: float | None,
-    rms: bool,
-    backend: str | None,
-    out_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor | None]:
-    """:func:`_norm` with ``y`` in ``out_dtype`` (one of ``torch_.OUT_DTYPES``, no wider
-    than the input's: ``layernorm.options`` checks it), each element rounded once into it
-    by the kernels (``layernorm::forward_to``); ``residual_out`` keeps the input's dtype.
-    The compiled front door does not take it (its entries are the same-dtype ones)."""
-    arguments = (op, x, residual, normalized_shape, weight, bias, eps, rms, backend, out_dtype)
-    if not torch.compiler.is_compiling() and torch._C._is_tracing():
-        return _traced_call(*arguments)
-    return _call(*arguments)
 
 
 def _custom_op(

@@ -17,7 +17,7 @@ What each one rounds (``docs/contract.md`` §2, "Options"):
   (exactly), then normalized, so the output is correctly rounded in ``out_dtype``; a
   narrower one (float32 from float64, a 16-bit one from float32 or float64, float16 from
   bfloat16 and back): the kernels round each element once into it
-  (``layernorm::forward_to``, ``ops._norm_to``).
+  (``layernorm::forward_to``, ``ops._norm`` with ``out_dtype``).
 - ``residual_dtype`` (add_layer_norm, add_rms_norm; quack's ``residual_dtype``,
   flash-attn's ``residual_in_fp32``), and a residual wider than ``x``: the residual
   stream in its own dtype (:func:`residual_stream`): ``residual_out`` the exact
@@ -213,8 +213,8 @@ def norm(
     else:
         gain = weight if not offset else offset_gain(weight, offset, compute)  # type: ignore[arg-type]
         if narrow:
-            y, h = ops._norm_to(op, x, residual, normalized_shape, gain, bias, eps, rms,
-                                backend, out_dtype)  # type: ignore[arg-type]  # fmt: skip
+            y, h = ops._norm(op, x, residual, normalized_shape, gain, bias, eps, rms,
+                             backend, out_dtype)  # type: ignore[arg-type]  # fmt: skip
         elif compute == x.dtype:
             y, h = ops._norm(op, x, residual, normalized_shape, gain, bias, eps, rms, backend)
         else:
