@@ -962,7 +962,8 @@ def _any_lane(builder: ir.IRBuilder, mask: ir.Value) -> ir.Value:
 
 def _mul_add(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
     """``a * b + c`` (doubles, scalars or vectors): one rounding where the CPU fuses
-    them (``llvm.fmuladd``), else two. For bounds only: the bits may differ by CPU."""
+    them (``llvm.fmuladd``), else two: the bits may differ by CPU, so only for bounds,
+    values exact either way, and values whose bound covers both."""
     suffix = f"v{a.type.count}f64" if isinstance(a.type, ir.VectorType) else "f64"
     function = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(a.type, [a.type] * 3), "llvm.fmuladd." + suffix
@@ -988,14 +989,16 @@ def _dx_row_checked(
     row's terms added to the dweight/dbias partial sums (docs/contract.md §3)::
 
         gh = dy * weight;  d = z - m1;  c = d - delta
-        t1 = gh - c2;  t2 = rstd * t1;  t3 = k * c;  t4 = t2 - t3
+        t1 = gh - c2;  t2 = rstd * t1;  t3 = k * c;  t4 = t2 - t3   (fused: below)
         y = t4 + dresidual_out      (+ 0.0 for float64: an exact zero is +0.0)
         E = k_t1 |t1| + (k_c |c| + (k_y |y| + k_0)),  k_y = 3.1u(1 + 2^-30)
         dweight_partial += dy * (c * rstd);  dbias_partial += dy
 
     in float64 (the scalars are doubles; rows are widened exactly; ``E``'s three steps are
     fused multiply-adds where the CPU has them, and the caller's ``k_t1``, ``k_c``, ``k_0``
-    carry the slack ``1 + 2^-30``, which covers ``E``'s own roundings). With
+    carry the slack ``1 + 2^-30``, which covers ``E``'s own roundings; for float32 and
+    narrower ``dx``, so are ``t1 = gh - c2``, exact ``gh`` and all, and ``t4 = rstd·t1
+    - t3``, one rounding fewer, which ``E`` covers as well). With
     ``dresidual_out`` None: ``y = t4``, the same bits as a row of ``-0.0``, and
     ``E`` without its ``k_y`` term, which the caller folds into ``k_t1`` and ``k_c``
     (:func:`_backward_constants`' ``plain``). bfloat16 and float16 ``dx`` are stored as
@@ -1111,13 +1114,18 @@ def _dx_codegen(context, builder: ir.IRBuilder, arg_types, args, count: int) -> 
             builder, args[first + 4 : first + 4 + _ROW_SCALARS], lanes
         )
         g, zv = (a.load(index, lanes, double) for a in (dy, z))
-        gh = builder.fmul(g, wv)
         d = builder.fsub(zv, m1)
         c = builder.fsub(d, delta)
-        t1 = builder.fsub(gh, c2)
-        t2 = builder.fmul(rstd, t1)
         t3 = builder.fmul(k, c)
-        t4 = builder.fsub(t2, t3)
+        if check:
+            # gh = dy·weight is exact (24 by 24 bits), so gh - c2 fused is t1's bits;
+            # t4 = rstd·t1 - t3 fused (where the CPU fuses) saves t2's rounding, within
+            # the same bound (docs/contract.md §3)
+            t1 = _mul_add(builder, g, wv, builder.fneg(c2))
+            t4 = _mul_add(builder, rstd, t1, builder.fneg(t3))
+        else:  # float64: dx's bits are these operations'
+            t1 = builder.fsub(builder.fmul(g, wv), c2)
+            t4 = builder.fsub(builder.fmul(rstd, t1), t3)
         # (no "+ 0.0" but for float64: with c2 never +0.0, t4 is never -0.0, and neither
         # is y, for rows of float32 and narrower: docs/contract.md §3)
         y = t4 if dres is None else builder.fadd(t4, dres.load(index, lanes, double))
