@@ -1302,7 +1302,17 @@ def _backward_factors(n, gamma):
 
 
 @_jit(inline="always")
-def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms, plain):
+def _over_n(total, n_float, binary):
+    """``total / N``: for ``N`` a power of two (``binary``), ``total · (1/N)``, the same
+    value (both are the rounding of the exact ``total·2^-k``, subnormals included) for a
+    multiplication instead of a division."""
+    if binary:
+        return total * (1.0 / n_float)
+    return total / n_float
+
+
+@_jit(inline="always")
+def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms, plain, binary):
     """A row's constants for :func:`_dx_row_checked` from its five sums
     (:func:`_backward_sums`) and the call's :func:`_backward_factors`, and the row's flag
     (docs/contract.md §3): ``(delta, rstd, c2, k, k_t1, k_c, k_0, a_0, flag)``, the
@@ -1324,24 +1334,24 @@ def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms, plain)
     if rms:
         delta = zero
         e_mean = zero
-        var = s_dd / n_float
+        var = _over_n(s_dd, n_float, binary)
         e_var = f_var * var + 1.01 * _U * var
         c2 = zero
         e_c2 = zero
-        a1 = s_gd / n_float
+        a1 = _over_n(s_gd, n_float, binary)
         a2 = zero
         alpha = zero  # c = z, exactly
     else:
-        delta = s_d / n_float
+        delta = _over_n(s_d, n_float, binary)
         e_mean = f_mean * root_dd + 1.01 * _U * abs(delta)
-        q = s_dd / n_float
+        q = _over_n(s_dd, n_float, binary)
         var = max(q - delta * delta, zero)
         e_var = f_var * q + 1.01 * (
             e_mean * (2.0 * abs(delta) + e_mean) + _U * (delta * delta + var)
         )
-        c2 = s_g / n_float
+        c2 = _over_n(s_g, n_float, binary)
         e_c2 = f_c2 * root_gg + 1.01 * _U * abs(c2)
-        a1 = s_gd / n_float
+        a1 = _over_n(s_gd, n_float, binary)
         a2 = delta * c2
         alpha = 2.04 * _U
     a = a1 - a2
@@ -1393,13 +1403,22 @@ def _batch_constants(scratch, b, factors, n, eps, rms, plain):
     ``scratch[1:6, :b]`` into ``scratch[6:15, :b]`` (the flag as 0.0 or 1.0): one loop,
     which LLVM vectorizes across the rows (the same IEEE operations on each lane: the
     same bits as one row at a time, and an eighth of the instructions)."""
+    if n & (n - 1) == 0:  # a power of two: no division by N (_over_n)
+        _batch_rows(scratch, b, factors, n, eps, rms, plain, True)
+    else:
+        _batch_rows(scratch, b, factors, n, eps, rms, plain, False)
+
+
+@_jit(inline="always")
+def _batch_rows(scratch, b, factors, n, eps, rms, plain, binary):
+    """The loop of :func:`_batch_constants`, one for each ``binary``."""
     s_d, s_dd, s_g, s_gg, s_gd = scratch[1], scratch[2], scratch[3], scratch[4], scratch[5]
     delta, rstd, c2, k = scratch[6], scratch[7], scratch[8], scratch[9]
     k_t1, k_c, k_0, a_0 = scratch[10], scratch[11], scratch[12], scratch[13]
     flag = scratch[14]
     for j in range(b):
         row = _backward_constants(
-            s_d[j], s_dd[j], s_g[j], s_gg[j], s_gd[j], factors, n, eps, rms, plain
+            s_d[j], s_dd[j], s_g[j], s_gg[j], s_gd[j], factors, n, eps, rms, plain, binary
         )
         delta[j], rstd[j], c2[j], k[j], k_t1[j], k_c[j], k_0[j], a_0[j] = row[:8]
         flag[j] = np.float64(row[8])
@@ -1435,8 +1454,9 @@ def _backward_row_again(
     dx_i = dx[i * n : (i + 1) * n]
     s_d, s_dd, s_g, s_gg, s_gd, gamma = _precise_backward_sums(dy_i, x_i, weight, m1, n)
     delta, rstd_i, c2, k, k_t1, k_c, k_0, a_0, flag = _backward_constants(
-        s_d, s_dd, s_g, s_gg, s_gd, _backward_factors(n, gamma), n, eps, rms, False
-    )
+        s_d, s_dd, s_g, s_gg, s_gd, _backward_factors(n, gamma), n, eps, rms, False,
+        n & (n - 1) == 0,
+    )  # fmt: skip
     throwaway = np.zeros(n)
     checked = _dx_row_checked(
         dy_i, x_i, dresidual_out_i, dx_i, weight, throwaway, throwaway,
