@@ -1316,14 +1316,16 @@ def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms, plain,
     """A row's constants for :func:`_dx_row_checked` from its five sums
     (:func:`_backward_sums`) and the call's :func:`_backward_factors`, and the row's flag
     (docs/contract.md §3): ``(delta, rstd, c2, k, k_t1, k_c, k_0, a_0, flag)``, the
-    three ``k_*`` times the slack ``1 + 2^-30``; ``a_0`` bounds the row's ``E`` at
-    ``y = 0`` (every element's ``E <= a_0 + k_y|y|``: the dx pass's row test); ``flag``
-    is 1 when the bound on ``rstd`` is too loose to use. ``plain`` (no residual gradient: ``y = t4``, and
-    ``|y| <= (1 + u)²(rstd|t1| + |k||c|)``): ``E``'s ``3.1u|y|`` term is folded into
-    ``k_t1`` and ``k_c`` (as ``3.11u·rstd`` and ``3.11u|k|``), and the dx pass leaves it
-    out. The values that ``dx`` and ``dweight`` use (``delta``, ``var``, ``rstd``,
-    ``c2``, ``a1``) are computed as they always were (four divisions by N and
-    ``1/sqrt``: float64 dx keeps its bits); the bound's terms multiply by the per-call
+    three ``k_*`` times the slack ``1 + 2^-30``; ``c2`` as the dx pass takes it (-0.0
+    for +0.0); ``a_0`` bounds the row's ``E`` at ``y = 0`` (every element's ``E <= a_0
+    + k_y|y|``: the dx pass's row test); ``flag`` is 1 when the bound on ``rstd`` is too
+    loose to use. ``binary``: ``N`` is a power of two (:func:`_over_n`). ``plain`` (no
+    residual gradient: ``y = t4``, and ``|y| <= (1 + u)²(rstd|t1| + |k||c|)``): ``E``'s
+    ``3.1u|y|`` term is folded into ``k_t1`` and ``k_c`` (as ``3.11u·rstd`` and
+    ``3.11u|k|``), and the dx pass leaves it out. The values that ``dx`` and ``dweight``
+    use (``delta``, ``var``, ``rstd``, ``c2``, ``a1``) are computed as they always were
+    (four divisions by N, or their equal multiplications, and ``1/sqrt``: float64 dx
+    keeps its bits); the bound's terms multiply by the per-call
     factors instead, with two more square roots. Every name is the contract's quantity
     or a bound on it."""
     zero = 0.0
@@ -1394,7 +1396,7 @@ def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms, plain,
 #: Rows whose constants :func:`_backward_block` computes together (one vector of doubles)
 _BATCH = 8
 #: What a batch's scratch holds per row (``_BATCH`` columns each), in this order
-_SUMS, _CONSTANTS = 6, 9  # m1 and the five sums; delta, rstd, c2, k, k_t1, k_c, k_0, a_0, flag
+_SUMS, _CONSTANTS = 6, 9  # m1, the five sums; delta, rstd, c2, k, k_t1, k_c, k_0, a_0, flag
 
 
 @_jit()
