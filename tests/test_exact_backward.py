@@ -12,6 +12,9 @@ elements per dtype compared bitwise between the backends.
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+
 import numpy as np
 import pytest
 import torch
@@ -21,6 +24,9 @@ import layernorm
 from layernorm.backends import numba_, torch_
 
 pytest.importorskip("numba")
+from numba import njit
+
+from layernorm.backends import _numba_kernels
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -298,3 +304,107 @@ def test_zero_size_inputs(backend):
         w = torch.ones(16, requires_grad=True)
         layernorm.layer_norm(x, 16, w, backend=backend).sum().backward()
         assert x.grad.shape == x.shape and torch.equal(w.grad, torch.zeros(16))
+
+
+# The dx pass's row test (docs/contract.md §3, "The row test"): driven directly, with
+# constants that make y = weight exactly (dy = 1, z = 0, m1 = delta = 0, rstd = 1,
+# c2 = -0.0, k = 0) and E = k_0 per element (k_t1 = k_c = 0), so that y and E are any
+# values a test picks; a_0 >= E is the row's bound the row test reads.
+_PRECISION = {torch.bfloat16: 8, torch.float16: 11}
+_RAW = {torch.bfloat16: np.uint16, torch.float16: np.int16}
+
+
+@njit
+def _dx_of_weights(dy, z, dx, weight, k_0, a_0):
+    partial = np.zeros(weight.shape[0])
+    return _numba_kernels._dx_row_checked(
+        dy, z, None, dx, weight, partial, partial,
+        0.0, 0.0, 1.0, -0.0, 0.0, 0.0, 0.0, k_0, a_0,
+    )  # fmt: skip
+
+
+def _nearest_boundary(value: float, dtype: torch.dtype) -> Fraction:
+    """The distance from the positive ``value`` (in ``dtype``'s normal range, well below
+    its overflow threshold) to the nearest midpoint of two neighbours in ``dtype``."""
+    v = Fraction(value)
+    e = math.frexp(value)[1] - 1  # 2^e <= value < 2^(e+1)
+    ulp = Fraction(2) ** (e - _PRECISION[dtype] + 1)
+    low = (v // ulp) * ulp
+    below = low - (ulp / 4 if low == Fraction(2) ** e else ulp / 2)
+    return min(abs(v - m) for m in (below, low + ulp / 2, low + 3 * ulp / 2))
+
+
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (exactly: one that is no midpoint)."""
+    v = Fraction(value)
+    e = math.frexp(value)[1] - 1
+    ulp = Fraction(2) ** (e - _PRECISION[dtype] + 1)
+    low = (v // ulp) * ulp
+    return float(low if v - low < ulp / 2 else low + ulp)
+
+
+def _row_test_cases(dtype: torch.dtype):
+    """``(y, E, a_0)``: y at and near a boundary of ``dtype``, and small next to a_0."""
+    rng = np.random.default_rng(21)
+    cases = []
+    for scale in (2.0**-9, 0.75, 3.0, 600.0):
+        y = float(np.float32(scale * (1 + rng.random())))
+        step = 2.0 ** (math.frexp(y)[1] - _PRECISION[dtype])  # half a unit: a boundary
+        midpoint = float(Fraction(_rounded(y, dtype)) + Fraction(step) / 2)
+        for e in (y * 2.0**-40, y * 2.0**-30):
+            for offset in (0.0, e / 2, -e / 2, 2 * e, -2 * e, 3e3 * e):
+                cases.append((midpoint + offset, e, e))  # a_0 = E: near a boundary
+            cases.append((y, step, step))  # E of a unit: a boundary within it
+            cases.append((y, e, 2.0**30 * y))  # |y| below tiny, decided by E alone
+    return cases
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_the_row_test_leaves_small_and_boundary_values_open(dtype):
+    # Each y in a row of its own (two vectors and a tail), with E = a_0, a_0 > E, or
+    # a_0 much larger than |y| (the half types' row test then leaves y to the test
+    # per element): a y within E of a boundary must leave the row open, a y with no
+    # boundary within 2E and E far below its unit must be decided and stored rounded.
+    n = 17
+    dy = torch.ones(n, dtype=dtype).view(BITS[dtype]).numpy().view(_RAW[dtype])
+    z = np.zeros(n, _RAW[dtype])
+    dx = np.zeros(n, _RAW[dtype])
+    for y, e, a_0 in _row_test_cases(dtype):
+        opened = _dx_of_weights(dy, z, dx, np.full(n, y), e, a_0)
+        distance = _nearest_boundary(y, dtype)
+        if distance <= Fraction(e):
+            assert opened == 1, (y, e, a_0)
+        elif distance > 2 * Fraction(e) and e < y * 2.0**-30:
+            assert opened == 0, (y, e, a_0)
+            values = torch.from_numpy(dx.view(np.int16)).view(dtype).double()
+            assert values.tolist() == [_rounded(y, dtype)] * n, (y, e, a_0)
+    # an exact zero: decided where a_0 = 0 (then E = 0), stored +0.0; open where not
+    assert _dx_of_weights(dy, z, dx, np.zeros(n), 0.0, 0.0) == 0
+    assert (dx.view(np.uint8) == 0).all()
+    assert _dx_of_weights(dy, z, dx, np.zeros(n), 2.0**-60, 2.0**-60) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_near_midpoints_reach_the_exact_stage_and_others_do_not(dtype, monkeypatch):
+    # test_midpoints_without_a_residual's rows: dz lies 2**-(k+1) (relative) below a
+    # midpoint. At k = 56, far inside any E of the kernel's (a few u), the row must reach
+    # the host's exact fallback; at k = 26 every element is decided in the kernel (the
+    # half types: RN32(dz) is the midpoint itself, a vector the row test leaves to the
+    # test per element). Both come out rounded to 1 + ulp.
+    reached: list[int] = []
+    fix = numba_._fix_backward_rows
+
+    def recording(dx, dy, z, w, dresidual_out, eps, rms, flags):
+        reached.append(int(flags.sum()))
+        fix(dx, dy, z, w, dresidual_out, eps, rms, flags)
+
+    monkeypatch.setattr(numba_, "_fix_backward_rows", recording)
+    ulp = _ulp_one(dtype)
+    n = 68
+    z = torch.tensor([[1.0, -1.0] * (n // 2)] * 3).to(dtype)
+    dy = torch.tensor([[1.0 + ulp, 1.0 + 2 * ulp] * (n // 2)] * 3).to(dtype)
+    for k, rows in ((56, [3]), (26, [])):
+        reached.clear()
+        dx = _assert_correctly_rounded("numba", dy, z, None, None, 2.0**-k, True)
+        assert dx.double().unique().tolist() == [1.0 + ulp], k
+        assert reached == rows, k

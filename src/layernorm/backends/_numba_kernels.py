@@ -962,7 +962,8 @@ def _any_lane(builder: ir.IRBuilder, mask: ir.Value) -> ir.Value:
 
 def _mul_add(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
     """``a * b + c`` (doubles, scalars or vectors): one rounding where the CPU fuses
-    them (``llvm.fmuladd``), else two. For bounds only: the bits may differ by CPU."""
+    them (``llvm.fmuladd``), else two: the bits may differ by CPU, so only for bounds,
+    values exact either way, and values whose bound covers both."""
     suffix = f"v{a.type.count}f64" if isinstance(a.type, ir.VectorType) else "f64"
     function = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(a.type, [a.type] * 3), "llvm.fmuladd." + suffix
@@ -970,38 +971,57 @@ def _mul_add(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir
     return builder.call(function, [a, b, c])
 
 
+#: ``tiny = a_0 · factor`` for the half types' row test: for ``|y| >= tiny``, ``E <= a_0 +
+#: 3.2u|y| <= |y|·2^-25(1 - 2^-23) < |RN32(y)|·2^-25`` (``1 + 2^-20`` covers the product's
+#: rounding; docs/contract.md §3)
+_TINY_FACTOR = (1.0 + 2.0**-20) / (2.0**-25 * (1.0 - 2.0**-23) - 3.2 * _U)
+#: Below float32's normal range the row test decides nothing (there RN32's relative
+#: error is not bounded by 2^-24)
+_SINGLE_NORMAL = 2.0**-126
+
+
 @intrinsic
 def _dx_row_checked(
     typingctx, dy, z, dresidual_out, dx, weight, dweight_partial, dbias_partial,
-    m1, delta, rstd, c2, k, k_t1, k_c, k_0,
+    m1, delta, rstd, c2, k, k_t1, k_c, k_0, a_0,
 ):  # fmt: skip
     """One row's dx, each element rounded once to dx's dtype, Ziv's test on each, and the
     row's terms added to the dweight/dbias partial sums (docs/contract.md §3)::
 
         gh = dy * weight;  d = z - m1;  c = d - delta
-        t1 = gh - c2;  t2 = rstd * t1;  t3 = k * c;  t4 = t2 - t3
-        y = (t4 + dresidual_out) + 0.0              (an exact zero is +0.0)
+        t1 = gh - c2;  t2 = rstd * t1;  t3 = k * c;  t4 = t2 - t3   (fused: below)
+        y = t4 + dresidual_out      (+ 0.0 for float64: an exact zero is +0.0)
         E = k_t1 |t1| + (k_c |c| + (k_y |y| + k_0)),  k_y = 3.1u(1 + 2^-30)
         dweight_partial += dy * (c * rstd);  dbias_partial += dy
 
     in float64 (the scalars are doubles; rows are widened exactly; ``E``'s three steps are
     fused multiply-adds where the CPU has them, and the caller's ``k_t1``, ``k_c``, ``k_0``
-    carry the slack ``1 + 2^-30``, which covers ``E``'s own roundings). With
-    ``dresidual_out`` None: ``y = t4 + 0.0``, the same bits as a row of ``-0.0``, and
+    carry the slack ``1 + 2^-30``, which covers ``E``'s own roundings; for float32 and
+    narrower ``dx``, so are ``t1 = gh - c2``, exact ``gh`` and all, and ``t4 = rstd·t1
+    - t3``, one rounding fewer, which ``E`` covers as well). With
+    ``dresidual_out`` None: ``y = t4``, the same bits as a row of ``-0.0``, and
     ``E`` without its ``k_y`` term, which the caller folds into ``k_t1`` and ``k_c``
     (:func:`_backward_constants`' ``plain``). bfloat16 and float16 ``dx`` are stored as
     ``RN16(RN32(y))`` where ``RN32(y)`` is not a rounding boundary, and a vector with
-    one is stored again, each element rounded once (:func:`narrow_once`). Returns 1 when
-    ``y - E`` and ``y + E`` round to different values of dx's dtype for some element
-    (the row needs the exact fallback), else 0; for a float64 ``dx``, no test (0)."""
+    one is stored again, each element rounded once (:func:`narrow_once`).
+
+    Ziv's test: for float32 on each element; for the half types in two steps. The row
+    test, with no per-element bound: ``a_0`` bounds ``E`` at ``y = 0`` (every element's
+    ``E <= a_0 + k_y|y|``), so ``E < |RN32(y)|·2^-25`` wherever ``|y| >= tiny =
+    a_0·``:data:`_TINY_FACTOR` (:func:`_below_tiny`), and there the rounding is decided
+    unless ``RN32(y)`` is a boundary; an exact zero is decided when ``a_0 == 0``. Only a
+    vector with an element the row test leaves open runs the test with ``E`` per
+    element (the same answer where the row test decides). Returns 1 when ``y - E`` and
+    ``y + E`` round to different values of dx's dtype for some element (the row needs
+    the exact fallback), else 0; for a float64 ``dx``, no test (0)."""
     sig = types.int32(
         dy, z, dresidual_out, dx, weight, dweight_partial, dbias_partial,
-        m1, delta, rstd, c2, k, k_t1, k_c, k_0,
+        m1, delta, rstd, c2, k, k_t1, k_c, k_0, a_0,
     )  # fmt: skip
 
     def codegen(context, builder, sig, args):
         # (the shared arguments first, then the row's: as _dx_rows_checked takes them)
-        order = [4, 5, 6, 0, 1, 2, 3, 7, 8, 9, 10, 11, 12, 13, 14]
+        order = [4, 5, 6, 0, 1, 2, 3, 7, 8, 9, 10, 11, 12, 13, 14, 15]
         return _dx_codegen(
             context, builder, [sig.args[i] for i in order], [args[i] for i in order], 1
         )
@@ -1012,8 +1032,9 @@ def _dx_row_checked(
 @intrinsic
 def _dx_rows_checked(
     typingctx, weight, dweight_partial, dbias_partial,
-    dy, z, dresidual_out, dx, m1, delta, rstd, c2, k, k_t1, k_c, k_0,
+    dy, z, dresidual_out, dx, m1, delta, rstd, c2, k, k_t1, k_c, k_0, a_0,
     dy_b, z_b, dresidual_out_b, dx_b, m1_b, delta_b, rstd_b, c2_b, k_b, k_t1_b, k_c_b, k_0_b,
+    a_0_b,
 ):  # fmt: skip
     """:func:`_dx_row_checked` of two rows in one pass: the second row's arguments
     follow the first's (the weight and the partial sums are shared). Each element of
@@ -1022,8 +1043,9 @@ def _dx_rows_checked(
     set when the first row is left open, bit 1 when the second is."""
     sig = types.int32(
         weight, dweight_partial, dbias_partial,
-        dy, z, dresidual_out, dx, m1, delta, rstd, c2, k, k_t1, k_c, k_0,
+        dy, z, dresidual_out, dx, m1, delta, rstd, c2, k, k_t1, k_c, k_0, a_0,
         dy_b, z_b, dresidual_out_b, dx_b, m1_b, delta_b, rstd_b, c2_b, k_b, k_t1_b, k_c_b, k_0_b,
+        a_0_b,
     )  # fmt: skip
 
     def codegen(context, builder, sig, args):
@@ -1032,17 +1054,42 @@ def _dx_rows_checked(
     return sig, codegen
 
 
+#: Per row, :func:`_dx_codegen` takes four arrays and this many scalars
+_ROW_SCALARS = 9
+
+
+def _below_tiny(builder: ir.IRBuilder, y: ir.Value, a_0: ir.Value) -> ir.Value:
+    """i1 (per lane) where the half types' row test leaves ``y`` open for its size:
+    ``|y| < tiny``, ``tiny = max(a_0·``:data:`_TINY_FACTOR```, 2^-126)`` (every finite
+    ``y`` when ``a_0`` is NaN or infinite), except an exact zero where ``a_0 == 0``
+    (``E = 0`` there). On the patterns, unsigned: ``bits(|y|) - z0 < bits(tiny) - z0``
+    with ``z0 = 1`` where ``a_0 == 0``, which wraps a zero's 0 to the top."""
+    i64 = ir.IntType(64)
+    lanes = y.type.count if isinstance(y.type, ir.VectorType) else 1
+    factor, normal = _splat_all(
+        builder, [ir.DoubleType()(_TINY_FACTOR), ir.DoubleType()(_SINGLE_NORMAL)], lanes
+    )
+    tiny = builder.fmul(a_0, factor)
+    tiny = builder.select(builder.fcmp_ordered("<", tiny, normal), normal, tiny)
+    zero = ir.Constant(a_0.type, None)
+    z0 = builder.zext(builder.fcmp_ordered("==", a_0, zero), _shaped(i64, y))
+    magnitude = builder.bitcast(_fabs(builder, y), _shaped(i64, y))
+    limit = builder.bitcast(tiny, _shaped(i64, y))
+    return builder.icmp_unsigned("<", builder.sub(magnitude, z0), builder.sub(limit, z0))
+
+
 def _dx_codegen(context, builder: ir.IRBuilder, arg_types, args, count: int) -> ir.Value:
     """The code of :func:`_dx_row_checked` (``count`` 1) and :func:`_dx_rows_checked`
     (2): ``(weight, dweight_partial, dbias_partial)``, then per row ``(dy, z,
-    dresidual_out, dx)`` and its eight scalars. Returns the rows' open bits (bit ``r``
-    for row ``r``)."""
+    dresidual_out, dx)`` and its :data:`_ROW_SCALARS` scalars. Returns the rows' open
+    bits (bit ``r`` for row ``r``)."""
 
     def row(i):
         return None if arg_types[i] == types.none else Row(context, builder, arg_types[i], args[i])
 
     w, dwp, dbp = row(0), row(1), row(2)
-    per_row = [(3 + 12 * r, [row(3 + 12 * r + j) for j in range(4)]) for r in range(count)]
+    stride = 4 + _ROW_SCALARS
+    per_row = [(3 + stride * r, [row(3 + stride * r + j) for j in range(4)]) for r in range(count)]
     double = ir.DoubleType()
     width = vector_lanes(double)
     dtype = per_row[0][1][3].dtype  # dx's (every row's)
@@ -1063,23 +1110,28 @@ def _dx_codegen(context, builder: ir.IRBuilder, arg_types, args, count: int) -> 
     def one_row(first, arrays, flag, wv, index, lanes):
         """Row's dx stored and tested; returns its ``(dy, c * rstd)`` for the partials."""
         dy, z, dres, dx = arrays
-        m1, delta, rstd, c2, k, k_t1, k_c, k_0 = _splat_all(
-            builder, args[first + 4 : first + 12], lanes
+        m1, delta, rstd, c2, k, k_t1, k_c, k_0, a_0 = _splat_all(
+            builder, args[first + 4 : first + 4 + _ROW_SCALARS], lanes
         )
         g, zv = (a.load(index, lanes, double) for a in (dy, z))
-        gh = builder.fmul(g, wv)
         d = builder.fsub(zv, m1)
         c = builder.fsub(d, delta)
-        t1 = builder.fsub(gh, c2)
-        t2 = builder.fmul(rstd, t1)
         t3 = builder.fmul(k, c)
-        t4 = builder.fsub(t2, t3)
-        zero = ir.Constant(t4.type, None)
-        if dres is not None:
-            t4 = builder.fadd(t4, dres.load(index, lanes, double))
-        y = builder.fadd(t4, zero)
+        if check:
+            # gh = dy·weight is exact (24 by 24 bits), so gh - c2 fused is t1's bits;
+            # t4 = rstd·t1 - t3 fused (where the CPU fuses) saves t2's rounding, within
+            # the same bound (docs/contract.md §3)
+            t1 = _mul_add(builder, g, wv, builder.fneg(c2))
+            t4 = _mul_add(builder, rstd, t1, builder.fneg(t3))
+        else:  # float64: dx's bits are these operations'
+            t1 = builder.fsub(builder.fmul(g, wv), c2)
+            t4 = builder.fsub(builder.fmul(rstd, t1), t3)
+        # (no "+ 0.0" but for float64: with c2 never +0.0, t4 is never -0.0, and neither
+        # is y, for rows of float32 and narrower: docs/contract.md §3)
+        y = t4 if dres is None else builder.fadd(t4, dres.load(index, lanes, double))
         u = builder.fmul(c, rstd)
         if not check:
+            y = builder.fadd(y, ir.Constant(y.type, None))
             dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
             return g, u
 
@@ -1093,12 +1145,15 @@ def _dx_codegen(context, builder: ir.IRBuilder, arg_types, args, count: int) -> 
                 )
             builder.store(builder.or_(builder.load(flag), differ), flag)
 
-        bound = k_0
-        if dres is not None:  # (else the caller folded 3.1u|y| into k_t1, k_c)
-            (k_y,) = _splat_all(builder, [double(3.1 * _U * _SLACK)], lanes)
-            bound = _mul_add(builder, k_y, _fabs(builder, y), k_0)
-        bound = _mul_add(builder, k_c, _fabs(builder, c), bound)
-        bound = _mul_add(builder, k_t1, _fabs(builder, t1), bound)
+        def bound():
+            """``E`` per element (Ziv's test's)."""
+            e = k_0
+            if dres is not None:  # (else the caller folded 3.1u|y| into k_t1, k_c)
+                (k_y,) = _splat_all(builder, [double(3.1 * _U * _SLACK)], lanes)
+                e = _mul_add(builder, k_y, _fabs(builder, y), k_0)
+            e = _mul_add(builder, k_c, _fabs(builder, c), e)
+            return _mul_add(builder, k_t1, _fabs(builder, t1), e)
+
         if half:
             single = builder.fptrunc(y, _shaped(ir.FloatType(), y))
             on = _on_boundary(builder, single, dx.dtype, lanes)
@@ -1106,21 +1161,26 @@ def _dx_codegen(context, builder: ir.IRBuilder, arg_types, args, count: int) -> 
             # strictly between y and its nearest float32): rounded twice, cheaply,
             # and the rare vector with a boundary rounded once, through round-to-odd
             dx.store_raw(_narrow_off_boundary(builder, single, dx.dtype), index, lanes)
-            # r = RN32(y). When E < |r| 2^-25 (below half of r's gaps to its float32
-            # neighbours), [y - E, y + E] holds no float32 but r, and every rounding
-            # boundary of the half types is a float32: the rounding is decided
-            # unless r is one and |y - r| <= E (tested in the rare vector with one).
-            r = builder.fpext(single, y.type)
-            (tiny,) = _splat_all(builder, [double(2.0**-25)], lanes)
-            open_where(builder.fcmp_ordered(">", bound, builder.fmul(_fabs(builder, r), tiny)))
-            with builder.if_then(_any_lane(builder, on), likely=False):
-                dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
-                inside = builder.fcmp_ordered("<=", _fabs(builder, builder.fsub(y, r)), bound)
-                open_where(builder.and_(on, inside))
+            # the row test: |y| >= tiny makes E < |r| 2^-25, r = RN32(y)
+            maybe = builder.or_(_below_tiny(builder, y, a_0), on)
+            with builder.if_then(_any_lane(builder, maybe), likely=False):
+                # When E < |r| 2^-25 (below half of r's gaps to its float32
+                # neighbours), [y - E, y + E] holds no float32 but r, and every rounding
+                # boundary of the half types is a float32: the rounding is decided
+                # unless r is one and |y - r| <= E (tested in the rare vector with one).
+                e = bound()
+                r = builder.fpext(single, y.type)
+                (tiny,) = _splat_all(builder, [double(2.0**-25)], lanes)
+                open_where(builder.fcmp_ordered(">", e, builder.fmul(_fabs(builder, r), tiny)))
+                with builder.if_then(_any_lane(builder, on), likely=False):
+                    dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
+                    inside = builder.fcmp_ordered("<=", _fabs(builder, builder.fsub(y, r)), e)
+                    open_where(builder.and_(on, inside))
         else:
             dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
             # float32: the ends' patterns' xor, nonzero where they round apart
-            low, high = builder.fsub(y, bound), builder.fadd(y, bound)
+            e = bound()
+            low, high = builder.fsub(y, e), builder.fadd(y, e)
             low = _as_bits(builder, narrow_once(builder, low, dx.dtype))
             high = _as_bits(builder, narrow_once(builder, high, dx.dtype))
             open_where(builder.xor(low, high))
@@ -1242,17 +1302,30 @@ def _backward_factors(n, gamma):
 
 
 @_jit(inline="always")
-def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms, plain):
+def _over_n(total, n_float, binary):
+    """``total / N``: for ``N`` a power of two (``binary``), ``total · (1/N)``, the same
+    value (both are the rounding of the exact ``total·2^-k``, subnormals included) for a
+    multiplication instead of a division."""
+    if binary:
+        return total * (1.0 / n_float)
+    return total / n_float
+
+
+@_jit(inline="always")
+def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms, plain, binary):
     """A row's constants for :func:`_dx_row_checked` from its five sums
     (:func:`_backward_sums`) and the call's :func:`_backward_factors`, and the row's flag
-    (docs/contract.md §3): ``(delta, rstd, c2, k, k_t1, k_c, k_0, flag)``, the three
-    ``k_*`` times the slack ``1 + 2^-30``; ``flag`` is 1 when the bound on ``rstd`` is
-    too loose to use. ``plain`` (no residual gradient: ``y = t4``, and
-    ``|y| <= (1 + u)²(rstd|t1| + |k||c|)``): ``E``'s ``3.1u|y|`` term is folded into
-    ``k_t1`` and ``k_c`` (as ``3.11u·rstd`` and ``3.11u|k|``), and the dx pass leaves it
-    out. The values that ``dx`` and ``dweight`` use (``delta``, ``var``, ``rstd``,
-    ``c2``, ``a1``) are computed as they always were (four divisions by N and
-    ``1/sqrt``: float64 dx keeps its bits); the bound's terms multiply by the per-call
+    (docs/contract.md §3): ``(delta, rstd, c2, k, k_t1, k_c, k_0, a_0, flag)``, the
+    three ``k_*`` times the slack ``1 + 2^-30``; ``c2`` as the dx pass takes it (-0.0
+    for +0.0); ``a_0`` bounds the row's ``E`` at ``y = 0`` (every element's ``E <= a_0
+    + k_y|y|``: the dx pass's row test); ``flag`` is 1 when the bound on ``rstd`` is too
+    loose to use. ``binary``: ``N`` is a power of two (:func:`_over_n`). ``plain`` (no
+    residual gradient: ``y = t4``, and ``|y| <= (1 + u)²(rstd|t1| + |k||c|)``): ``E``'s
+    ``3.1u|y|`` term is folded into ``k_t1`` and ``k_c`` (as ``3.11u·rstd`` and
+    ``3.11u|k|``), and the dx pass leaves it out. The values that ``dx`` and ``dweight``
+    use (``delta``, ``var``, ``rstd``, ``c2``, ``a1``) are computed as they always were
+    (four divisions by N, or their equal multiplications, and ``1/sqrt``: float64 dx
+    keeps its bits); the bound's terms multiply by the per-call
     factors instead, with two more square roots. Every name is the contract's quantity
     or a bound on it."""
     zero = 0.0
@@ -1263,24 +1336,24 @@ def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms, plain)
     if rms:
         delta = zero
         e_mean = zero
-        var = s_dd / n_float
+        var = _over_n(s_dd, n_float, binary)
         e_var = f_var * var + 1.01 * _U * var
         c2 = zero
         e_c2 = zero
-        a1 = s_gd / n_float
+        a1 = _over_n(s_gd, n_float, binary)
         a2 = zero
         alpha = zero  # c = z, exactly
     else:
-        delta = s_d / n_float
+        delta = _over_n(s_d, n_float, binary)
         e_mean = f_mean * root_dd + 1.01 * _U * abs(delta)
-        q = s_dd / n_float
+        q = _over_n(s_dd, n_float, binary)
         var = max(q - delta * delta, zero)
         e_var = f_var * q + 1.01 * (
             e_mean * (2.0 * abs(delta) + e_mean) + _U * (delta * delta + var)
         )
-        c2 = s_g / n_float
+        c2 = _over_n(s_g, n_float, binary)
         e_c2 = f_c2 * root_gg + 1.01 * _U * abs(c2)
-        a1 = s_gd / n_float
+        a1 = _over_n(s_gd, n_float, binary)
         a2 = delta * c2
         alpha = 2.04 * _U
     a = a1 - a2
@@ -1306,30 +1379,51 @@ def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms, plain)
     if plain:
         k_t1 += 3.11 * _U * rstd
         k_c += 3.11 * _U * abs(k)
-    return delta, rstd, c2, k, k_t1 * _SLACK, k_c * _SLACK, k_0 * _SLACK, flag
+    k_t1, k_c, k_0 = k_t1 * _SLACK, k_c * _SLACK, k_0 * _SLACK
+    # the row's bound at y = 0: max|t1| <= 1.002(root_gg + |c2|), max|c| <= 1.002(root_dd
+    # + |delta|) (Cauchy-Schwarz on the sums; docs/contract.md §3, the row test)
+    a_0 = 1.01 * (
+        k_t1 * (1.002 * (root_gg + abs(c2))) + k_c * (1.002 * (root_dd + abs(delta))) + k_0
+    )
+    # -0.0 for a zero c2 (which is +0.0: no sum is -0.0): then t1 = gh - c2 is never
+    # -0.0 (gh - (-0.0) = gh + 0.0), nor are t2 = rstd·t1, t4 = t2 - t3 and y = t4 +
+    # dresidual_out, so the dx pass needs no "+ 0.0" (the same bits: only zeros' signs
+    # move, and y's zeros were +0.0 already)
+    c2_dx = c2 if c2 != zero else -zero
+    return delta, rstd, c2_dx, k, k_t1, k_c, k_0, a_0, flag
 
 
 #: Rows whose constants :func:`_backward_block` computes together (one vector of doubles)
 _BATCH = 8
 #: What a batch's scratch holds per row (``_BATCH`` columns each), in this order
-_SUMS, _CONSTANTS = 6, 8  # m1 and the five sums; delta, rstd, c2, k, k_t1, k_c, k_0, flag
+_SUMS, _CONSTANTS = 6, 9  # m1, the five sums; delta, rstd, c2, k, k_t1, k_c, k_0, a_0, flag
 
 
 @_jit()
 def _batch_constants(scratch, b, factors, n, eps, rms, plain):
     """:func:`_backward_constants` of the ``b`` rows of a batch, from their sums in
-    ``scratch[1:6, :b]`` into ``scratch[6:14, :b]`` (the flag as 0.0 or 1.0): one loop,
+    ``scratch[1:6, :b]`` into ``scratch[6:15, :b]`` (the flag as 0.0 or 1.0): one loop,
     which LLVM vectorizes across the rows (the same IEEE operations on each lane: the
     same bits as one row at a time, and an eighth of the instructions)."""
+    if n & (n - 1) == 0:  # a power of two: no division by N (_over_n)
+        _batch_rows(scratch, b, factors, n, eps, rms, plain, True)
+    else:
+        _batch_rows(scratch, b, factors, n, eps, rms, plain, False)
+
+
+@_jit(inline="always")
+def _batch_rows(scratch, b, factors, n, eps, rms, plain, binary):
+    """The loop of :func:`_batch_constants`, one for each ``binary``."""
     s_d, s_dd, s_g, s_gg, s_gd = scratch[1], scratch[2], scratch[3], scratch[4], scratch[5]
     delta, rstd, c2, k = scratch[6], scratch[7], scratch[8], scratch[9]
-    k_t1, k_c, k_0, flag = scratch[10], scratch[11], scratch[12], scratch[13]
+    k_t1, k_c, k_0, a_0 = scratch[10], scratch[11], scratch[12], scratch[13]
+    flag = scratch[14]
     for j in range(b):
         row = _backward_constants(
-            s_d[j], s_dd[j], s_g[j], s_gg[j], s_gd[j], factors, n, eps, rms, plain
+            s_d[j], s_dd[j], s_g[j], s_gg[j], s_gd[j], factors, n, eps, rms, plain, binary
         )
-        delta[j], rstd[j], c2[j], k[j], k_t1[j], k_c[j], k_0[j] = row[:7]
-        flag[j] = np.float64(row[7])
+        delta[j], rstd[j], c2[j], k[j], k_t1[j], k_c[j], k_0[j], a_0[j] = row[:8]
+        flag[j] = np.float64(row[8])
 
 
 @_jit()
@@ -1361,13 +1455,14 @@ def _backward_row_again(
     dresidual_out_i = dresidual_out[i * dresidual_out_stride : i * dresidual_out_stride + n]
     dx_i = dx[i * n : (i + 1) * n]
     s_d, s_dd, s_g, s_gg, s_gd, gamma = _precise_backward_sums(dy_i, x_i, weight, m1, n)
-    delta, rstd_i, c2, k, k_t1, k_c, k_0, flag = _backward_constants(
-        s_d, s_dd, s_g, s_gg, s_gd, _backward_factors(n, gamma), n, eps, rms, False
-    )
+    delta, rstd_i, c2, k, k_t1, k_c, k_0, a_0, flag = _backward_constants(
+        s_d, s_dd, s_g, s_gg, s_gd, _backward_factors(n, gamma), n, eps, rms, False,
+        n & (n - 1) == 0,
+    )  # fmt: skip
     throwaway = np.zeros(n)
     checked = _dx_row_checked(
         dy_i, x_i, dresidual_out_i, dx_i, weight, throwaway, throwaway,
-        m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
+        m1, delta, rstd_i, c2, k, k_t1, k_c, k_0, a_0,
     )  # fmt: skip
     return np.uint8(flag | checked)
 
@@ -1381,7 +1476,7 @@ def _backward_block(
     ``(block+1)*ROW_BLOCK - 1``; ``+ dresidual_out``: without a residual, one row of
     ``-0.0`` with a stride of 0), each row's fallback flag ``flags[i]``, and the block's
     partial sums ``dweight_partial[block*N:(block+1)*N] = sum(dy * u)``,
-    ``dbias_partial[...] = sum(dy)``, in row order. ``scratch``: (14, ``_BATCH``) float64;
+    ``dbias_partial[...] = sum(dy)``, in row order. ``scratch``: (15, ``_BATCH``) float64;
     ``plain``: there is no residual gradient (:func:`_no_residual`), and the dx pass
     skips it.
 
@@ -1423,16 +1518,17 @@ def _backward_block(
             dx_i = dx[i * n : (i + 1) * n]
             m1, delta, rstd_i, c2 = scratch[0, j], scratch[6, j], scratch[7, j], scratch[8, j]
             k, k_t1, k_c, k_0 = scratch[9, j], scratch[10, j], scratch[11, j], scratch[12, j]
+            a_0 = scratch[13, j]
             if not pair:
                 if plain:
                     opened = _dx_row_checked(
                         dy_i, x_i, None, dx_i, weight, dweight_block, dbias_block,
-                        m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
+                        m1, delta, rstd_i, c2, k, k_t1, k_c, k_0, a_0,
                     )  # fmt: skip
                 else:
                     opened = _dx_row_checked(
                         dy_i, x_i, dres_i, dx_i, weight, dweight_block, dbias_block,
-                        m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
+                        m1, delta, rstd_i, c2, k, k_t1, k_c, k_0, a_0,
                     )  # fmt: skip
             else:
                 h = i + 1
@@ -1443,22 +1539,24 @@ def _backward_block(
                 if plain:
                     opened = _dx_rows_checked(
                         weight, dweight_block, dbias_block,
-                        dy_i, x_i, None, dx_i, m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
+                        dy_i, x_i, None, dx_i, m1, delta, rstd_i, c2, k, k_t1, k_c, k_0, a_0,
                         dy_h, x_h, None, dx_h, scratch[0, j + 1], scratch[6, j + 1],
                         scratch[7, j + 1], scratch[8, j + 1], scratch[9, j + 1],
                         scratch[10, j + 1], scratch[11, j + 1], scratch[12, j + 1],
+                        scratch[13, j + 1],
                     )  # fmt: skip
                 else:
                     opened = _dx_rows_checked(
                         weight, dweight_block, dbias_block,
-                        dy_i, x_i, dres_i, dx_i, m1, delta, rstd_i, c2, k, k_t1, k_c, k_0,
+                        dy_i, x_i, dres_i, dx_i, m1, delta, rstd_i, c2, k, k_t1, k_c, k_0, a_0,
                         dy_h, x_h, dres_h, dx_h, scratch[0, j + 1], scratch[6, j + 1],
                         scratch[7, j + 1], scratch[8, j + 1], scratch[9, j + 1],
                         scratch[10, j + 1], scratch[11, j + 1], scratch[12, j + 1],
+                        scratch[13, j + 1],
                     )  # fmt: skip
             for r in range(2 if pair else 1):
                 flags[i + r] = np.uint8(0)
-                if scratch[13, j + r] != 0.0 or (opened >> r) & 1 != 0:
+                if scratch[14, j + r] != 0.0 or (opened >> r) & 1 != 0:
                     flags[i + r] = _backward_row_again(
                         i + r, dy, dy_stride, x, x_stride, dresidual_out,
                         dresidual_out_stride, weight, dx, scratch[0, j + r], n, eps, rms,
