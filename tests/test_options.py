@@ -366,6 +366,88 @@ def test_out_may_alias_the_input():
     assert torch.equal(x, want)
 
 
+#: (function, keyword options, input dtype): the calls whose outputs the kernels write
+WRITTEN = [
+    ("layer_norm", {}, torch.float32),
+    ("rms_norm", {"offset": 1.0}, torch.bfloat16),
+    ("layer_norm", {"out_dtype": torch.bfloat16}, torch.float32),
+    ("add_layer_norm", {}, torch.float16),
+    ("add_rms_norm", {"out_dtype": torch.float16}, torch.float32),
+]
+
+
+@pytest.mark.parametrize(
+    ("op", "kw", "dtype", "which"),
+    [(*case, which) for case in WRITTEN
+     for which in (("out", "residual_out", "both") if case[0].startswith("add") else ("out",))],
+    ids=str,
+)  # fmt: skip
+def test_out_is_written_by_the_kernels_in_place(op, kw, dtype, which, monkeypatch):
+    """On the numba backend ``out`` and ``residual_out`` are written directly (nothing is
+    copied in: ``store`` never runs), keep their storage, get their version bumped, and
+    hold the bits of the call without them."""
+    add = op.startswith("add")
+    fn = getattr(layernorm, op)
+    g = torch.Generator().manual_seed(3)
+    x, r = (torch.randn(2, 5, 64, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(64, generator=g).to(dtype)
+    args = (x, r) if add else (x,)
+    want = fn(*args, 64, w, backend="numba", **kw)
+    want_y, want_h = want if add else (want, None)
+    y_dtype = kw.get("out_dtype", dtype)
+    given = {}
+    if which in ("out", "both"):
+        given["out"] = torch.full(x.shape, float("nan"), dtype=y_dtype)
+    if which in ("residual_out", "both"):
+        given["residual_out"] = torch.full_like(x, float("nan"))
+    pointers = {k: t.data_ptr() for k, t in given.items()}
+    versions = {k: t._version for k, t in given.items()}
+    monkeypatch.setattr(options, "store", _no_copy)
+    got = fn(*args, 64, w, backend="numba", **kw, **given)
+    got_y, got_h = got if add else (got, None)
+    for k, t in given.items():
+        assert t.data_ptr() == pointers[k] and t._version > versions[k]
+    assert got_y is given.get("out", got_y) and got_h is given.get("residual_out", got_h)
+    assert got_y.dtype == y_dtype and np.array_equal(_bits(got_y), _bits(want_y))
+    if add:
+        assert np.array_equal(_bits(got_h), _bits(want_h))
+
+
+def _no_copy(*args):
+    raise AssertionError("the result was copied into out")
+
+
+@pytest.mark.parametrize("case", ["alias", "transposed", "empty", "torch-backend", "grad-out"])
+def test_out_the_kernels_cannot_write_is_copied_with_the_same_bits(case, monkeypatch):
+    """Where the kernels cannot write ``out`` directly (it overlaps the input, is not
+    contiguous, must be resized, another backend runs the call, or it requires grad) the
+    result is computed and copied in (``store``): the same bits."""
+    copies = []
+    store = options.store
+    monkeypatch.setattr(options, "store", lambda *a: copies.append(a[1]) or store(*a))
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 32, generator=g)
+    w = torch.randn(32, generator=g)
+    backend = "torch" if case == "torch-backend" else None
+    want = layernorm.rms_norm(x, 32, w)
+    out = {
+        "alias": x,
+        "transposed": torch.empty(32, 6).t(),
+        "empty": torch.empty(0),
+        "torch-backend": torch.empty(6, 32),
+        "grad-out": torch.empty(6, 32, requires_grad=True),
+    }[case]
+    if case == "grad-out":  # torch's rule for an in-place write into a leaf
+        with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
+            layernorm.rms_norm(x, 32, w, out=out)
+        with torch.no_grad():
+            assert layernorm.rms_norm(x, 32, w, out=out) is out
+    else:
+        assert layernorm.rms_norm(x, 32, w, out=out, backend=backend) is out
+    assert copies == ["out"] * (2 if case == "grad-out" else 1)
+    assert out.shape == x.shape and np.array_equal(_bits(out.detach()), _bits(want))
+
+
 def test_out_resize_rules():
     """torch's: a 0-element out is resized silently, another one with its warning."""
     x = torch.randn(3, 8)
