@@ -673,10 +673,20 @@ def _ulp(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
 @pytest.mark.parametrize(("shape", "nshape"), [((7, 64), (64,)), ((2, 3, 4, 16), (4, 16))])
-def test_memory_efficient_dx_is_within_its_stated_bound(dtype, rms, affine, shape, nshape):
+@pytest.mark.parametrize("backend", [None, "torch"], ids=["numba-kernel", "torch-ops"])
+def test_memory_efficient_dx_is_within_its_stated_bound(
+    dtype, rms, affine, shape, nshape, backend, monkeypatch
+):
     """``dx``, ``dweight``, ``dbias`` of ``memory_efficient=True`` against the float64
-    reference, within the bounds of :mod:`layernorm.recompute`; and autograd kept the
-    output, not the input."""
+    reference, within the bounds of :mod:`layernorm.recompute`, by the numba kernel
+    (``backends._numba_recompute``, the automatic backend) and by the torch operations
+    (the torch backend); and autograd kept the output, not the input."""
+    from layernorm.backends import _numba_recompute
+
+    kernel_calls = []
+    kernel = _numba_recompute.backward
+    monkeypatch.setattr(_numba_recompute, "backward",
+                        lambda *a: kernel_calls.append(1) or kernel(*a))  # fmt: skip
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(shape, generator=g) * 2 + 0.5).to(dtype).requires_grad_()
     w = (torch.randn(nshape, generator=g) + 2).to(dtype).requires_grad_() if affine else None
@@ -685,15 +695,16 @@ def test_memory_efficient_dx_is_within_its_stated_bound(dtype, rms, affine, shap
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         if rms:
-            y = layernorm.rms_norm(x, nshape, w, memory_efficient=True)
+            y = layernorm.rms_norm(x, nshape, w, memory_efficient=True, backend=backend)
         else:
-            y = layernorm.layer_norm(x, nshape, w, b, memory_efficient=True)
+            y = layernorm.layer_norm(x, nshape, w, b, memory_efficient=True, backend=backend)
     assert any(t is y or (t.data_ptr() == y.data_ptr() and t.shape == y.shape) for t in saved)
     assert not any(t.data_ptr() == x.data_ptr() for t in saved)
     assert torch.equal(y, (layernorm.rms_norm(x, nshape, w) if rms else
                            layernorm.layer_norm(x, nshape, w, b)))  # fmt: skip
     leaves = [t for t in (x, w, b) if t is not None]
     grads = torch.autograd.grad(y, leaves, dy)
+    assert len(kernel_calls) == (backend is None)
 
     n = int(np.prod(nshape))
     z = _np(x).reshape(-1, n)
@@ -729,6 +740,34 @@ def test_memory_efficient_dx_is_within_its_stated_bound(dtype, rms, affine, shap
             db_ref = gg.sum(0)
             db_bound = (np.log2(m) + 4) * e * np.abs(gg).sum(0) + _np(_ulp(grads[2])).reshape(-1)
             assert (np.abs(_np(grads[2]).reshape(-1) - db_ref) <= db_bound).all()
+
+
+def test_memory_efficient_kernel_is_thread_invariant_and_tracks_the_torch_ops():
+    """Many blocks of rows over the threads (above the serial size): the numba kernel's
+    ``dx``, ``dweight``, ``dbias`` have the same bits at 1 and 2 threads, and lie within
+    a few float32 units of the torch operations' (both within the stated bound)."""
+    from layernorm.backends import _numba_recompute
+
+    g = torch.Generator().manual_seed(6)
+    m, n = 300, 1024  # 5 blocks, 307200 elements
+    assert m * n >= layernorm.backends.numba_.SERIAL_NUMEL and m > 4 * _numba_recompute.BLOCK
+    x = torch.randn(m, n, generator=g).requires_grad_()
+    w = (torch.randn(n, generator=g) + 2).requires_grad_()
+    b = torch.randn(n, generator=g).requires_grad_()
+    dy = torch.randn(m, n, generator=g)
+    results = {}
+    threads = torch.get_num_threads()
+    try:
+        for backend, count in ((None, 1), (None, 2), ("torch", 1)):
+            torch.set_num_threads(count)
+            y = layernorm.layer_norm(x, n, w, b, memory_efficient=True, backend=backend)
+            results[backend, count] = torch.autograd.grad(y, (x, w, b), dy)
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(results[None, 1], results[None, 2], strict=True):
+        assert torch.equal(one, two)
+    for ours, ops_ in zip(results[None, 1], results["torch", 1], strict=True):
+        assert_close(ours, ops_, rtol=2e-5, atol=2e-5)
 
 
 def test_memory_efficient_is_the_plain_call_where_it_does_not_apply():
