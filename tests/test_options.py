@@ -770,6 +770,30 @@ def test_memory_efficient_kernel_is_thread_invariant_and_tracks_the_torch_ops():
         assert_close(ours, ops_, rtol=2e-5, atol=2e-5)
 
 
+def test_memory_efficient_kernel_reads_and_writes_bfloat16_rows_as_float32_would():
+    """The numba kernel on bfloat16 rows gives the bits of the float32 rows it widens
+    to, with ``dx`` rounded to bfloat16 as torch rounds (NaN a NaN)."""
+    from layernorm.backends import _numba_recompute
+
+    g = torch.Generator().manual_seed(8)
+    m, n = 70, 96
+    dy, y = (torch.randn(m, n, generator=g).bfloat16() for _ in range(2))
+    dy = dy[:, :80]  # strided rows of dy
+    y = y[:, :80].contiguous()
+    w, b = torch.randn(80, generator=g).bfloat16() + 2, torch.randn(80, generator=g).bfloat16()
+    dy[3, 5] = float("nan")
+    rstd = torch.rand(m, generator=g) + 0.5
+    for rms in (False, True):
+        got = _numba_recompute.backward(dy, y, w, b, rstd, rms, True, True)
+        want = _numba_recompute.backward(dy.float(), y.float(), w, b, rstd, rms, True, True)
+        assert got[0].dtype == torch.bfloat16
+        assert torch.equal(got[0].isnan(), want[0].isnan())
+        finite = ~got[0].isnan()
+        assert torch.equal(got[0][finite], want[0].bfloat16()[finite])
+        for a, e in zip(got[1:], want[1:], strict=True):
+            assert torch.equal(a.nan_to_num(), e.nan_to_num())
+
+
 def test_memory_efficient_is_the_plain_call_where_it_does_not_apply():
     """A zero in gamma, no gradient, torch.func, compile: the plain call, the same bits
     (gradients included); double backward through a memory-efficient node raises."""

@@ -57,43 +57,91 @@ def _jit(**options):
     return decorate
 
 
+@_jit(inline="always")
+def _row(g_i, y_i, gamma, inv_gamma, beta, r, dx_i, dw_i, db_i, n, rms, need_dw, need_db):
+    """One row (module docstring): ``g_i``, ``y_i``, ``dx_i`` float32 rows, ``dw_i``,
+    ``db_i`` its block's partials. Two passes over the row: the sums, then ``dx`` and the
+    partials (recomputing ``xhat`` and ``gh`` costs less than storing them: a third of
+    the time at N = 1024)."""  # pragma: no cover - compiled
+    s_gx = 0.0
+    s_g = 0.0
+    for c in range(n):
+        v = (np.float64(y_i[c]) - beta[c]) * inv_gamma[c]
+        h = np.float64(g_i[c]) * gamma[c]
+        s_gx += h * v
+        s_g += h
+    c1 = s_gx / n
+    c2 = 0.0 if rms else s_g / n
+    for c in range(n):
+        g = np.float64(g_i[c])
+        v = (np.float64(y_i[c]) - beta[c]) * inv_gamma[c]
+        dx_i[c] = r * (g * gamma[c] - c2 - v * c1)
+        if need_dw:
+            dw_i[c] += g * v
+        if need_db:
+            db_i[c] += g
+
+
 @_jit(fastmath={"reassoc"})
 def _backward_rows(
     dy, sdy, y, gamma, beta, rstd, dx, dw_part, db_part,
     n, rms, need_dw, need_db, row_lo, row_hi,
 ):  # fmt: skip  # pragma: no cover - compiled
     """Rows ``row_lo .. row_hi - 1`` (whole blocks of :data:`BLOCK`) of ``dx`` and their
-    blocks' partial sums (module docstring). ``dy`` flat with row stride ``sdy``; ``y``,
-    ``dx`` contiguous; ``gamma``, ``beta`` float64 rows; the partials ``(blocks · N)``
-    float64, zeros. Two passes over the row's ``dy`` and ``y``: the sums, then ``dx`` and
-    the partials (recomputing ``xhat`` and ``gh`` costs less than storing them: a third
-    of the time at N = 1024)."""
+    blocks' partial sums (:func:`_row`), float32. ``dy`` flat with row stride ``sdy``;
+    ``y``, ``dx`` contiguous; ``gamma``, ``beta`` float64 rows; the partials
+    ``(blocks · N)`` float64, zeros."""
     inv_gamma = 1.0 / gamma
     for i in range(row_lo, row_hi):
-        g_i = dy[i * sdy : i * sdy + n]
-        y_i = y[i * n : (i + 1) * n]
-        s_gx = 0.0
-        s_g = 0.0
-        for c in range(n):
-            v = (np.float64(y_i[c]) - beta[c]) * inv_gamma[c]
-            h = np.float64(g_i[c]) * gamma[c]
-            s_gx += h * v
-            s_g += h
-        c1 = s_gx / n
-        c2 = 0.0 if rms else s_g / n
-        r = np.float64(rstd[i])
-        dx_i = dx[i * n : (i + 1) * n]
         at = (i // BLOCK) * n
-        dw_i = dw_part[at : at + n] if need_dw else dw_part[:0]
-        db_i = db_part[at : at + n] if need_db else db_part[:0]
+        _row(
+            dy[i * sdy : i * sdy + n], y[i * n : (i + 1) * n], gamma, inv_gamma, beta,
+            np.float64(rstd[i]), dx[i * n : (i + 1) * n],
+            dw_part[at : at + n] if need_dw else dw_part[:0],
+            db_part[at : at + n] if need_db else db_part[:0],
+            n, rms, need_dw, need_db,
+        )  # fmt: skip
+
+
+#: float32 bit masks and constants of the rounding to bfloat16
+_ABS, _INF, _HALF = np.uint32(0x7FFFFFFF), np.uint32(0x7F800000), np.uint32(0x7FFF)
+_16, _ONE, _QNAN = np.uint32(16), np.uint32(1), np.uint16(0x7FC0)
+
+
+@_jit(fastmath={"reassoc"})
+def _backward_rows_bf16(
+    dy, sdy, y, gamma, beta, rstd, dx, dw_part, db_part,
+    n, rms, need_dw, need_db, row_lo, row_hi,
+):  # fmt: skip  # pragma: no cover - compiled
+    """:func:`_backward_rows` on bfloat16 rows (``dy``, ``y``, ``dx`` as their uint16
+    bit patterns): each row widened to float32 (exact: the high half of its bits), then
+    :func:`_row`, then ``dx`` rounded to bfloat16 to nearest-even (a NaN to ``0x7FC0``):
+    the bits of the float32 path followed by ``.to(bfloat16)`` (NaN payloads aside),
+    without full-size float32 copies."""
+    inv_gamma = 1.0 / gamma
+    g32 = np.empty(n, np.uint32)
+    y32 = np.empty(n, np.uint32)
+    dz = np.empty(n, np.float32)
+    dz_bits = dz.view(np.uint32)
+    for i in range(row_lo, row_hi):
+        # row slices: an index computed per element (i * n + c) does not vectorize
+        g_i, y_i, dx_i = dy[i * sdy : i * sdy + n], y[i * n : (i + 1) * n], dx[i * n : (i + 1) * n]
         for c in range(n):
-            g = np.float64(g_i[c])
-            v = (np.float64(y_i[c]) - beta[c]) * inv_gamma[c]
-            dx_i[c] = r * (g * gamma[c] - c2 - v * c1)
-            if need_dw:
-                dw_i[c] += g * v
-            if need_db:
-                db_i[c] += g
+            g32[c] = np.uint32(g_i[c]) << _16
+            y32[c] = np.uint32(y_i[c]) << _16
+        at = (i // BLOCK) * n
+        _row(
+            g32.view(np.float32), y32.view(np.float32), gamma, inv_gamma, beta,
+            np.float64(rstd[i]), dz,
+            dw_part[at : at + n] if need_dw else dw_part[:0],
+            db_part[at : at + n] if need_db else db_part[:0],
+            n, rms, need_dw, need_db,
+        )  # fmt: skip
+        for c in range(n):
+            b = dz_bits[c]
+            nan = (b & _ABS) > _INF
+            rounded = (b + _HALF + ((b >> _16) & _ONE)) >> _16  # to nearest-even
+            dx_i[c] = _QNAN if nan else np.uint16(rounded)
 
 
 @_jit()
@@ -114,10 +162,14 @@ def runs(y: torch.Tensor, n: int) -> bool:
 
 
 def _flat(t: torch.Tensor) -> tuple[np.ndarray, int]:
-    """An (M, N) float tensor with unit column stride as (flat storage array, row stride)."""
+    """An (M, N) float32 or bfloat16 tensor with unit column stride as (flat storage
+    array, row stride); bfloat16 as its uint16 bit patterns."""
     m, n = t.shape
     stride = t.stride(0) if m > 1 else n
-    return torch.as_strided(t.detach(), ((m - 1) * stride + n,), (1,)).numpy(), stride
+    span = torch.as_strided(t.detach(), ((m - 1) * stride + n,), (1,))
+    if t.dtype == torch.bfloat16:
+        return span.view(torch.int16).numpy().view(np.uint16), stride
+    return span.numpy(), stride
 
 
 #: (N, value) -> a cached (N,) float64 row of ``value`` (an absent gamma or beta)
@@ -149,24 +201,25 @@ def backward(
     """``(dx, dweight, dbias)`` of (M, N) rows (:func:`runs` holds for ``y``): ``dy``
     with unit column stride, ``y`` contiguous, ``weight`` / ``bias`` (N,) or None,
     ``rstd`` (M,) float32. ``dx`` in ``y``'s dtype (16-bit: rounded from float32, which
-    the bound's float32 allowance covers), the sums float32 (None where not needed)."""
+    the bound's float32 allowance covers; bfloat16 rows in the kernel, float16 through
+    float32 copies), the sums float32 (None where not needed)."""
     m, n = y.shape
     dtype = y.dtype
-    if dtype != torch.float32:  # 16-bit: float32 copies in and out
+    if dtype == torch.float16:  # float32 copies in and out
         dy, y = dy.float(), y.float()
+    kernel = _backward_rows_bf16 if dtype == torch.bfloat16 else _backward_rows
     blocks = -(-m // BLOCK)
-    dx = torch.empty((m, n), dtype=torch.float32)
+    dx = torch.empty((m, n), dtype=y.dtype)
     part = np.zeros((2, blocks * n) if need_dweight or need_dbias else (2, 0))
-    g, sg = _flat(dy)
     args = (
-        g, sg, y.detach().reshape(-1).numpy(), _row64(weight, n, 1.0), _row64(bias, n, 0.0),
-        rstd.detach().reshape(-1).numpy(), dx.view(-1).numpy(), part[0], part[1],
+        *_flat(dy), _flat(y)[0], _row64(weight, n, 1.0), _row64(bias, n, 0.0),
+        rstd.detach().reshape(-1).numpy(), _flat(dx)[0], part[0], part[1],
         n, rms, need_dweight, need_dbias,
     )  # fmt: skip
     if m * n < SERIAL_NUMEL:  # as the numba backend: threads cost more than they save
-        _backward_rows(*args, 0, m)
+        kernel(*args, 0, m)
     else:
-        _threads.run(lambda lo, hi: _backward_rows(*args, lo * BLOCK, min(m, hi * BLOCK)),
+        _threads.run(lambda lo, hi: kernel(*args, lo * BLOCK, min(m, hi * BLOCK)),
                      blocks, BLOCK * n)  # fmt: skip
     sums: list[torch.Tensor | None] = [None, None]
     for k, need in enumerate((need_dweight, need_dbias)):
@@ -174,4 +227,4 @@ def backward(
             total = torch.empty(n, dtype=torch.float32)
             _column_sums(part[k], blocks, n, total.numpy())
             sums[k] = total
-    return dx if dtype == torch.float32 else dx.to(dtype), sums[0], sums[1]
+    return dx if dx.dtype == dtype else dx.to(dtype), sums[0], sums[1]
