@@ -349,11 +349,11 @@ def residual_stream(
     """``add_*_norm`` with the residual stream in ``rdtype`` (float32 or float64, holding
     ``x``'s and the residual's values; :func:`_residual_dtype`):
 
-    - ``residual_out = RN_rdtype(x + residual)``: the sum in float64, then one conversion.
-      That is the exact sum rounded once: in float64 for ``rdtype`` float64 (one
-      rounding); for float32 the operands have at most 24 bits and 53 >= 2·24 + 1, so
-      rounding to float64 first and then to float32 gives the exact sum's rounding
-      (Figueroa's double-rounding theorem for addition).
+    - ``residual_out = RN_rdtype(x + residual)``: both converted to ``rdtype`` (exactly:
+      it holds their values), then one IEEE addition in ``rdtype``, which rounds their
+      exact sum once. (It was formed in float64 and converted, the same bits by
+      Figueroa's double-rounding theorem for addition, 53 >= 2·24 + 1, at the cost of
+      three full-size float64 temporaries.)
     - ``y``: the fused op on ``residual_out`` and a residual of ``-0.0`` (``h + -0.0 = h``
       bitwise), ``y`` rounded once into ``out_dtype`` (default: ``x``'s dtype; a narrower
       one through ``layernorm::forward_to``), with ``eps=None`` resolved by ``x``'s dtype.
@@ -379,8 +379,7 @@ def residual_stream(
         check_out(op, "residual_out", residual_out, rdtype, x.device)
     if eps is None:  # the input's rule, as for out_dtype
         eps = _op.default_eps(x.dtype)
-    wide = torch.float64
-    h = (x.to(wide) + residual.to(wide)).to(rdtype)
+    h = x.to(rdtype) + residual.to(rdtype)  # both exact in rdtype: one IEEE addition
     y, stream = norm(
         op, h, torch.full_like(h, -0.0), normalized_shape, weight, bias, eps, rms, backend,
         offset=offset, out_dtype=x.dtype if out_dtype is None else out_dtype, out=out,
