@@ -448,21 +448,26 @@ def _backward_rows(
         scale = rs[i] if has_rs else 1.0
         base = np.int64(i) * np.int64(n_cols)
         _keep_masks(keep0, keep1, has_x1, k0, k1, p32, base, n_cols)
+        # row slices, as in _forward_rows
+        dh_i = dh[i * sdh : i * sdh + n_cols]
         for c in range(n_cols):
-            wide[c] = _wide(dh[i * sdh + c])
+            wide[c] = _wide(dh_i[c])
+        dx0_i = dx0[base : base + n_cols]
         if has_rs:
             for c in range(n_cols):
                 v = _exact_h(wide[c], keep0[c], scale, 0.0, False, False, -0.0, s, nearest0)
-                dx0[base + c] = _stored(v, dx0)
+                dx0_i[c] = _stored(v, dx0)
         else:
             for c in range(n_cols):
-                dx0[base + c] = _stored(_exact_prod(wide[c], keep0[c], s, nearest0), dx0)
+                dx0_i[c] = _stored(_exact_prod(wide[c], keep0[c], s, nearest0), dx0)
         if has_x1:
+            dx1_i = dx1[base : base + n_cols]
             for c in range(n_cols):
-                dx1[base + c] = _stored(_exact_prod(wide[c], keep1[c], s, nearest1), dx1)
+                dx1_i[c] = _stored(_exact_prod(wide[c], keep1[c], s, nearest1), dx1)
         if has_res:
+            dres_i = dres[base : base + n_cols]
             for c in range(n_cols):
-                dres[base + c] = _stored(wide[c], dres)
+                dres_i[c] = _stored(wide[c], dres)
 
 
 # --- torch front ----------------------------------------------------------------------------
