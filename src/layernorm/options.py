@@ -355,7 +355,8 @@ def residual_stream(
       Figueroa's double-rounding theorem for addition, 53 >= 2·24 + 1, at the cost of
       three full-size float64 temporaries.)
     - ``y``: the fused op on ``residual_out`` and a residual of ``-0.0`` (``h + -0.0 = h``
-      bitwise), ``y`` rounded once into ``out_dtype`` (default: ``x``'s dtype; a narrower
+      bitwise; without a gradient, :func:`_no_gradient`, the norm of ``h`` alone: the
+      same bits), ``y`` rounded once into ``out_dtype`` (default: ``x``'s dtype; a narrower
       one through ``layernorm::forward_to``), with ``eps=None`` resolved by ``x``'s dtype.
       Going through the fused op keeps ``residual_out``'s gradient inside the kernel's
       one rounding: the stream's gradient ``dh = RN_rdtype(dz + d residual_out)`` is
@@ -380,14 +381,31 @@ def residual_stream(
     if eps is None:  # the input's rule, as for out_dtype
         eps = _op.default_eps(x.dtype)
     h = x.to(rdtype) + residual.to(rdtype)  # both exact in rdtype: one IEEE addition
+    # without a gradient the -0.0 residual changes nothing (h + -0.0 = h): the norm of h
+    zero = None if _no_gradient(x, residual, weight, bias) else torch.full_like(h, -0.0)
     y, stream = norm(
-        op, h, torch.full_like(h, -0.0), normalized_shape, weight, bias, eps, rms, backend,
+        op, h, zero, normalized_shape, weight, bias, eps, rms, backend,
         offset=offset, out_dtype=x.dtype if out_dtype is None else out_dtype, out=out,
     )  # fmt: skip
-    assert stream is not None
+    if stream is None:
+        stream = h
     if residual_out is not None:
         stream = store(op, "residual_out", stream, residual_out)
     return y, stream
+
+
+def _no_gradient(*tensors: Tensor | None) -> bool:
+    """Whether an eager call on ``tensors`` records no gradient of any kind: plain
+    tensors (``_op.direct_call``), none requiring grad or grad mode off, and no forward
+    AD, ``torch.func`` transform, compile or trace."""
+    return (
+        not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+        and _forward_ad._current_level < 0
+        and torch._C._functorch.peek_interpreter_stack() is None
+        and not torch.compiler.is_compiling()
+        and not torch._C._is_tracing()
+        and _op.direct_call(*tensors)
+    )
 
 
 # ---------------------------------------------------------------------------------------
