@@ -51,7 +51,8 @@ def _jit(**options):
 
     def decorate(func):
         dispatcher = njit(nogil=True, cache=False, error_model="numpy", **options)(func)
-        _numba_cache.enable(dispatcher)
+        if not options.get("inline"):  # an inlined one compiles into its callers
+            _numba_cache.enable(dispatcher)
         return dispatcher
 
     return decorate
