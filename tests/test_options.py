@@ -413,11 +413,18 @@ def test_out_is_written_by_the_kernels_in_place(op, kw, dtype, which, monkeypatc
         assert np.array_equal(_bits(got_h), _bits(want_h))
 
 
+def _inference_empty(*shape: int) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.empty(shape)
+
+
 def _no_copy(*args):
     raise AssertionError("the result was copied into out")
 
 
-@pytest.mark.parametrize("case", ["alias", "transposed", "empty", "torch-backend", "grad-out"])
+@pytest.mark.parametrize(
+    "case", ["alias", "transposed", "empty", "torch-backend", "grad-out", "inference-out"]
+)
 def test_out_the_kernels_cannot_write_is_copied_with_the_same_bits(case, monkeypatch):
     """Where the kernels cannot write ``out`` directly (it overlaps the input, is not
     contiguous, must be resized, another backend runs the call, or it requires grad) the
@@ -436,15 +443,21 @@ def test_out_the_kernels_cannot_write_is_copied_with_the_same_bits(case, monkeyp
         "empty": torch.empty(0),
         "torch-backend": torch.empty(6, 32),
         "grad-out": torch.empty(6, 32, requires_grad=True),
+        "inference-out": _inference_empty(6, 32),
     }[case]
     if case == "grad-out":  # torch's rule for an in-place write into a leaf
         with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
             layernorm.rms_norm(x, 32, w, out=out)
         with torch.no_grad():
             assert layernorm.rms_norm(x, 32, w, out=out) is out
+    elif case == "inference-out":  # torch's rule for an inference tensor
+        with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+            layernorm.rms_norm(x, 32, w, out=out)
+        with torch.inference_mode():
+            assert layernorm.rms_norm(x, 32, w, out=out) is out
     else:
         assert layernorm.rms_norm(x, 32, w, out=out, backend=backend) is out
-    assert copies == ["out"] * (2 if case == "grad-out" else 1)
+    assert copies == ["out"] * (2 if case == "grad-out" else 1)  # inference mode: written
     assert out.shape == x.shape and np.array_equal(_bits(out.detach()), _bits(want))
 
 

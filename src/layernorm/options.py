@@ -630,8 +630,9 @@ def _writable(outputs: list[Tensor], arguments: tuple[Tensor | None, ...]) -> bo
     """Whether :func:`write_into` may have the kernels write into ``outputs``: the fast
     paths on, no mechanism that would see the call (compile, tracing, autocast, forward
     AD, ``torch.func``, a mode or subclass: as ``ops._enter`` decides its direct call),
-    and each output contiguous, of the input's shape, not requiring grad, and sharing no
-    memory with the ``arguments`` (the input first) or the other output."""
+    and each output contiguous, of the input's shape, not requiring grad, not an
+    inference tensor outside inference mode, and sharing no memory with the
+    ``arguments`` (the input first) or the other output."""
     x = arguments[0]
     if not (
         ops.FAST_PATHS
@@ -644,8 +645,11 @@ def _writable(outputs: list[Tensor], arguments: tuple[Tensor | None, ...]) -> bo
         and _op.direct_call(*arguments, *outputs)
     ):
         return False
+    inference = torch.is_inference_mode_enabled()
     for i, t in enumerate(outputs):
         if not t.is_contiguous() or t.shape != x.shape or t.requires_grad:
+            return False
+        if t.is_inference() and not inference:  # torch refuses that write: store raises
             return False
         others = (*arguments, *outputs[i + 1 :])
         if any(a is not None and torch._C._overlaps(t, a) for a in others):
