@@ -1,7 +1,7 @@
 """Each option of issue 23 against the unfused composition of torch ops it replaces.
 
     PYTHONPATH=src python benchmarks/fused_options.py [--dtype bfloat16] [--threads 1]
-        [--rounds R] [--shapes 64x1024,4096x1024] [--cases offset,out_dtype,...]
+        [--clock cpu] [--rounds R] [--shapes 64x1024,4096x1024] [--cases offset,out_dtype,...]
 
 For every case: torch's composition (what a user writes without this library: for
 example ``F.rms_norm(x, (n,), w + 1.0)`` for ``offset=1.0``), and ours (the option), timed
@@ -9,11 +9,14 @@ round-robin in one process (``small_calls.rr``: the median over the rounds of th
 a batch of calls), in inference (no grad) and, where the option has a backward, forward
 plus backward (``torch.autograd.grad`` of every leaf). Prints microseconds a call and
 torch's time over ours: above 1 means the option is faster than the composition.
+``--clock cpu`` times the process's CPU time instead of the wall clock (steadier on a
+shared machine; with ``--threads 1`` every thread's work is the call's).
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable
 
 import numba
@@ -172,13 +175,19 @@ CASES: dict[str, Case] = {
 }
 
 
-def measure(name: str, shape: tuple[int, ...], dtype: torch.dtype, rounds: int) -> str:
+#: the clocks ``--clock`` names (nanoseconds)
+CLOCKS = {"wall": time.perf_counter_ns, "cpu": time.process_time_ns}
+
+
+def measure(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, rounds: int, clock: str = "wall"
+) -> str:
     n = shape[-1]
     inner = max(3, min(1000, 2_000_000 // (2 * x_numel(shape))))
     x, r, w, b = (torch.randn(*s).to(dtype) for s in (shape, shape, (n,), (n,)))
     theirs, ours, _, has_backward = CASES[name](x, r, w, b, n)
     with torch.no_grad():
-        t = rr({"torch": theirs, "ours": ours}, rounds, inner=inner)
+        t = rr({"torch": theirs, "ours": ours}, rounds, inner=inner, clock=CLOCKS[clock])
     line = f"{name} {shape} {str(dtype)[6:]}: inference {_ratio(t)}"
     if has_backward:
         xg, rg, wg, bg = (v.clone().requires_grad_() for v in (x, r, w, b))
@@ -192,7 +201,12 @@ def measure(name: str, shape: tuple[int, ...], dtype: torch.dtype, rounds: int) 
 
             return run
 
-        t = rr({"torch": both(theirs_g), "ours": both(ours_g)}, rounds, inner=max(3, inner // 4))
+        t = rr(
+            {"torch": both(theirs_g), "ours": both(ours_g)},
+            rounds,
+            inner=max(3, inner // 4),
+            clock=CLOCKS[clock],
+        )
         line += f" | forward+backward {_ratio(t)}"
     return line
 
@@ -210,6 +224,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--rounds", type=int, default=15, help="rounds per median")
     parser.add_argument("--threads", type=int, default=1, help="torch's and the kernels'")
+    parser.add_argument("--clock", default="wall", choices=list(CLOCKS), help="what is timed")
     parser.add_argument("--shapes", default="64x1024,4096x1024")
     parser.add_argument("--cases", default=",".join(CASES), help="a comma-separated subset")
     return parser.parse_args(argv)
@@ -224,4 +239,4 @@ if __name__ == "__main__":
     for shape_text in args.shapes.split(","):
         shape = tuple(int(v) for v in shape_text.split("x"))
         for name in args.cases.split(","):
-            print(measure(name, shape, dtype, args.rounds), flush=True)
+            print(measure(name, shape, dtype, args.rounds, args.clock), flush=True)

@@ -366,6 +366,101 @@ def test_out_may_alias_the_input():
     assert torch.equal(x, want)
 
 
+#: (function, keyword options, input dtype): the calls whose outputs the kernels write
+WRITTEN = [
+    ("layer_norm", {}, torch.float32),
+    ("rms_norm", {"offset": 1.0}, torch.bfloat16),
+    ("layer_norm", {"out_dtype": torch.bfloat16}, torch.float32),
+    ("add_layer_norm", {}, torch.float16),
+    ("add_rms_norm", {"out_dtype": torch.float16}, torch.float32),
+]
+
+
+@pytest.mark.parametrize(
+    ("op", "kw", "dtype", "which"),
+    [(*case, which) for case in WRITTEN
+     for which in (("out", "residual_out", "both") if case[0].startswith("add") else ("out",))],
+    ids=str,
+)  # fmt: skip
+def test_out_is_written_by_the_kernels_in_place(op, kw, dtype, which, monkeypatch):
+    """On the numba backend ``out`` and ``residual_out`` are written directly (nothing is
+    copied in: ``store`` never runs), keep their storage, get their version bumped, and
+    hold the bits of the call without them."""
+    add = op.startswith("add")
+    fn = getattr(layernorm, op)
+    g = torch.Generator().manual_seed(3)
+    x, r = (torch.randn(2, 5, 64, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(64, generator=g).to(dtype)
+    args = (x, r) if add else (x,)
+    want = fn(*args, 64, w, backend="numba", **kw)
+    want_y, want_h = want if add else (want, None)
+    y_dtype = kw.get("out_dtype", dtype)
+    given = {}
+    if which in ("out", "both"):
+        given["out"] = torch.full(x.shape, float("nan"), dtype=y_dtype)
+    if which in ("residual_out", "both"):
+        given["residual_out"] = torch.full_like(x, float("nan"))
+    pointers = {k: t.data_ptr() for k, t in given.items()}
+    versions = {k: t._version for k, t in given.items()}
+    monkeypatch.setattr(options, "store", _no_copy)
+    got = fn(*args, 64, w, backend="numba", **kw, **given)
+    got_y, got_h = got if add else (got, None)
+    for k, t in given.items():
+        assert t.data_ptr() == pointers[k] and t._version > versions[k]
+    assert got_y is given.get("out", got_y) and got_h is given.get("residual_out", got_h)
+    assert got_y.dtype == y_dtype and np.array_equal(_bits(got_y), _bits(want_y))
+    if add:
+        assert np.array_equal(_bits(got_h), _bits(want_h))
+
+
+def _inference_empty(*shape: int) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.empty(shape)
+
+
+def _no_copy(*args):
+    raise AssertionError("the result was copied into out")
+
+
+@pytest.mark.parametrize(
+    "case", ["alias", "transposed", "empty", "torch-backend", "grad-out", "inference-out"]
+)
+def test_out_the_kernels_cannot_write_is_copied_with_the_same_bits(case, monkeypatch):
+    """Where the kernels cannot write ``out`` directly (it overlaps the input, is not
+    contiguous, must be resized, another backend runs the call, or it requires grad) the
+    result is computed and copied in (``store``): the same bits."""
+    copies = []
+    store = options.store
+    monkeypatch.setattr(options, "store", lambda *a: copies.append(a[1]) or store(*a))
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 32, generator=g)
+    w = torch.randn(32, generator=g)
+    backend = "torch" if case == "torch-backend" else None
+    want = layernorm.rms_norm(x, 32, w)
+    out = {
+        "alias": x,
+        "transposed": torch.empty(32, 6).t(),
+        "empty": torch.empty(0),
+        "torch-backend": torch.empty(6, 32),
+        "grad-out": torch.empty(6, 32, requires_grad=True),
+        "inference-out": _inference_empty(6, 32),
+    }[case]
+    if case == "grad-out":  # torch's rule for an in-place write into a leaf
+        with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
+            layernorm.rms_norm(x, 32, w, out=out)
+        with torch.no_grad():
+            assert layernorm.rms_norm(x, 32, w, out=out) is out
+    elif case == "inference-out":  # torch's rule for an inference tensor
+        with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+            layernorm.rms_norm(x, 32, w, out=out)
+        with torch.inference_mode():
+            assert layernorm.rms_norm(x, 32, w, out=out) is out
+    else:
+        assert layernorm.rms_norm(x, 32, w, out=out, backend=backend) is out
+    assert copies == ["out"] * (2 if case == "grad-out" else 1)  # inference mode: written
+    assert out.shape == x.shape and np.array_equal(_bits(out.detach()), _bits(want))
+
+
 def test_out_resize_rules():
     """torch's: a 0-element out is resized silently, another one with its warning."""
     x = torch.randn(3, 8)
@@ -591,10 +686,20 @@ def _ulp(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
 @pytest.mark.parametrize(("shape", "nshape"), [((7, 64), (64,)), ((2, 3, 4, 16), (4, 16))])
-def test_memory_efficient_dx_is_within_its_stated_bound(dtype, rms, affine, shape, nshape):
+@pytest.mark.parametrize("backend", [None, "torch"], ids=["numba-kernel", "torch-ops"])
+def test_memory_efficient_dx_is_within_its_stated_bound(
+    dtype, rms, affine, shape, nshape, backend, monkeypatch
+):
     """``dx``, ``dweight``, ``dbias`` of ``memory_efficient=True`` against the float64
-    reference, within the bounds of :mod:`layernorm.recompute`; and autograd kept the
-    output, not the input."""
+    reference, within the bounds of :mod:`layernorm.recompute`, by the numba kernel
+    (``backends._numba_recompute``, the automatic backend) and by the torch operations
+    (the torch backend); and autograd kept the output, not the input."""
+    from layernorm.backends import _numba_recompute
+
+    kernel_calls = []
+    kernel = _numba_recompute.backward
+    monkeypatch.setattr(_numba_recompute, "backward",
+                        lambda *a: kernel_calls.append(1) or kernel(*a))  # fmt: skip
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(shape, generator=g) * 2 + 0.5).to(dtype).requires_grad_()
     w = (torch.randn(nshape, generator=g) + 2).to(dtype).requires_grad_() if affine else None
@@ -603,15 +708,16 @@ def test_memory_efficient_dx_is_within_its_stated_bound(dtype, rms, affine, shap
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         if rms:
-            y = layernorm.rms_norm(x, nshape, w, memory_efficient=True)
+            y = layernorm.rms_norm(x, nshape, w, memory_efficient=True, backend=backend)
         else:
-            y = layernorm.layer_norm(x, nshape, w, b, memory_efficient=True)
+            y = layernorm.layer_norm(x, nshape, w, b, memory_efficient=True, backend=backend)
     assert any(t is y or (t.data_ptr() == y.data_ptr() and t.shape == y.shape) for t in saved)
     assert not any(t.data_ptr() == x.data_ptr() for t in saved)
     assert torch.equal(y, (layernorm.rms_norm(x, nshape, w) if rms else
                            layernorm.layer_norm(x, nshape, w, b)))  # fmt: skip
     leaves = [t for t in (x, w, b) if t is not None]
     grads = torch.autograd.grad(y, leaves, dy)
+    assert len(kernel_calls) == (backend is None)
 
     n = int(np.prod(nshape))
     z = _np(x).reshape(-1, n)
@@ -647,6 +753,58 @@ def test_memory_efficient_dx_is_within_its_stated_bound(dtype, rms, affine, shap
             db_ref = gg.sum(0)
             db_bound = (np.log2(m) + 4) * e * np.abs(gg).sum(0) + _np(_ulp(grads[2])).reshape(-1)
             assert (np.abs(_np(grads[2]).reshape(-1) - db_ref) <= db_bound).all()
+
+
+def test_memory_efficient_kernel_is_thread_invariant_and_tracks_the_torch_ops():
+    """Many blocks of rows over the threads (above the serial size): the numba kernel's
+    ``dx``, ``dweight``, ``dbias`` have the same bits at 1 and 2 threads, and lie within
+    a few float32 units of the torch operations' (both within the stated bound)."""
+    from layernorm.backends import _numba_recompute
+
+    g = torch.Generator().manual_seed(6)
+    m, n = 300, 1024  # 5 blocks, 307200 elements
+    assert m * n >= layernorm.backends.numba_.SERIAL_NUMEL and m > 4 * _numba_recompute.BLOCK
+    x = torch.randn(m, n, generator=g).requires_grad_()
+    w = (torch.randn(n, generator=g) + 2).requires_grad_()
+    b = torch.randn(n, generator=g).requires_grad_()
+    dy = torch.randn(m, n, generator=g)
+    results = {}
+    threads = torch.get_num_threads()
+    try:
+        for backend, count in ((None, 1), (None, 2), ("torch", 1)):
+            torch.set_num_threads(count)
+            y = layernorm.layer_norm(x, n, w, b, memory_efficient=True, backend=backend)
+            results[backend, count] = torch.autograd.grad(y, (x, w, b), dy)
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(results[None, 1], results[None, 2], strict=True):
+        assert torch.equal(one, two)
+    for ours, ops_ in zip(results[None, 1], results["torch", 1], strict=True):
+        assert_close(ours, ops_, rtol=2e-5, atol=2e-5)
+
+
+def test_memory_efficient_kernel_reads_and_writes_bfloat16_rows_as_float32_would():
+    """The numba kernel on bfloat16 rows gives the bits of the float32 rows it widens
+    to, with ``dx`` rounded to bfloat16 as torch rounds (NaN a NaN)."""
+    from layernorm.backends import _numba_recompute
+
+    g = torch.Generator().manual_seed(8)
+    m, n = 70, 96
+    dy, y = (torch.randn(m, n, generator=g).bfloat16() for _ in range(2))
+    dy = dy[:, :80]  # strided rows of dy
+    y = y[:, :80].contiguous()
+    w, b = torch.randn(80, generator=g).bfloat16() + 2, torch.randn(80, generator=g).bfloat16()
+    dy[3, 5] = float("nan")
+    rstd = torch.rand(m, generator=g) + 0.5
+    for rms in (False, True):
+        got = _numba_recompute.backward(dy, y, w, b, rstd, rms, True, True)
+        want = _numba_recompute.backward(dy.float(), y.float(), w, b, rstd, rms, True, True)
+        assert got[0].dtype == torch.bfloat16
+        assert torch.equal(got[0].isnan(), want[0].isnan())
+        finite = ~got[0].isnan()
+        assert torch.equal(got[0][finite], want[0].bfloat16()[finite])
+        for a, e in zip(got[1:], want[1:], strict=True):
+            assert torch.equal(a.nan_to_num(), e.nan_to_num())
 
 
 def test_memory_efficient_is_the_plain_call_where_it_does_not_apply():

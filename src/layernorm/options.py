@@ -23,8 +23,9 @@ What each one rounds (``docs/contract.md`` §2, "Options"):
   stream in its own dtype (:func:`residual_stream`): ``residual_out`` the exact
   ``x + residual`` rounded once into it, ``y`` the norm of that rounded once into ``x``'s
   dtype (or ``out_dtype``).
-- ``out`` / ``residual_out``: preallocated outputs, by torch's ``out=`` rules
-  (:func:`store`).
+- ``out`` / ``residual_out``: preallocated outputs, by torch's ``out=`` rules: written
+  by the numba kernels directly where they run the call (:func:`write_into`), else the
+  result copied in (:func:`store`); the same bits either way.
 - ``memory_efficient`` (layer_norm, rms_norm): apex's backward from the saved output,
   :mod:`layernorm.recompute` (an ``autograd.Function``: the one option that is not a
   composition).
@@ -39,10 +40,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 from torch._prims_common.wrappers import _maybe_resize_out
 
-from . import _op, ops, recompute
+from . import _op, backends, ops, recompute
 from .backends import torch_
 from .backends.torch_ import accumulation_dtype
 
@@ -57,6 +59,7 @@ __all__ = [
     "residual_sum",
     "signed",
     "store",
+    "write_into",
 ]
 
 #: Liger's casting modes; ``None`` is this library's (one rounding)
@@ -212,6 +215,13 @@ def norm(
                              offset, casting_mode)  # fmt: skip
     else:
         gain = weight if not offset else offset_gain(weight, offset, compute)  # type: ignore[arg-type]
+        if (out is not None or residual_out is not None) and (narrow or compute == x.dtype):
+            written = write_into(
+                op, x, residual, normalized_shape, gain, bias, eps, rms, backend,
+                out_dtype if narrow else None, out, residual_out,
+            )  # fmt: skip
+            if written is not None:
+                return written
         if narrow:
             y, h = ops._norm(op, x, residual, normalized_shape, gain, bias, eps, rms,
                              backend, out_dtype)  # type: ignore[arg-type]  # fmt: skip
@@ -339,13 +349,14 @@ def residual_stream(
     """``add_*_norm`` with the residual stream in ``rdtype`` (float32 or float64, holding
     ``x``'s and the residual's values; :func:`_residual_dtype`):
 
-    - ``residual_out = RN_rdtype(x + residual)``: the sum in float64, then one conversion.
-      That is the exact sum rounded once: in float64 for ``rdtype`` float64 (one
-      rounding); for float32 the operands have at most 24 bits and 53 >= 2·24 + 1, so
-      rounding to float64 first and then to float32 gives the exact sum's rounding
-      (Figueroa's double-rounding theorem for addition).
+    - ``residual_out = RN_rdtype(x + residual)``: both converted to ``rdtype`` (exactly:
+      it holds their values), then one IEEE addition in ``rdtype``, which rounds their
+      exact sum once. (It was formed in float64 and converted, the same bits by
+      Figueroa's double-rounding theorem for addition, 53 >= 2·24 + 1, at the cost of
+      three full-size float64 temporaries.)
     - ``y``: the fused op on ``residual_out`` and a residual of ``-0.0`` (``h + -0.0 = h``
-      bitwise), ``y`` rounded once into ``out_dtype`` (default: ``x``'s dtype; a narrower
+      bitwise; without a gradient, :func:`_no_gradient`, the norm of ``h`` alone: the
+      same bits), ``y`` rounded once into ``out_dtype`` (default: ``x``'s dtype; a narrower
       one through ``layernorm::forward_to``), with ``eps=None`` resolved by ``x``'s dtype.
       Going through the fused op keeps ``residual_out``'s gradient inside the kernel's
       one rounding: the stream's gradient ``dh = RN_rdtype(dz + d residual_out)`` is
@@ -369,16 +380,32 @@ def residual_stream(
         check_out(op, "residual_out", residual_out, rdtype, x.device)
     if eps is None:  # the input's rule, as for out_dtype
         eps = _op.default_eps(x.dtype)
-    wide = torch.float64
-    h = (x.to(wide) + residual.to(wide)).to(rdtype)
+    h = x.to(rdtype) + residual.to(rdtype)  # both exact in rdtype: one IEEE addition
+    # without a gradient the -0.0 residual changes nothing (h + -0.0 = h): the norm of h
+    zero = None if _no_gradient(x, residual, weight, bias) else torch.full_like(h, -0.0)
     y, stream = norm(
-        op, h, torch.full_like(h, -0.0), normalized_shape, weight, bias, eps, rms, backend,
+        op, h, zero, normalized_shape, weight, bias, eps, rms, backend,
         offset=offset, out_dtype=x.dtype if out_dtype is None else out_dtype, out=out,
     )  # fmt: skip
-    assert stream is not None
+    if stream is None:
+        stream = h
     if residual_out is not None:
         stream = store(op, "residual_out", stream, residual_out)
     return y, stream
+
+
+def _no_gradient(*tensors: Tensor | None) -> bool:
+    """Whether an eager call on ``tensors`` records no gradient of any kind: plain
+    tensors (``_op.direct_call``), none requiring grad or grad mode off, and no forward
+    AD, ``torch.func`` transform, compile or trace."""
+    return (
+        not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+        and _forward_ad._current_level < 0
+        and torch._C._functorch.peek_interpreter_stack() is None
+        and not torch.compiler.is_compiling()
+        and not torch._C._is_tracing()
+        and _op.direct_call(*tensors)
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -541,6 +568,93 @@ def check_out(op: str, name: str, out: Tensor, dtype: torch.dtype, device: torch
         raise RuntimeError(
             f"Expected {name} tensor to have device {device}, but got {out.device} instead"
         )
+
+
+def write_into(
+    op: str,
+    x: Tensor,
+    residual: Tensor | None,
+    normalized_shape: ops.ShapeLike,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+    backend: str | None,
+    out_dtype: torch.dtype | None,
+    out: Tensor | None,
+    residual_out: Tensor | None,
+) -> tuple[Tensor, Tensor | None] | None:
+    """The plain call (``y`` in ``out_dtype`` when given, narrower than ``x``'s) with the
+    numba kernels writing ``y`` into ``out`` and ``residual_out`` into ``residual_out``
+    (either may be None: a fresh one), instead of a result copied in by :func:`store`:
+    the same kernels, so the same bits. Returns ``(y, residual_out)``, or None where it
+    declines (:func:`_writable`; the caller then computes and copies): another backend,
+    a mechanism that would see the call, or an output that is not contiguous, of another
+    shape than ``x`` (:func:`store` resizes it), requires grad, or shares memory with an
+    argument or the other output. The arguments are checked as the plain call checks
+    them (``ops._call``), with its errors; the outputs' version counters are bumped, as
+    an in-place write does."""
+    outputs = [t for t in (out, residual_out) if t is not None]
+    if not _writable(outputs, (x, residual, weight, bias)):
+        return None
+    shape = ops._normalized_shape(normalized_shape)
+    ops._check_input("input", x, shape, op)
+    if residual is not None:
+        ops._check_input("residual", residual, shape, op)
+        _check_residual(op, x, residual)
+    w = None if weight is None else ops._param("weight", weight, shape, x, op)
+    b = None if bias is None else ops._param("bias", bias, shape, x, op)
+    eps = ops._check_eps(eps)
+    name = ops._check_backend(backend)
+    n = math.prod(shape)
+    rows = _op.kernel_rows(x, n)
+    if rows.numel() == 0 or backends.choose(rows, name or None) != "numba":
+        return None
+    from .backends import numba_  # loaded: choose picked it
+
+    residual_rows = None if residual is None else _op.kernel_rows(residual, n)
+    y, h, _, _ = numba_.forward(
+        rows, residual_rows, w, b, eps, rms, False, out_dtype,
+        None if out is None else out.view(rows.shape),
+        None if residual_out is None else residual_out.view(rows.shape),
+    )  # fmt: skip
+    for t in outputs:
+        torch.autograd.graph.increment_version(t)
+    y = y.view(x.shape) if out is None else out
+    if h is not None:
+        h = h.view(x.shape) if residual_out is None else residual_out
+    return y, h
+
+
+def _writable(outputs: list[Tensor], arguments: tuple[Tensor | None, ...]) -> bool:
+    """Whether :func:`write_into` may have the kernels write into ``outputs``: the fast
+    paths on, no mechanism that would see the call (compile, tracing, autocast, forward
+    AD, ``torch.func``, a mode or subclass: as ``ops._enter`` decides its direct call),
+    and each output contiguous, of the input's shape, not requiring grad, not an
+    inference tensor outside inference mode, and sharing no memory with the
+    ``arguments`` (the input first) or the other output."""
+    x = arguments[0]
+    if not (
+        ops.FAST_PATHS
+        and isinstance(x, Tensor)
+        and not torch.compiler.is_compiling()
+        and not torch._C._is_tracing()
+        and not torch._C._is_any_autocast_enabled()
+        and _forward_ad._current_level < 0
+        and torch._C._functorch.peek_interpreter_stack() is None
+        and _op.direct_call(*arguments, *outputs)
+    ):
+        return False
+    inference = torch.is_inference_mode_enabled()
+    for i, t in enumerate(outputs):
+        if not t.is_contiguous() or t.shape != x.shape or t.requires_grad:
+            return False
+        if t.is_inference() and not inference:  # torch refuses that write: store raises
+            return False
+        others = (*arguments, *outputs[i + 1 :])
+        if any(a is not None and torch._C._overlaps(t, a) for a in others):
+            return False
+    return True
 
 
 def store(op: str, name: str, result: Tensor, out: Tensor) -> Tensor:

@@ -17,7 +17,12 @@ roundoff of ``y``'s dtype (``2^-24`` float32, ``2^-8`` bfloat16, ``2^-11`` float
 
 (``c1``, ``c2``, ``gh`` as in §1; the second line is the float32 evaluation of the
 formula and its sums, the third the final rounding). ``dweight`` and ``dbias`` are the
-float32 sums ``Σ g·xhat`` and ``Σ g``. Tested against the float64 reference
+float32 sums ``Σ g·xhat`` and ``Σ g``. Where the numba backend runs the call and the
+input is float32 or 16-bit, the backward is one numba kernel
+(:mod:`layernorm.backends._numba_recompute`): the same formula in float64, every
+rounding of which is below the float32 one the bound allows for (``docs/contract.md``
+§3, "memory_efficient's backward"), the sums float64 rounded once to float32; elsewhere
+torch operations. Both tested against the float64 reference
 (``tests/test_options.py::test_memory_efficient_dx_is_within_its_stated_bound``).
 
 Where it applies: eager autograd, with a gradient asked for. A ``gamma`` with a zero
@@ -38,7 +43,7 @@ import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import _op, ops
+from . import _op, backends, ops
 from .backends.torch_ import accumulation_dtype
 
 __all__ = ["MemoryEfficientNorm", "NormLinear", "applies", "layer_norm_linear", "norm"]
@@ -51,7 +56,7 @@ def applies(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
         return False
     if not any(isinstance(t, Tensor) and t.requires_grad for t in (x, weight, bias)):
         return False
-    return weight is None or not bool((weight == 0).any())
+    return weight is None or bool(weight.all())  # all() asks each for != 0 (NaN is)
 
 
 def norm(
@@ -82,18 +87,23 @@ class MemoryEfficientNorm(torch.autograd.Function):
     """``(y, rstd)`` of the op on ``x``'s rows, saving ``y``, the parameters and ``rstd``
     (not ``x``); the backward recovers the core from ``y`` (module docstring). ``weight``
     and ``bias`` are the caller's (their gradients take their shapes), ``w`` and ``b``
-    the same as kernel arguments ((N,), contiguous)."""
+    the same as kernel arguments ((N,), contiguous). Eager autograd only (:func:`applies`),
+    so ``forward`` takes the context itself: a ``setup_context`` would cost an
+    ``inspect.signature`` per call."""
 
     @staticmethod
-    def forward(x, weight, bias, w, b, eps, rms, backend, shape):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, w, b, eps, rms, backend, shape):  # type: ignore[override]
         rows = _op.rows(x, math.prod(shape))
-        y, _, _, rstd = _op.forward_call(rows, None, w, b, eps, rms, backend)
-        return y.view(x.shape), rstd
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):  # type: ignore[override]
-        x, weight, bias, w, b, _eps, rms, _, shape = inputs
-        y, rstd = output
+        # the kernel directly where no mechanism would see the op (as ops._enter does
+        # for plain inference): the same kernel, without the dispatcher's ~20 µs
+        direct = (
+            ops.FAST_PATHS
+            and not torch._C._is_any_autocast_enabled()
+            and _op.direct_call(rows, w, b)
+        )
+        run = _op.forward if direct else _op.forward_call
+        y_rows, _, _, rstd = run(rows, None, w, b, eps, rms, backend)
+        y = y_rows.view(x.shape)
         ctx.save_for_backward(y, w, b, rstd)
         ctx.rms = rms
         ctx.shapes = (x.shape, shape)
@@ -102,14 +112,31 @@ class MemoryEfficientNorm(torch.autograd.Function):
             None if bias is None else bias.dtype,
         )
         ctx.mark_non_differentiable(rstd)
+        # the backward in numba (backends._numba_recompute) where numba runs the forward
+        ctx.kernel = _kernel_backward(y, math.prod(shape), backend)
+        return y, rstd
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, _drstd):  # type: ignore[override]
         y, w, b, rstd = ctx.saved_tensors
         x_shape, p_shape = ctx.shapes
-        acc = accumulation_dtype(y.dtype)
         n = math.prod(p_shape)
+        need = ctx.needs_input_grad
+        if ctx.kernel and _op.direct_call(dy):
+            from .backends import _numba_recompute
+
+            dx, dweight, dbias = _numba_recompute.backward(
+                _op.rows(dy, n), y.view(-1, n), w, b, rstd, ctx.rms,
+                need[1], need[2] and b is not None,
+            )  # fmt: skip
+            return (
+                dx.view(x_shape) if need[0] else None,
+                None if dweight is None else dweight.reshape(p_shape).to(ctx.dtypes[0]),
+                None if dbias is None else dbias.reshape(p_shape).to(ctx.dtypes[1]),
+                None, None, None, None, None, None,
+            )  # fmt: skip
+        acc = accumulation_dtype(y.dtype)
         g = dy.reshape(-1, n).to(acc)
         xhat = y.reshape(-1, n).to(acc)
         if b is not None:
@@ -130,6 +157,18 @@ class MemoryEfficientNorm(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             dbias = g.sum(0).reshape(p_shape).to(ctx.dtypes[1])
         return dx, dweight, dbias, None, None, None, None, None, None
+
+
+def _kernel_backward(y: Tensor, n: int, backend: str) -> bool:
+    """Whether :class:`MemoryEfficientNorm`'s backward of ``y`` (rows of ``n``) runs the
+    numba kernel (``backends._numba_recompute``: the same formula in float64, within
+    the same bound): the fast paths on, the numba backend chosen for ``y`` (``backend``
+    "" the automatic choice) and a ``y`` it takes; else the torch operations."""
+    if not ops.FAST_PATHS or y.numel() == 0 or backends.choose(y, backend or None) != "numba":
+        return False
+    from .backends import _numba_recompute
+
+    return _numba_recompute.runs(y, n)
 
 
 # ---------------------------------------------------------------------------------------

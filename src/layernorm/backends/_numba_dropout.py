@@ -397,32 +397,39 @@ def _forward_rows(
         scale = rs[i] if has_rs else 1.0
         base = np.int64(i) * np.int64(n_cols)
         _keep_masks(keep0, keep1, has_x1, k0, k1, p32, base, n_cols)
+        # row slices: an index computed per element (i * stride + c) does not vectorize
+        h_i = h[base : base + n_cols]
+        x0_i = x0[i * sx0 : i * sx0 + n_cols]
         for c in range(n_cols):
-            wide0[c] = _wide(x0[i * sx0 + c])
+            wide0[c] = _wide(x0_i[c])
         if has_x1:
+            x1_i = x1[i * sx1 : i * sx1 + n_cols]
             for c in range(n_cols):
-                wide1[c] = _wide(x1[i * sx1 + c])
+                wide1[c] = _wide(x1_i[c])
         if has_res:
+            res_i = res[i * sres : i * sres + n_cols]
             for c in range(n_cols):
-                wide_r[c] = _wide(res[i * sres + c])
+                wide_r[c] = _wide(res_i[c])
         if has_x1 and not has_rs and s == 1.0 and p32 == 0.0:
             for c in range(n_cols):
-                h[base + c] = _stored(_exact_sum3(wide0[c], wide1[c], wide_r[c], nearest), h)
+                h_i[c] = _stored(_exact_sum3(wide0[c], wide1[c], wide_r[c], nearest), h)
         elif has_x1 or has_rs:
             for c in range(n_cols):
                 v = _exact_h(
                     wide0[c], keep0[c], scale, wide1[c], keep1[c], has_x1, wide_r[c], s, nearest
                 )
-                h[base + c] = _stored(v, h)
+                h_i[c] = _stored(v, h)
         else:
             for c in range(n_cols):
-                h[base + c] = _stored(_exact_h1(wide0[c], keep0[c], wide_r[c], s, nearest), h)
+                h_i[c] = _stored(_exact_h1(wide0[c], keep0[c], wide_r[c], s, nearest), h)
         if want_masks:
+            m0_i = m0[base : base + n_cols]
             for c in range(n_cols):
-                m0[base + c] = keep0[c]
+                m0_i[c] = keep0[c]
             if has_x1:
+                m1_i = m1[base : base + n_cols]
                 for c in range(n_cols):
-                    m1[base + c] = keep1[c]
+                    m1_i[c] = keep1[c]
 
 
 @_jit()
@@ -441,21 +448,26 @@ def _backward_rows(
         scale = rs[i] if has_rs else 1.0
         base = np.int64(i) * np.int64(n_cols)
         _keep_masks(keep0, keep1, has_x1, k0, k1, p32, base, n_cols)
+        # row slices, as in _forward_rows
+        dh_i = dh[i * sdh : i * sdh + n_cols]
         for c in range(n_cols):
-            wide[c] = _wide(dh[i * sdh + c])
+            wide[c] = _wide(dh_i[c])
+        dx0_i = dx0[base : base + n_cols]
         if has_rs:
             for c in range(n_cols):
                 v = _exact_h(wide[c], keep0[c], scale, 0.0, False, False, -0.0, s, nearest0)
-                dx0[base + c] = _stored(v, dx0)
+                dx0_i[c] = _stored(v, dx0)
         else:
             for c in range(n_cols):
-                dx0[base + c] = _stored(_exact_prod(wide[c], keep0[c], s, nearest0), dx0)
+                dx0_i[c] = _stored(_exact_prod(wide[c], keep0[c], s, nearest0), dx0)
         if has_x1:
+            dx1_i = dx1[base : base + n_cols]
             for c in range(n_cols):
-                dx1[base + c] = _stored(_exact_prod(wide[c], keep1[c], s, nearest1), dx1)
+                dx1_i[c] = _stored(_exact_prod(wide[c], keep1[c], s, nearest1), dx1)
         if has_res:
+            dres_i = dres[base : base + n_cols]
             for c in range(n_cols):
-                dres[base + c] = _stored(wide[c], dres)
+                dres_i[c] = _stored(wide[c], dres)
 
 
 # --- torch front ----------------------------------------------------------------------------

@@ -396,15 +396,24 @@ def forward(
     rms: bool,
     stats: bool = True,
     out_dtype: torch.dtype | None = None,
+    out_y: torch.Tensor | None = None,
+    out_residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """torch_'s forward contract; ``out_y`` / ``out_residual``, when given, are written
+    in place of fresh ``y`` / ``residual_out`` (``layernorm.options.write_into`` hands
+    them over: contiguous, ``x``'s shape, the output's dtype, sharing no memory with any
+    argument or each other)."""
     # Written flat on purpose: every Python step counts in a small call.
     n = x.shape[-1]
     numel = x.numel()
     m = numel // n
     types = _TYPES[x.dtype]
     nbytes = numel * types.itemsize
-    if out_dtype is None or out_dtype == x.dtype:
+    if out_dtype == x.dtype:
         out_dtype = None
+    if out_y is not None:
+        y = out_y
+    elif out_dtype is None:
         y = _output(x, nbytes)
     else:  # y of its own dtype (torch_'s contract: float32 or 16-bit), rounded into it
         y = _host_memory.empty(x.shape, out_dtype)
@@ -425,7 +434,7 @@ def forward(
         residual_out = None
         residual_address, residual_stride, residual_out_address = x_address, 0, x_address
     else:
-        residual_out = _output(x, nbytes)
+        residual_out = _output(x, nbytes) if out_residual is None else out_residual
         residual_address = residual.data_ptr()
         residual_stride = _stride(residual, n)
         residual_out_address = residual_out.data_ptr()
