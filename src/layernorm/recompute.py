@@ -12,11 +12,14 @@ roundoff of ``y``'s dtype (``2^-24`` float32, ``2^-8`` bfloat16, ``2^-11`` float
 
     δ_i  = (p·|y_i| + 2e·|y_i − beta_i|) / |gamma_i| + e·|u_i|      (|xhat_i − u_i| ≤ δ_i)
     |dx_i − dx_i,exact| ≤ rstd · (|c1|·δ_i + |u_i|·mean_j(|gh_j|·δ_j))
-                          + rstd · (|gh_i| + |c2| + |u_i·c1|) · (log2(N) + 8)·e
+                          + rstd · (|gh_i| + mean_j|gh_j| + |u_i|·mean_j|gh_j·u_j|)
+                                 · (log2(N) + 8)·e
                           + half a unit in the last place of dx_i in x's dtype
 
 (``c1``, ``c2``, ``gh`` as in §1; the second line is the float32 evaluation of the
-formula and its sums, the third the final rounding). ``dweight`` and ``dbias`` are the
+formula and its sums: a sum's rounding scales with the sum of its terms' magnitudes,
+``N·mean|gh|`` for ``c2`` (layer_norm only) and ``N·mean|gh·u|`` for ``c1``, not with ``|c2|`` or ``|c1|``,
+which can cancel to 0; the third the final rounding). ``dweight`` and ``dbias`` are the
 float32 sums ``Σ g·xhat`` and ``Σ g``. Where the numba backend runs the call and the
 input is float32 or 16-bit, the backward is one numba kernel
 (:mod:`layernorm.backends._numba_recompute`): the same formula in float64, every
