@@ -920,9 +920,11 @@ def _float32_bounds(delta, rstd_i, e_mean, k_p, weight_max, bias_max):
     """The row constants of ``normalize_row_fast`` for a float32 output
     (docs/contract.md §3, "float32 output"): ``(shift, bound_a, bound_b, tiny)`` with
     ``shift = fl(-delta·rstd)``, ``α = 1.01·k_p`` (at least ``e_r + 2.02u``) and
-    ``λ = rstd·(1.01·e_mean + 2.01u|delta|) + 2^-1070``:
+    ``λ = rstd·(1.01·e_mean + 2.01u|delta|) + 2^-1000``:
 
-    - ``bound_a = (α·bias_max + λ·weight_max + 2^-1070)·slack``,
+    - ``bound_a = (α·bias_max + λ·weight_max + 2^-1000)·slack`` (for underflow; at
+      least 2^-1000, a normal double: a subnormal ``bound_a`` costs every fma of the pass
+      a microcode assist on Intel, ten times the pass),
       ``bound_b = (α + u)·slack``, so ``|yh - y| <= bound_a + |yh|·bound_b``;
     - ``tiny >= bound_a / (FAST_MARGIN - bound_b)`` and ``>= 2^-126``: where
       ``|yh| >= tiny`` the bound is at most ``|yh|·FAST_MARGIN``, under a quarter of a
@@ -931,8 +933,8 @@ def _float32_bounds(delta, rstd_i, e_mean, k_p, weight_max, bias_max):
       run) unless ``g <= 1/2`` and the constants are finite."""
     shift = _shift(delta, rstd_i)
     alpha = 1.01 * k_p
-    lam = rstd_i * (1.01 * e_mean + 2.01 * _U * abs(delta)) + 2.0**-1070
-    bound_a = (alpha * bias_max + lam * weight_max + 2.0**-1070) * _SLACK32
+    lam = rstd_i * (1.01 * e_mean + 2.01 * _U * abs(delta)) + 2.0**-1000
+    bound_a = (alpha * bias_max + lam * weight_max + 2.0**-1000) * _SLACK32
     bound_b = (alpha + _U) * _SLACK32
     growth = bound_b * (1.0 / FAST_MARGIN)
     tiny = bound_a * (1.0 / FAST_MARGIN) * (1.0 + 2.0 * growth) * _SLACK32
