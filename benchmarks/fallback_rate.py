@@ -33,16 +33,16 @@ def stage_counts(dtype: torch.dtype, m: int, n: int, offset: float, rms: bool):
     from layernorm.backends._numba_vectors import normalize_row_checked, normalize_row_fast
 
     @njit(error_model="numpy")
-    def count(x, w, b, y, m, n, rms):
+    def count(x, w, b, y, m, n, rms, out32):
         unused = np.empty(1, w.dtype)
         segments = opened = precise = 0
         weight_max, bias_max = kernels._largest_parameters(w, b)
         for i in range(m):
             row = kernels._row_constants(
                 i, x, n, x, 0, False, x, unused, unused, n, 1e-5, rms, False, weight_max,
-                bias_max, False,
+                bias_max, False, out32,
             )  # fmt: skip
-            z, m1, delta, rstd_i, a, b_, k_y, bound_a, bound_b, tiny, flag, _ = row
+            z, m1, delta, rstd_i, a, b_, k_y, shift, bound_a, bound_b, tiny, flag, _ = row
             checked = 0
             y_i = y[i * n : (i + 1) * n]
             for start in range(0, n, kernels.SEGMENT):
@@ -50,7 +50,7 @@ def stage_counts(dtype: torch.dtype, m: int, n: int, offset: float, rms: bool):
                 segments += 1
                 z_s, y_s, w_s, b_s = z[start:stop], y_i[start:stop], w[start:stop], b[start:stop]
                 if normalize_row_fast(
-                    z_s, y_s, m1, delta, rstd_i, w_s, b_s, bound_a, bound_b, tiny
+                    z_s, y_s, m1, delta, rstd_i, shift, w_s, b_s, bound_a, bound_b, tiny
                 ):
                     opened += 1
                     checked |= normalize_row_checked(
@@ -65,7 +65,7 @@ def stage_counts(dtype: torch.dtype, m: int, n: int, offset: float, rms: bool):
     w = (torch.rand(n) + 0.5).to(types.acc_dtype).numpy()
     b = torch.randn(n).to(types.acc_dtype).numpy()
     xs = x.view(storage).numpy()
-    return count(xs, w, b, np.empty_like(xs), m, n, rms)
+    return count(xs, w, b, np.empty_like(xs), m, n, rms, dtype == torch.float32)
 
 
 def flagged_rows(dtype: torch.dtype, m: int, n: int, offset: float, rms: bool) -> int:

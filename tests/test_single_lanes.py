@@ -67,10 +67,11 @@ def _constants(x, w, b, eps, rms):
     weight_max = float(np.abs(weight).max())
     bias_max = float(np.abs(bias).max())
     row = kernels._row_constants(
-        0, z, n, z, 0, False, z, stats, stats, n, eps, rms, False, weight_max, bias_max, True
-    )
-    assert row[10] == 0  # not flagged
-    return row[11]
+        0, z, n, z, 0, False, z, stats, stats, n, eps, rms, False, weight_max, bias_max, True,
+        False,
+    )  # fmt: skip
+    assert row[11] == 0  # not flagged
+    return row[12]
 
 
 def _single_values(x, w, b, constants):

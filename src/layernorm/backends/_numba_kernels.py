@@ -119,7 +119,7 @@ SEGMENT = 1024
 #: these kernels. numba keys its on-disk cache on this file alone, so a change to that one
 #: must change this line, or a stale cached kernel would keep running the old code;
 #: ``tests/test_numba_vectors.py`` fails until it does.
-VECTORS_SHA256 = "08e3198195478c70"
+VECTORS_SHA256 = "20a72213894b1a7e"
 
 
 def _jit(*signature, **options):
@@ -395,37 +395,46 @@ def _precise_statistics(z, n, eps, rms):
 @_jit(inline="always")
 def _row_constants(
     i, x, x_stride, residual, residual_stride, has_residual, residual_out,
-    mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, single,
+    mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, single, out32,
 ):  # fmt: skip
     """Row ``i``'s statistics and the constants of the output passes' bounds:
-    ``(z, m1, delta, rstd_i, a, b, k_y, bound_a, bound_b, tiny, flag, lanes32)`` (
-    :func:`_row_statistics`, :func:`_folded`, :func:`_fast_bounds`; the bounds are
+    ``(z, m1, delta, rstd_i, a, b, k_y, shift, bound_a, bound_b, tiny, flag, lanes32)``
+    (:func:`_row_statistics`, :func:`_folded`, :func:`_bound_constants`; the bounds are
     meaningless when ``weight_max`` is infinite, and then unused), ``lanes32`` the
     float32 lanes' constants (:func:`_single_bounds`) when ``single`` (a constant of the
-    compiled code: a 16-bit output row), else unused zeros."""
+    compiled code: a 16-bit output row), else unused zeros; ``out32``: a float32
+    output row (a constant too)."""
     z, m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag = _row_statistics(
         i, x, x_stride, residual, residual_stride, has_residual, residual_out,
         mean, rstd, n, eps, rms, store_stats,
     )  # fmt: skip
-    a, b, bound_a, bound_b, tiny, lanes32 = _bound_constants(
-        m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, weight_max, bias_max, single
+    a, b, shift, bound_a, bound_b, tiny, lanes32 = _bound_constants(
+        m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, weight_max, bias_max, single, out32
     )  # fmt: skip
-    return z, m1, delta, rstd_i, a, b, k_y, bound_a, bound_b, tiny, flag, lanes32
+    return z, m1, delta, rstd_i, a, b, k_y, shift, bound_a, bound_b, tiny, flag, lanes32
 
 
 @_jit(inline="always")
-def _bound_constants(m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, weight_max, bias_max, single):  # fmt: skip
+def _bound_constants(m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, weight_max, bias_max, single, out32):  # fmt: skip
     """The output passes' constants from a row's statistics (:func:`_statistics`):
-    ``(a, b, bound_a, bound_b, tiny, lanes32)`` as :func:`_row_constants` describes them.
-    Straight-line code, as :func:`_statistics`."""
+    ``(a, b, shift, bound_a, bound_b, tiny, lanes32)`` as :func:`_row_constants`
+    describes them: the cheap pass's from :func:`_float32_bounds` for a float32 output
+    (``out32``), else from :func:`_fast_bounds` (``shift`` unused). Straight-line code,
+    as :func:`_statistics`."""
     a, b = _folded(delta, e_mean, k_c, k_p, k_w, w_rel)
+    shift = 0.0
     if single:
         lanes32 = _single_bounds(m1, delta, rstd_i, e_mean, w_rel, weight_max, bias_max)
         bound_a = bound_b = tiny = 0.0  # unused: the float64 cheap pass does not run
     else:
         lanes32 = (np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0), False)
-        bound_a, bound_b, tiny = _fast_bounds(a, b, k_y, weight_max, bias_max)
-    return a, b, bound_a, bound_b, tiny, lanes32
+        if out32:
+            shift, bound_a, bound_b, tiny = _float32_bounds(
+                delta, rstd_i, e_mean, k_p, weight_max, bias_max
+            )  # fmt: skip
+        else:
+            bound_a, bound_b, tiny = _fast_bounds(a, b, k_y, weight_max, bias_max)
+    return a, b, shift, bound_a, bound_b, tiny, lanes32
 
 
 _U32 = 2.0**-24  # float32's unit roundoff
@@ -460,6 +469,61 @@ def _single_bounds(m1, delta, rstd_i, e_mean, w_rel, weight_max, bias_max):
     return m1f, np.float32(rstd_i), np.float32(-tau), np.float32(a), usable
 
 
+def _is_float32(y):
+    """Whether ``y`` is a float32 row (a constant of the compiled code)."""
+
+
+@overload(_is_float32, inline="always")
+def _is_float32_impl(y):
+    single = y.dtype == types.float32
+    return lambda y: single
+
+
+#: Widening weight and bias to float64 costs two allocations and a pass over each; the
+#: float32 cheap pass gains about 70 ps an element from it (benchmarks/RESULTS.md)
+_WIDE_M, _WIDE_N = 4, 512
+
+
+@_jit(inline="always")
+def _widens(m, n, stream):
+    """Whether a float32 output's cheap pass gets float64 copies of weight and bias
+    (:func:`_float64_for`): for at least ``_WIDE_M`` rows of at least ``_WIDE_N``
+    elements, without streaming stores (with them the copies measured slower)."""
+    return m >= _WIDE_M and n >= _WIDE_N and not stream
+
+
+def _float64_for(y, values, wide):
+    """The cheap pass's copy of ``values`` (a weight or bias row): for a float32 row
+    ``y`` and float32 ``values``, widened to float64 once (a fresh row, exact) when
+    ``wide``, else an empty float64 row (unused); otherwise ``values`` itself. The float32
+    output pass then loads them without a conversion per row."""
+
+
+@overload(_float64_for)
+def _float64_for_impl(y, values, wide):
+    if y.dtype == types.float32 and values.dtype == types.float32:
+
+        def widened(y, values, wide):
+            if wide:
+                return values.astype(np.float64)
+            return np.empty(0, np.float64)
+
+        return widened
+    return lambda y, values, wide: values
+
+
+def _is_copy(cheap, values):
+    """Whether ``cheap`` can be a float64 copy of ``values`` (their dtypes differ: a
+    constant of the compiled code, so that a row function given the parameters
+    themselves, as :func:`_forward_batches` is, holds no code for copies)."""
+
+
+@overload(_is_copy, inline="always")
+def _is_copy_impl(cheap, values):
+    differ = cheap.dtype != values.dtype
+    return lambda cheap, values: differ
+
+
 def _is_half(y, weight, bias):
     """Whether ``y`` is a 16-bit row and ``weight``, ``bias`` are not float64 (a constant
     of the compiled code): the float32 lanes apply."""
@@ -483,31 +547,45 @@ def _forward_rows(
     row ``i + 1``'s statistics come before row ``i``'s output pass in program order, so
     the CPU overlaps the one's dependent chain (the sums, the square root, the bound's
     constants) with the other's independent vector work. Each row's values depend on
-    that row alone: the same bits in any order."""
-    weight_max, bias_max = _largest_parameters(weight, bias)
-    single = _is_half(y, weight, bias)
+    that row alone: the same bits in any order. For a float32 ``y``, the cheap pass gets
+    weight and bias widened to float64 here, once per call (:func:`_float64_for`), but
+    with streaming stores, where the widened rows measured slower (benchmarks/RESULTS.md,
+    "the cheaper float32 forward pass")."""
     if m == 0:
         return
+    weight_max, bias_max = _largest_parameters(weight, bias)
+    single = _is_half(y, weight, bias)
+    out32 = _is_float32(y)
+    wide = _widens(m, n, stream)
+    cheap = (_float64_for(y, weight, wide), _float64_for(y, bias, wide))
     if n <= BATCHED_N or (n <= 4 * BATCHED_N and m * n <= BATCHED_NUMEL):
-        _forward_batches(
-            x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias,
-            y, mean, rstd, m, n, eps, rms, stream, store_stats, flags, weight_max, bias_max,
-            single,
-        )  # fmt: skip
+        if _is_copy(cheap[0], weight) and wide:  # (a constant False but for float32 y)
+            _forward_batches(
+                x, x_stride, residual, residual_stride, has_residual, residual_out, weight,
+                bias, cheap, y, mean, rstd, m, n, eps, rms, stream, store_stats, flags,
+                weight_max, bias_max, single, out32,
+            )  # fmt: skip
+        else:  # short rows: no copies, and no code for them (see _is_copy)
+            _forward_batches(
+                x, x_stride, residual, residual_stride, has_residual, residual_out, weight,
+                bias, (weight, bias), y, mean, rstd, m, n, eps, rms, stream, store_stats,
+                flags, weight_max, bias_max, single, out32,
+            )  # fmt: skip
         return
     row = _row_constants(
         0, x, x_stride, residual, residual_stride, has_residual, residual_out,
-        mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, single,
+        mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, single, out32,
     )  # fmt: skip
     for i in range(m):
         following = row
         if i + 1 < m:
             following = _row_constants(
                 i + 1, x, x_stride, residual, residual_stride, has_residual, residual_out,
-                mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, single,
+                mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, single, out32,
             )  # fmt: skip
         flags[i] = _forward_row(
-            i, row, weight, bias, y, mean, rstd, n, eps, rms, store_stats, weight_max, stream
+            i, row, weight, bias, cheap, y, mean, rstd, n, eps, rms, store_stats, weight_max,
+            stream,
         )  # fmt: skip
         row = following
 
@@ -526,7 +604,7 @@ _M1F, _R, _NEG_T, _A32, _USABLE, _SCRATCH = range(11, 17)
 
 
 @_jit()
-def _batch_statistics(scratch, count, n, eps, rms, weight_max, bias_max, single):
+def _batch_statistics(scratch, count, n, eps, rms, weight_max, bias_max, single, out32):
     """:func:`_statistics` and :func:`_bound_constants` of the ``count`` rows of a batch,
     from their shifts and sums in ``scratch[_M1:_S2 + 1, :count]`` into the rows after
     (flags and ``usable`` as 0.0 or 1.0, float32 constants widened exactly): one loop,
@@ -552,8 +630,9 @@ def _batch_statistics(scratch, count, n, eps, rms, weight_max, bias_max, single)
         delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag = _statistics(
             m1, s1_[j], s2_[j], n, eps, rms
         )  # fmt: skip
-        a, b, bound_a, bound_b, tiny, lanes32 = _bound_constants(
-            m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, weight_max, bias_max, single
+        a, b, _, bound_a, bound_b, tiny, lanes32 = _bound_constants(
+            m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, weight_max, bias_max, single,
+            out32,
         )  # fmt: skip
         m1f, r, neg_t, a32, usable = lanes32
         delta_[j], rstd_[j], a_[j], b_[j] = delta, rstd_i, a, b
@@ -565,8 +644,8 @@ def _batch_statistics(scratch, count, n, eps, rms, weight_max, bias_max, single)
 
 @_jit(inline="always")
 def _forward_batches(
-    x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y,
-    mean, rstd, m, n, eps, rms, stream, store_stats, flags, weight_max, bias_max, single,
+    x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, cheap, y,
+    mean, rstd, m, n, eps, rms, stream, store_stats, flags, weight_max, bias_max, single, out32,
 ):  # fmt: skip
     """:func:`_forward_rows` for short rows (``n <= BATCHED_N``, or up to ``4 *
     BATCHED_N`` in a span of at most ``BATCHED_NUMEL`` elements), whose per-row
@@ -574,7 +653,8 @@ def _forward_batches(
     row's pass over memory (:func:`_row_sums`), the batch's constants together
     (:func:`_batch_statistics`), then each row's output (:func:`_forward_row`). Every
     row's arithmetic is :func:`_row_constants`' (the same bits); only the scalar work is
-    shared."""
+    shared. ``cheap``: the cheap pass's weight and bias, as :func:`_forward_row` takes
+    them."""
     scratch = np.empty((_SCRATCH, _FORWARD_BATCH), np.float64)
     k_y = _K_Y
     for first in range(0, m, _FORWARD_BATCH):
@@ -584,7 +664,7 @@ def _forward_batches(
                 first + j, x, x_stride, residual, residual_stride, has_residual,
                 residual_out, n, rms,
             )  # fmt: skip
-        _batch_statistics(scratch, count, n, eps, rms, weight_max, bias_max, single)
+        _batch_statistics(scratch, count, n, eps, rms, weight_max, bias_max, single, out32)
         for j in range(count):
             i = first + j
             z = (
@@ -603,33 +683,35 @@ def _forward_batches(
                 scratch[_USABLE, j] != 0.0,
             )  # fmt: skip
             row = (
-                z, m1, delta, rstd_i, scratch[_A, j], scratch[_B, j], k_y,
+                z, m1, delta, rstd_i, scratch[_A, j], scratch[_B, j], k_y, _shift(delta, rstd_i),
                 scratch[_BOUND_A, j], scratch[_BOUND_B, j], scratch[_TINY, j],
                 1 if scratch[_FLAG, j] != 0.0 else 0, lanes32,
             )  # fmt: skip
             flags[i] = _forward_row(
-                i, row, weight, bias, y, mean, rstd, n, eps, rms, store_stats, weight_max, stream
+                i, row, weight, bias, cheap, y, mean, rstd, n, eps, rms, store_stats,
+                weight_max, stream,
             )  # fmt: skip
 
 
 @_jit(inline="always")
 def _forward_row(
-    i, row, weight, bias, y, mean, rstd, n, eps, rms, store_stats, weight_max, stream,
+    i, row, weight, bias, cheap, y, mean, rstd, n, eps, rms, store_stats, weight_max, stream,
 ):  # fmt: skip
     """Row ``i``'s output from its constants ``row`` (:func:`_row_constants`), each
     element rounded once.
     The output pass runs over segments of at most :data:`SEGMENT` elements: first the
-    cheap pass (``_numba_vectors.normalize_row_fast``, with :func:`_fast_bounds` from the
-    largest ``|weight|`` and ``|bias|``; skipped when one is not finite, ``weight_max =
-    inf``), with streaming stores when ``stream`` (on x86: the row's unaligned head is a
-    segment of its own); where it leaves an element open, the pass with the bound per
-    element (``normalize_row_checked``) rewrites that segment only (the passes have no
-    reductions: segments change no bits). A 16-bit row (``_is_half``) runs in float32
+    cheap pass (``_numba_vectors.normalize_row_fast``, with :func:`_float32_bounds` for a
+    float32 output, else :func:`_fast_bounds`, from the largest ``|weight|`` and
+    ``|bias|``; skipped when one is not finite, ``weight_max = inf``, or where the
+    constants leave it no use, ``tiny = inf``; weight and bias from ``cheap``, the
+    float64 copies of :func:`_float64_for`, when they are not empty), with streaming
+    stores when ``stream`` (on x86: the row's unaligned head is a segment of its own):
+    :func:`_cheap_segments`. A 16-bit row (``_is_half``) runs in float32
     lanes instead (``normalize_row_fast_single``, whose result is the checked pass's;
     streamed from the first 32-byte boundary when ``stream``), or, where
     :func:`_single_bounds` finds it unusable, the checked pass directly. Returns the
     row's fallback flag."""
-    z, m1, delta, rstd_i, a, b, k_y, bound_a, bound_b, tiny, flag, lanes32 = row
+    z, m1, delta, rstd_i, a, b, k_y, shift, bound_a, bound_b, tiny, flag, lanes32 = row
     m1f, r, neg_t, a32, single = lanes32
     y_i = y[i * n : (i + 1) * n]
     in_range = _RANGE_LOW < rstd_i < _RANGE_HIGH and abs(m1) < np.inf
@@ -643,7 +725,7 @@ def _forward_row(
                 rstd[i] = rstd_scaled
             return np.uint8(0)
     checked = np.int32(0)
-    if flag == 0 and weight_max < np.inf:
+    if flag == 0 and weight_max < np.inf and tiny < np.inf:
         streaming = stream and _X86
         if _is_half(y_i, weight, bias) and not single:  # rare: rstd too loose or extreme
             checked = normalize_row_checked(z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y)
@@ -664,34 +746,16 @@ def _forward_row(
                 checked = normalize_row_fast_single(
                     z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y, m1f, r, neg_t, a32
                 )  # fmt: skip
-        elif n <= SEGMENT and not streaming:  # one segment: the row itself, no slicing
-            if normalize_row_fast(z, y_i, m1, delta, rstd_i, weight, bias, bound_a, bound_b, tiny):
-                checked = normalize_row_checked(
-                    z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y
-                )  # fmt: skip
-        else:
-            start = 0
-            stop = _vector_head(y_i) if streaming else min(n, SEGMENT)
-            while start < n:
-                z_s, y_s = z[start:stop], y_i[start:stop]
-                w_s, b_s = weight[start:stop], bias[start:stop]
-                if streaming and start > 0:  # after the head: aligned
-                    open_ = normalize_row_fast_streaming(
-                        z_s, y_s, m1, delta, rstd_i, w_s, b_s, bound_a, bound_b, tiny
-                    )  # fmt: skip
-                    if open_ != 0:
-                        _store_fence()  # the streamed stores land before their rewrite
-                else:
-                    open_ = normalize_row_fast(
-                        z_s, y_s, m1, delta, rstd_i, w_s, b_s, bound_a, bound_b, tiny
-                    )  # fmt: skip
-                if open_ != 0:
-                    checked |= normalize_row_checked(
-                        z_s, y_s, m1, delta, rstd_i, w_s, b_s, a, b, k_y
-                    )  # fmt: skip
-                start, stop = stop, min(n, stop + SEGMENT)
-            if streaming:
-                _store_fence()
+        elif _is_copy(cheap[0], weight) and not streaming and cheap[0].shape[0] == n:
+            checked = _cheap_segments(  # their float64 copies
+                z, y_i, m1, delta, rstd_i, shift, weight, bias, cheap[0], cheap[1], a, b, k_y,
+                bound_a, bound_b, tiny, n, False,
+            )  # fmt: skip
+        else:  # the parameters as they are
+            checked = _cheap_segments(
+                z, y_i, m1, delta, rstd_i, shift, weight, bias, weight, bias, a, b, k_y,
+                bound_a, bound_b, tiny, n, streaming,
+            )  # fmt: skip
     else:
         checked = normalize_row_checked(z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y)
     if (flag | checked) != 0:
@@ -703,6 +767,49 @@ def _forward_row(
         a, b = _folded(delta, e_mean, k_c, k_p, k_w, w_rel)
         checked = normalize_row_checked(z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y)
     return np.uint8(flag | checked)
+
+
+@_jit(inline="always")
+def _cheap_segments(
+    z, y_i, m1, delta, rstd_i, shift, weight, bias, cheap_weight, cheap_bias, a, b, k_y,
+    bound_a, bound_b, tiny, n, streaming,
+):  # fmt: skip
+    """:func:`_forward_row`'s output pass over segments of at most :data:`SEGMENT`
+    elements: the cheap pass (``normalize_row_fast``, on ``cheap_weight`` and
+    ``cheap_bias``, the same values as ``weight`` and ``bias``, in their dtype or
+    float64), and the checked pass, which rewrites a segment it leaves open (the passes
+    have no reductions: segments change no bits). Returns the checked passes' flag.
+    ``streaming``: non-temporal stores after the unaligned head."""
+    checked = np.int32(0)
+    if n <= SEGMENT and not streaming:  # one segment: the row itself, no slicing
+        if normalize_row_fast(
+            z, y_i, m1, delta, rstd_i, shift, cheap_weight, cheap_bias, bound_a, bound_b, tiny
+        ):  # fmt: skip
+            checked = normalize_row_checked(z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y)
+        return checked
+    start = 0
+    stop = _vector_head(y_i) if streaming else min(n, SEGMENT)
+    while start < n:
+        z_s, y_s = z[start:stop], y_i[start:stop]
+        w_s, b_s = cheap_weight[start:stop], cheap_bias[start:stop]
+        if streaming and start > 0:  # after the head: aligned
+            open_ = normalize_row_fast_streaming(
+                z_s, y_s, m1, delta, rstd_i, shift, w_s, b_s, bound_a, bound_b, tiny
+            )  # fmt: skip
+            if open_ != 0:
+                _store_fence()  # the streamed stores land before their rewrite
+        else:
+            open_ = normalize_row_fast(
+                z_s, y_s, m1, delta, rstd_i, shift, w_s, b_s, bound_a, bound_b, tiny
+            )  # fmt: skip
+        if open_ != 0:
+            checked |= normalize_row_checked(
+                z_s, y_s, m1, delta, rstd_i, weight[start:stop], bias[start:stop], a, b, k_y
+            )  # fmt: skip
+        start, stop = stop, min(n, stop + SEGMENT)
+    if streaming:
+        _store_fence()
+    return checked
 
 
 #: float64 rows whose ``rstd`` falls outside these (``var + eps`` outside 2^-880..2^880),
@@ -791,6 +898,53 @@ def _fast_bounds(a, b, k_y, weight_max, bias_max):
         tiny = (bound_a + bias_max * bound_b) * (1.0 / FAST_MARGIN) * (1.0 + 2.0 * growth)
         tiny *= _SLACK * _SLACK
     return bound_a, bound_b, tiny
+
+
+@_jit(inline="always")
+def _shift(delta, rstd_i):
+    """The float32 cheap pass's ``shift = fl(-delta·rstd)`` (not kept in
+    :func:`_batch_statistics`' scratch, whose one more row would stop LLVM vectorizing
+    it: computed again where used, the same bits)."""
+    return -(delta * rstd_i)
+
+
+#: The float32 cheap pass's slack: covers ``1/(1 - α) <= 1 + 2^-26`` (``α <= 2^-27``
+#: wherever the pass runs) and the few roundings of its constants and of ``E``'s fma
+_SLACK32 = 1.0 + 2.0**-24
+#: float32's smallest normal: below it its rounding boundaries are not at fixed low bits
+_FLOAT32_NORMAL = 2.0**-126
+
+
+@_jit(inline="always")
+def _float32_bounds(delta, rstd_i, e_mean, k_p, weight_max, bias_max):
+    """The row constants of ``normalize_row_fast`` for a float32 output
+    (docs/contract.md §3, "float32 output"): ``(shift, bound_a, bound_b, tiny)`` with
+    ``shift = fl(-delta·rstd)``, ``α = 1.01·k_p`` (at least ``e_r + 2.02u``) and
+    ``λ = rstd·(1.01·e_mean + 2.01u|delta|) + 2^-1000``:
+
+    - ``bound_a = (α·bias_max + λ·weight_max + 2^-1000)·slack`` (for underflow; at
+      least 2^-1000, a normal double: a subnormal ``bound_a`` costs every fma of the pass
+      a microcode assist on Intel, ten times the pass),
+      ``bound_b = (α + u)·slack``, so ``|yh - y| <= bound_a + |yh|·bound_b``;
+    - ``tiny >= bound_a / (FAST_MARGIN - bound_b)`` and ``>= 2^-126``: where
+      ``|yh| >= tiny`` the bound is at most ``|yh|·FAST_MARGIN``, under a quarter of a
+      float32 unit of ``yh``; with ``g = bound_b / FAST_MARGIN <= 1/2``,
+      ``1 / (1 - g) <= 1 + 2g`` (no division). ``tiny = inf`` (the cheap pass does not
+      run) unless ``g <= 1/2`` and the constants are finite."""
+    shift = _shift(delta, rstd_i)
+    alpha = 1.01 * k_p
+    lam = rstd_i * (1.01 * e_mean + 2.01 * _U * abs(delta)) + 2.0**-1000
+    bound_a = (alpha * bias_max + lam * weight_max + 2.0**-1000) * _SLACK32
+    bound_b = (alpha + _U) * _SLACK32
+    growth = bound_b * (1.0 / FAST_MARGIN)
+    tiny = bound_a * (1.0 / FAST_MARGIN) * (1.0 + 2.0 * growth) * _SLACK32
+    if tiny < _FLOAT32_NORMAL:
+        tiny = _FLOAT32_NORMAL
+    if not growth <= 0.5:  # (NaN constants too)
+        tiny = np.inf
+    if not tiny < np.inf:
+        tiny = np.inf
+    return shift, bound_a, bound_b, tiny
 
 
 def _largest(values):

@@ -612,6 +612,33 @@ class _Flags:
         return self.builder.zext(self.builder.icmp_unsigned("!=", result, _I32(0)), _I32)
 
 
+class _Decided:
+    """Whether a row pass decided every element: an i1 lane per element, AND-ed over the
+    row (:class:`_Flags` inverted: a mask register's AND per vector, which LLVM folds
+    into a masked comparison with the AND of two conditions)."""
+
+    def __init__(self, builder: ir.IRBuilder, width: int):
+        self.builder = builder
+        self.width = width
+        self.vector = ir.VectorType(ir.IntType(1), width)
+        self.lanes = cgutils.alloca_once_value(builder, ir.Constant(self.vector, [1] * width))
+
+    def add(self, decided: ir.Value) -> None:
+        """ANDs in ``decided`` (i1: a vector of ``width`` lanes, or a scalar for lane 0)."""
+        builder = self.builder
+        if not isinstance(decided.type, ir.VectorType):
+            decided = builder.insert_element(
+                ir.Constant(self.vector, [1] * self.width), decided, _I32(0)
+            )
+        builder.store(builder.and_(builder.load(self.lanes), decided), self.lanes)
+
+    def any_open(self) -> ir.Value:
+        """1 (i32) when some lane was not decided, else 0."""
+        bits = self.builder.bitcast(self.builder.load(self.lanes), ir.IntType(self.width))
+        every = ir.IntType(self.width)((1 << self.width) - 1)
+        return self.builder.zext(self.builder.icmp_unsigned("!=", bits, every), _I32)
+
+
 def _as_bits(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
     """Stored values as integers of their width (float32 bits; 16-bit ones already are)."""
     scalar = value.type.element if isinstance(value.type, ir.VectorType) else value.type
@@ -800,55 +827,88 @@ def _near_boundary(builder: ir.IRBuilder, single: ir.Value, dtype: types.Type) -
 
 
 @intrinsic
-def normalize_row_fast(typingctx, z, y, m1, delta, rstd, weight, bias, bound_a, bound_b, tiny):
-    """The forward's first, cheap pass (docs/contract.md §3): ``yh`` as in
-    :func:`normalize_row_checked`, each element rounded to ``y``'s dtype, with a test
-    that needs no per-element bound for 16-bit outputs and a two-term one for float32.
-    Returns 1 when the test leaves some element open (the caller then runs
-    :func:`normalize_row_checked`, which overwrites the row), else 0, and then every
-    element stored is ``yh``'s correct rounding, hence (``yh`` within the bound) the exact
-    value's.
+def normalize_row_fast(
+    typingctx, z, y, m1, delta, rstd, shift, weight, bias, bound_a, bound_b, tiny
+):  # fmt: skip
+    """The forward's first, cheap pass (docs/contract.md §3, "The cheap test first"):
+    each element rounded to ``y``'s dtype, with a test that needs a two-term bound for
+    float32 and no per-element bound for 16-bit outputs. Returns 1 when the test leaves
+    some element open (the caller then runs :func:`normalize_row_checked`, which
+    overwrites the row), else 0, and then every element stored is ``yh``'s correct
+    rounding, hence (``yh`` within the bound) the exact value's.
 
-    - float32: ``E = fma(|p|, bound_b, bound_a)`` (per-row constants that make it at
-      least :func:`normalize_row_checked`'s ``E``, with slack for this rounding), and
-      Ziv's test: ``yh - E`` and ``yh + E`` round to the same float32 (their patterns'
-      xor, OR-ed over the row, is 0). Stored: ``RN32(yh)``.
-    - bfloat16, float16: the caller's ``tiny`` is such that ``|yh| >= tiny`` implies
-      ``E <= |yh| * FAST_MARGIN`` (``E = 0`` at ``yh = 0`` when ``tiny = 0``); then
-      every float32 within ``E`` of ``yh`` has a pattern within one of
-      ``S = RN32(yh)``'s, so the element is decided unless ``|yh| < tiny`` or ``S``'s
-      pattern is within one of a boundary's (:func:`_near_boundary`), or (float16)
-      ``0 < |yh| < 2^-14``, where its boundaries are not at fixed float32 bits. Stored:
-      ``RN(S)``, rounded twice, which is ``RN(yh)`` unless ``S`` is a boundary (tested);
-      bfloat16 without the tie rule (no tie is left decided), and a NaN is left open
-      (the checked pass writes :func:`narrow`'s NaN).
-    - float64: ``yh``, no test (returns 0).
+    - float32 (:func:`_float32_values`): ``t = fma(z - m1, rstd, shift)`` (``shift =
+      fl(-delta·rstd)``), ``yh = fma(t, weight, bias)``, stored ``RN32(yh)``; the
+      element is decided when ``|yh| >= tiny`` and ``|yh - M| > fma(|yh|, bound_b,
+      bound_a)``, ``M`` the midpoint of the two float32 neighbours of ``yh`` (the
+      caller's constants make that ``E <= |yh|·FAST_MARGIN``, so ``M`` is the only
+      boundary that can lie within ``E``). ``delta`` is unused.
+    - bfloat16, float16: ``yh`` as in :func:`normalize_row_checked`; the caller's
+      ``tiny`` is such that ``|yh| >= tiny`` implies ``E <= |yh| * FAST_MARGIN``
+      (``E = 0`` at ``yh = 0`` when ``tiny = 0``); then every float32 within ``E`` of
+      ``yh`` has a pattern within one of ``S = RN32(yh)``'s, so the element is decided
+      unless ``|yh| < tiny`` or ``S``'s pattern is within one of a boundary's
+      (:func:`_near_boundary`), or (float16) ``0 < |yh| < 2^-14``, where its
+      boundaries are not at fixed float32 bits. Stored: ``RN(S)``, rounded twice, which
+      is ``RN(yh)`` unless ``S`` is a boundary (tested); bfloat16 without the tie rule
+      (no tie is left decided), and a NaN is left open (the checked pass writes
+      :func:`narrow`'s NaN). ``shift``, ``bound_a`` and ``bound_b`` are unused.
+    - float64: ``yh`` as in :func:`normalize_row_checked`, no test (returns 0).
 
-    A NaN ``yh`` passes (it stays NaN) but in bfloat16; ``bound_a``, ``bound_b``, ``tiny`` must not be
-    NaN (the caller runs this pass only with finite weight and bias); ``tiny`` is unused
-    for float32 and float64."""
-    sig = signature(types.int32, z, y, m1, delta, rstd, weight, bias, bound_a, bound_b, tiny)
+    A NaN or infinite ``yh`` is left open for float32; a NaN passes (it stays NaN) for
+    float16. ``bound_a``, ``bound_b``, ``tiny`` must not be NaN (the caller runs this
+    pass only with finite weight and bias and a finite ``tiny``)."""
+    sig = signature(types.int32, z, y, m1, delta, rstd, shift, weight, bias, bound_a, bound_b, tiny)
     return sig, lambda context, builder, sig, args: _fast_pass(context, builder, sig, args, False)
 
 
 @intrinsic
 def normalize_row_fast_streaming(
-    typingctx, z, y, m1, delta, rstd, weight, bias, bound_a, bound_b, tiny
+    typingctx, z, y, m1, delta, rstd, shift, weight, bias, bound_a, bound_b, tiny
 ):  # fmt: skip
     """:func:`normalize_row_fast` with non-temporal vector stores (no read-for-ownership
     of ``y``; same bits): ``y`` must start at a multiple of 8 elements' bytes."""
-    sig = signature(types.int32, z, y, m1, delta, rstd, weight, bias, bound_a, bound_b, tiny)
+    sig = signature(types.int32, z, y, m1, delta, rstd, shift, weight, bias, bound_a, bound_b, tiny)
     return sig, lambda context, builder, sig, args: _fast_pass(context, builder, sig, args, True)
 
 
+def _float32_values(builder: ir.IRBuilder, rows, scalars, index: ir.Value, lanes: int):
+    """One vector (or element) of :func:`normalize_row_fast` for a float32 ``y``:
+    ``(stored, decided)``, ``decided`` an i1 per lane; ``rows = (z, y, w, b)``,
+    ``scalars = (m1, rstd, shift, bound_a, bound_b, tiny)``::
+
+        t = fma(z - m1, rstd, shift);  yh = fma(t, w, b)
+        M = yh's pattern with its 29 bits below float32's precision set to 2^28
+        decided where |yh| >= tiny and |yh - M| > fma(|yh|, bound_b, bound_a)
+
+    ``M`` is the midpoint of the float32 neighbours of ``yh`` (same sign and exponent:
+    ``yh - M`` is exact); a NaN or infinite ``yh`` makes ``M`` a NaN, and the ordered
+    comparisons leave it open."""
+    z, _, w, b = rows
+    double = ir.DoubleType()
+    m1, rstd, shift, bound_a, bound_b, tiny = _splat_all(builder, scalars, lanes)
+    zv, wv, bv = (row.load(index, lanes, double) for row in (z, w, b))
+    t = _fma(builder, builder.fsub(zv, m1), rstd, shift)
+    yh = _fma(builder, t, wv, bv)
+    stored = builder.fptrunc(yh, _shaped(ir.FloatType(), yh))
+    bits = builder.bitcast(yh, _shaped(_I64, yh))
+    high = _constant(_I64, ~((1 << _SINGLE_LOW_BITS) - 1) & ((1 << 64) - 1), yh)
+    midpoint = builder.or_(builder.and_(bits, high), _constant(_I64, _SINGLE_MIDPOINT_BITS, yh))
+    distance = _fabs(builder, builder.fsub(yh, builder.bitcast(midpoint, yh.type)))
+    magnitude = _fabs(builder, yh)
+    bound = _fma(builder, magnitude, bound_b, bound_a)
+    far = builder.fcmp_ordered(">", distance, bound)
+    return stored, builder.and_(builder.fcmp_ordered(">=", magnitude, tiny), far)
+
+
 def _fast_values(builder: ir.IRBuilder, rows, scalars, index: ir.Value, lanes: int):
-    """One vector (or element) of :func:`normalize_row_fast` in float64: ``(stored,
-    differ)``, the values to store (the row's storage dtype; ``y``'s rows ``rows = (z,
-    y, w, b)``) and, but for float64, where the test leaves an element open (float32:
-    i32 lanes, nonzero where open; 16-bit: i1 lanes)."""
+    """One vector (or element) of :func:`normalize_row_fast` for a 16-bit or float64
+    ``y``: ``(stored, open)``, the values to store (the row's storage dtype; ``rows =
+    (z, y, w, b)``, ``scalars = (m1, delta, rstd, shift, bound_a, bound_b, tiny)``) and,
+    but for float64, an i1 per lane where the test leaves the element open."""
     z, y, w, b = rows
     double = ir.DoubleType()
-    m1, delta, rstd, bound_a, bound_b, tiny = _splat_all(builder, scalars, lanes)
+    m1, delta, rstd, _, _, _, tiny = _splat_all(builder, scalars, lanes)
     zv, wv, bv = (row.load(index, lanes, double) for row in (z, w, b))
     c = builder.fsub(builder.fsub(zv, m1), delta)
     p = builder.fmul(builder.fmul(c, rstd), wv)
@@ -860,11 +920,6 @@ def _fast_values(builder: ir.IRBuilder, rows, scalars, index: ir.Value, lanes: i
         stored = _bfloat16_upper(builder, single)
     else:
         stored = narrow(builder, single, y.dtype)
-    if y.dtype == types.float32:
-        bound = _fma(builder, _fabs(builder, p), bound_b, bound_a)
-        ends = [builder.fsub(yh, bound), builder.fadd(yh, bound)]
-        low, high = (_as_bits(builder, builder.fptrunc(v, single.type)) for v in ends)
-        return stored, builder.xor(low, high)  # nonzero where they differ
     magnitude = _fabs(builder, yh)
     if y.dtype == types.uint16:  # a NaN too: the checked pass writes narrow's 0x7FC0
         small = builder.fcmp_unordered("<", magnitude, tiny)
@@ -892,18 +947,30 @@ def _bfloat16_upper(builder: ir.IRBuilder, single: ir.Value) -> ir.Value:
 
 def _fast_pass(context, builder, sig, args, streaming: bool) -> ir.Value:
     """:func:`normalize_row_fast`'s code (``streaming``: non-temporal vector stores)."""
-    rows = tuple(Row(context, builder, sig.args[k], args[k]) for k in (0, 1, 5, 6))
+    rows = tuple(Row(context, builder, sig.args[k], args[k]) for k in (0, 1, 6, 7))
     y = rows[1]
-    # float32: the xors of the ends' patterns (i32); 16-bit: an i1 mask per element
-    flags = _Flags(builder, lanes(ir.DoubleType()), mask=y.dtype != types.float32)
+    width = lanes(ir.DoubleType())
+    if y.dtype == types.float32:
+        decided = _Decided(builder, width)
+        m1, _, rstd, shift, bound_a, bound_b, tiny = args[2:6] + args[8:11]
+
+        def single(index: ir.Value, lanes: int) -> None:
+            scalars = (m1, rstd, shift, bound_a, bound_b, tiny)
+            stored, closed = _float32_values(builder, rows, scalars, index, lanes)
+            y.store_raw(stored, index, lanes, streaming)
+            decided.add(closed)
+
+        _elementwise(builder, y.length, width, single)
+        return decided.any_open()
+    flags = _Flags(builder, width, mask=True)  # an i1 per element
 
     def element(index: ir.Value, lanes: int) -> None:
-        stored, differ = _fast_values(builder, rows, args[2:5] + args[7:10], index, lanes)
+        stored, differ = _fast_values(builder, rows, args[2:6] + args[8:11], index, lanes)
         y.store_raw(stored, index, lanes, streaming)
         if differ is not None:
             flags.add(differ)
 
-    _elementwise(builder, y.length, flags.width, element)
+    _elementwise(builder, y.length, width, element)
     return flags.any()
 
 
