@@ -20,10 +20,7 @@ import pytest
 import torch
 
 pytest.importorskip("numba")
-from llvmlite import ir
-from numba import njit, types
-from numba.core.typing import signature
-from numba.extending import intrinsic
+from numba import njit
 
 from layernorm.backends import _numba_kernels, _numba_vectors
 from layernorm.backends._numba_vectors import (
@@ -32,7 +29,6 @@ from layernorm.backends._numba_vectors import (
     add_rows,
     dx_row,
     dx_row_touching,
-    near_single_boundary,
     normalize_row,
     normalize_row_fast,
     row_sum,
@@ -391,77 +387,3 @@ def test_the_largest_magnitude_is_exact_or_inf(dtype):
         assert _largest(values) == np.max(np.abs(values.astype(np.float64)))
     for bad in (np.nan, -np.inf, np.inf):
         assert _largest(np.array([1.0, bad, 2.0], dtype)) == np.inf
-
-
-def _near_single_boundary_of(ulps: int):
-    """A jitted ``(values, flags) -> None``: ``flags[j] = near_single_boundary(values[j],
-    ulps)`` over a float64 array, in vectors of 8 and a scalar tail."""
-
-    @intrinsic
-    def lanes(typingctx, values, flags):
-        def codegen(context, builder, sig, args):
-            source, target = (
-                _numba_vectors.Row(context, builder, sig.args[i], args[i]) for i in (0, 1)
-            )
-
-            def element(index, width):
-                near = near_single_boundary(builder, source.load(index, width), ulps)
-                byte = _numba_vectors._shaped(ir.IntType(8), near)
-                target.store_raw(builder.zext(near, byte), index, width)
-
-            _numba_vectors._elementwise(builder, source.length, 8, element)
-            return context.get_dummy_value()
-
-        return signature(types.void, values, flags), codegen
-
-    @njit
-    def run(values, flags):
-        lanes(values, flags)
-
-    return run
-
-
-_SINGLE_OVERFLOW = Fraction(2**128 - 2**103)  # RN32 of larger magnitudes is infinite
-
-
-def _single_midpoints(value: float) -> tuple[Fraction, Fraction]:
-    """The float32 rounding boundaries just below and above the positive float64
-    ``value`` (at least 2^-126): the midpoints between RN32(value) and its neighbours, or
-    the overflow threshold."""
-    with np.errstate(over="ignore"):
-        r = np.float32(value)
-        if np.isinf(r):
-            return _SINGLE_OVERFLOW, _SINGLE_OVERFLOW * 2
-        below, above = (np.nextafter(r, np.float32(t)) for t in (0, np.inf))
-    exact = Fraction(float(r))
-    high = _SINGLE_OVERFLOW if np.isinf(above) else (exact + Fraction(float(above))) / 2
-    return (exact + Fraction(float(below))) / 2, high
-
-
-@pytest.mark.parametrize("ulps", [1, 3, 1 << 14])
-def test_near_single_boundary_is_sound_and_catches_midpoints(ulps):
-    """Where ``near_single_boundary`` is false, every point within ``ulps·|v|·2^-53`` of
-    ``v`` lies strictly between the same two float32 midpoints (exact rationals); values
-    within ``ulps`` units of a midpoint (the overflow threshold included) are flagged."""
-    rng = np.random.default_rng(ulps)
-    scales = 2.0 ** rng.integers(-100, 120, 4000)
-    singles = (rng.standard_normal(4000) * scales).astype(np.float32)
-    singles = np.concatenate([singles, np.float32([1.0, -2.0, 2.0**-126])])
-    upper = np.nextafter(singles, np.float32(np.inf) * np.sign(singles))
-    midpoints = (singles.astype(np.float64) + upper.astype(np.float64)) / 2  # exact
-    midpoints = np.append(midpoints, 2.0**128 - 2.0**103)  # the overflow threshold
-    offsets = rng.integers(-3 * ulps, 3 * ulps + 1, len(midpoints))
-    near = midpoints + offsets * np.spacing(midpoints)  # exact: within the binade
-    anywhere = rng.standard_normal(4000) * 2.0 ** rng.integers(-100, 120, 4000)
-    values = np.concatenate([near, -near, anywhere])
-    flags = np.zeros(len(values), np.uint8)
-    _near_single_boundary_of(ulps)(values, flags)
-    for value, flag in zip(values, flags, strict=True):
-        if not flag:  # (the sign is a symmetry of rounding)
-            low, high = _single_midpoints(abs(value))
-            e = abs(Fraction(value)) * Fraction(ulps, 2**53)
-            assert low < abs(Fraction(value)) - e and abs(Fraction(value)) + e < high, value
-    expected = np.abs(offsets) <= ulps
-    assert (flags[: 2 * len(near)].astype(bool) == np.concatenate([expected, expected])).all()
-    with pytest.raises(ValueError, match="ulps must lie in"):
-        near_single_boundary(None, None, 1 << 26)

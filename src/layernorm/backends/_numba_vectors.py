@@ -655,29 +655,6 @@ _SINGLE_LOW_BITS = 29
 _SINGLE_MIDPOINT_BITS = 1 << (_SINGLE_LOW_BITS - 1)
 
 
-def near_single_boundary(builder: ir.IRBuilder, value: ir.Value, ulps: int) -> ir.Value:
-    """i1 (per lane) where the double ``value``'s pattern is within ``ulps`` units of its
-    last place of a float32 rounding boundary: its low 29 bits within ``ulps`` of
-    ``2^28``. Three integer operations, no conversion.
-
-    Rounding to float32 is decided where this is false, for every point within ``E <=
-    ulps·|value|·2^-53`` of ``value`` (then ``E <= ulps·ulp64(value)``), provided
-    ``|value| >= 2^-126`` (float32's normal range; below it the boundaries are not at
-    fixed low bits, and the caller must leave such values open): inside ``value``'s
-    binade every boundary (a midpoint of float32 neighbours, and at the top of the range
-    the overflow threshold ``2^128 - 2^103``) has low bits ``2^28``; the nearest one in
-    the binade below lies ``2^27`` units away and the one above ``2^29``. Needs
-    ``0 < ulps < 2^26``. Not meaningful for NaN and infinite values (the caller tests
-    ``|value|`` against a finite threshold, which they fail or pass as it decides)."""
-    if not 0 < ulps < 1 << 26:
-        raise ValueError(f"ulps must lie in (0, 2^26), got {ulps}")
-    bits = builder.bitcast(value, _shaped(_I64, value))
-    low = builder.and_(bits, _constant(_I64, (1 << _SINGLE_LOW_BITS) - 1, value))
-    # |low - 2^28| <= ulps  <=>  low - 2^28 + ulps <u 2·ulps + 1
-    shifted = builder.add(low, _constant(_I64, ulps - _SINGLE_MIDPOINT_BITS, value))
-    return builder.icmp_unsigned("<", shifted, _constant(_I64, 2 * ulps + 1, value))
-
-
 def _bfloat16_boundary_within(builder: ir.IRBuilder, low: ir.Value, high: ir.Value) -> ir.Value:
     """1 (an i32 per lane) where a bfloat16 rounding boundary lies in the double interval
     ``[low, high]``, else 0: the same answer as rounding both ends to bfloat16 and
