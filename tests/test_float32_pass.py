@@ -42,17 +42,6 @@ def _pass(z, y, m1, delta, rstd, shift, w, b, bound_a, bound_b, tiny):
     return normalize_row_fast(z, y, m1, delta, rstd, shift, w, b, bound_a, bound_b, tiny)
 
 
-def _exact_outputs(z, w, b, eps, rms):
-    """The exact real outputs of §1 (mpmath, 60 digits) of a row."""
-    zs = [mpmath.mpf(float(v)) for v in z]
-    n = len(zs)
-    mean = mpmath.mpf(0) if rms else mpmath.fsum(zs) / n
-    q = mpmath.fsum((v - mean) ** 2 for v in zs) / n
-    rstd = 1 / mpmath.sqrt(q + mpmath.mpf(eps))
-    return [(v - mean) * rstd * mpmath.mpf(float(wv)) + mpmath.mpf(float(bv))
-            for v, wv, bv in zip(zs, w, b, strict=True)]  # fmt: skip
-
-
 def _fma(a: float, b: float, c: float) -> float:
     """``a·b + c`` rounded once to float64 (exact rationals; ``float`` of a Fraction
     rounds to nearest even)."""
@@ -160,7 +149,7 @@ def test_the_bound_holds_and_decided_elements_are_correctly_rounded(rms, eps):
         runs += 1
         y = np.empty(n, np.float32)
         row_open = _pass(x, y, m1, delta, rstd, shift, w, b, bound_a, bound_b, tiny)
-        exact = _exact_outputs(x, w, b, eps, rms)
+        exact = _oracle.exact_outputs(x, w, b, eps, rms)
         want, _ = _oracle.forward(x.astype(np.float64), w, b, eps, rms, "float32")
         one = np.empty(1, np.float32)
         opens = []

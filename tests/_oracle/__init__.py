@@ -3,3 +3,18 @@ use it; tests import it as ``_oracle``. A package rather than tests/_oracle.py, 
 sees that file as renamed and carries edits of it over to the new path."""
 
 from layernorm.report.oracle import *  # noqa: F403
+
+
+def exact_outputs(z, w, b, eps, rms):
+    """The exact real outputs of ``docs/contract.md`` §1 of one row (mpmath at the
+    caller's precision, ``mpmath.mp.dps``), for the tests that bound a kernel's
+    intermediate values rather than its rounded outputs."""
+    import mpmath
+
+    zs = [mpmath.mpf(float(v)) for v in z]
+    n = len(zs)
+    mean = mpmath.mpf(0) if rms else mpmath.fsum(zs) / n
+    q = mpmath.fsum((v - mean) ** 2 for v in zs) / n
+    rstd = 1 / mpmath.sqrt(q + mpmath.mpf(eps))
+    return [(v - mean) * rstd * mpmath.mpf(float(wv)) + mpmath.mpf(float(bv))
+            for v, wv, bv in zip(zs, w, b, strict=True)]  # fmt: skip
