@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 from . import backends
@@ -59,6 +60,7 @@ __all__ = [
     "kernel_rows",
     "matrix",
     "rows",
+    "transformed",
 ]
 
 Outputs = tuple[Tensor, Tensor | None, Tensor | None, Tensor]
@@ -413,6 +415,15 @@ def _jvp(ctx, x_t, residual_t, weight_t, bias_t, *_):
     if ctx.has_residual:
         residual_out_t = torch.zeros_like(z) if h_t is None else h_t.to(z.dtype)
     return y_t.to(ctx.y_dtype).view(z.shape), residual_out_t, None, None
+
+
+def transformed() -> bool:
+    """Whether forward-mode AD (a dual level) or a ``torch.func`` transform is active:
+    the calls that need :class:`TransformNorm`'s JVP and vmap rule (a custom op cannot
+    carry a JVP: ``docs/contract.md`` §6)."""
+    return (
+        _forward_ad._current_level >= 0 or torch._C._functorch.peek_interpreter_stack() is not None
+    )
 
 
 def direct_call(*tensors: Tensor | None) -> bool:

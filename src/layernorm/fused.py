@@ -29,7 +29,6 @@ from types import ModuleType
 from typing import Any, NamedTuple
 
 import torch
-import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 from . import _op, backends, ops
@@ -285,12 +284,6 @@ class TransformDropoutAdd(torch.autograd.Function):
         return _vmap_per_sample(TransformDropoutAdd.apply, info, in_dims, args, 5)
 
 
-def _transformed() -> bool:
-    return (
-        _forward_ad._current_level >= 0 or torch._C._functorch.peek_interpreter_stack() is not None
-    )
-
-
 def dropout_add(
     x0: Tensor,
     x1: Tensor | None,
@@ -308,7 +301,7 @@ def dropout_add(
     the op's dispatch costs ~20 µs a call)."""
     if torch.compiler.is_compiling():
         return dropout_add_op(x0, x1, residual, rowscale, seed, p, rdtype, want_masks, backend)
-    if _transformed():
+    if _op.transformed():
         return TransformDropoutAdd.apply(
             x0, x1, residual, rowscale, seed, p, rdtype, want_masks, backend
         )
@@ -408,7 +401,7 @@ def dropout_add_backward(
     args = (dh, rowscale, seed, p, x0_dtype, x1_dtype, residual_dtype, backend)
     if torch.compiler.is_compiling():
         return dropout_add_backward_op(*args)
-    if _transformed():
+    if _op.transformed():
         return TransformDropoutAddBackward.apply(*args)
     if _direct(dh, rowscale, seed) and not _grad_asked(dh):
         return _dropout_add_backward_impl(*args)

@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 from . import _op, backends
@@ -274,7 +273,7 @@ def _enter(
         x, residual, weight, bias = _op.autocast(x, residual, weight, bias)
     if torch._C._is_tracing():
         return _op.decomposition(x, residual, weight, bias, eps, rms, out_dtype)
-    if _forward_ad._current_level >= 0 or torch._C._functorch.peek_interpreter_stack() is not None:
+    if _op.transformed():
         y, residual_out, _, _ = _op.TransformNorm.apply(
             x, residual, weight, bias, eps, rms, backend, fast, out_dtype
         )

@@ -40,7 +40,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 from torch._prims_common.wrappers import _maybe_resize_out
 
@@ -400,8 +399,7 @@ def _no_gradient(*tensors: Tensor | None) -> bool:
     AD, ``torch.func`` transform, compile or trace."""
     return (
         not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
-        and _forward_ad._current_level < 0
-        and torch._C._functorch.peek_interpreter_stack() is None
+        and not _op.transformed()
         and not torch.compiler.is_compiling()
         and not torch._C._is_tracing()
         and _op.direct_call(*tensors)
@@ -640,8 +638,7 @@ def _writable(outputs: list[Tensor], arguments: tuple[Tensor | None, ...]) -> bo
         and not torch.compiler.is_compiling()
         and not torch._C._is_tracing()
         and not torch._C._is_any_autocast_enabled()
-        and _forward_ad._current_level < 0
-        and torch._C._functorch.peek_interpreter_stack() is None
+        and not _op.transformed()
         and _op.direct_call(*arguments, *outputs)
     ):
         return False

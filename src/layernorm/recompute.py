@@ -42,7 +42,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
@@ -244,8 +243,7 @@ def _transformed() -> bool:
     return (
         torch.compiler.is_compiling()
         or torch._C._is_tracing()
-        or _forward_ad._current_level >= 0
-        or torch._C._functorch.peek_interpreter_stack() is not None
+        or _op.transformed()
         or not torch.is_grad_enabled()
     )
 
