@@ -108,3 +108,40 @@ def test_meta_tensors_give_shapes(fast_paths):
         torch.empty(2, 3, 8, device="meta"), torch.empty(2, 3, 8, device="meta"), 8
     )
     assert y.shape == h.shape == (2, 3, 8) and y.is_meta
+
+
+def test_unseen_declines_every_mechanism_and_records_gradient_reads_grad_mode():
+    """``_op.unseen``, the one test behind the options' eager shortcuts: true for plain
+    tensors in eager mode only; ``records_gradient`` needs grad mode and a tensor that
+    requires grad."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x = torch.randn(2, 4)
+    w = torch.ones(4, requires_grad=True)
+    assert _op.unseen(x, None, w)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not _op.unseen(x)
+
+    class Dispatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class Function(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    for mode in (Dispatch(), Function()):
+        with mode:
+            assert not _op.unseen(x)
+    seen = []
+    torch.func.vmap(lambda row: seen.append(_op.unseen(row)) or row)(x)
+    torch.jit.trace(lambda t: seen.append(_op.unseen(t)) or t * 1, (x,), check_trace=False)
+    with torch.autograd.forward_ad.dual_level():
+        seen.append(_op.unseen(x))
+    assert seen == [False, False, False]
+    assert not _op.unseen(torch.empty(2, 4, device="meta"))
+    assert _op.records_gradient(x, None, 3.0, w)
+    assert not _op.records_gradient(x, None)
+    with torch.no_grad():
+        assert not _op.records_gradient(w)

@@ -59,8 +59,10 @@ __all__ = [
     "forward_op",
     "kernel_rows",
     "matrix",
+    "records_gradient",
     "rows",
     "transformed",
+    "unseen",
 ]
 
 Outputs = tuple[Tensor, Tensor | None, Tensor | None, Tensor]
@@ -439,6 +441,29 @@ def direct_call(*tensors: Tensor | None) -> bool:
         ):
             return False
     return not (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled())
+
+
+def unseen(*tensors: Tensor | None) -> bool:
+    """Whether no mechanism would see an eager call on ``tensors`` that skips the op:
+    not compiling, tracing or under autocast, no forward AD or ``torch.func`` transform
+    (:func:`transformed`), and :func:`direct_call`. The one test behind every eager
+    shortcut of the options (``options``, ``fused``, ``recompute``); ``ops._enter``
+    takes the same checks one at a time, as each picks its own route."""
+    return (
+        not torch.compiler.is_compiling()
+        and not torch._C._is_tracing()
+        and not torch._C._is_any_autocast_enabled()
+        and not transformed()
+        and direct_call(*tensors)
+    )
+
+
+def records_gradient(*tensors: object) -> bool:
+    """Whether autograd records a call on ``tensors``: grad mode on, and one of them a
+    tensor that requires grad (anything else among them is ignored)."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, Tensor) and t.requires_grad for t in tensors
+    )
 
 
 def _forward_outputs(x, residual, weight, bias, eps, rms, backend, direct, out_dtype) -> Outputs:

@@ -307,7 +307,7 @@ def dropout_add(
         )
     args = (x0, x1, residual, rowscale, seed, p, rdtype, want_masks, backend)
     if _direct(x0, x1, residual, rowscale, seed):
-        if _grad_asked(x0, x1, residual):
+        if _op.records_gradient(x0, x1, residual):
             return EagerDropoutAdd.apply(*args)
         return _dropout_add_impl(*args)
     return dropout_add_op(*args)
@@ -316,19 +316,9 @@ def dropout_add(
 def _direct(*tensors: Tensor | None) -> bool:
     """Whether the op may be skipped for its implementation (no gradient asked for) or
     :class:`EagerDropoutAdd` (one asked for), as ``ops._enter`` calls a norm kernel
-    directly: the fast paths on (``ops.FAST_PATHS``), not compiling nor transformed (the
-    caller checks), not tracing, no autocast, and plain tensors with no dispatch or
-    function mode (``_op.direct_call``)."""
-    return (
-        ops.FAST_PATHS
-        and not torch._C._is_tracing()
-        and not torch._C._is_any_autocast_enabled()
-        and _op.direct_call(*tensors)
-    )
-
-
-def _grad_asked(*tensors: Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    directly: the fast paths on (``ops.FAST_PATHS``) and no mechanism that would see the
+    call (``_op.unseen``)."""
+    return ops.FAST_PATHS and _op.unseen(*tensors)
 
 
 class EagerDropoutAdd(torch.autograd.Function):
@@ -403,7 +393,7 @@ def dropout_add_backward(
         return dropout_add_backward_op(*args)
     if _op.transformed():
         return TransformDropoutAddBackward.apply(*args)
-    if _direct(dh, rowscale, seed) and not _grad_asked(dh):
+    if _direct(dh, rowscale, seed) and not _op.records_gradient(dh):
         return _dropout_add_backward_impl(*args)
     return dropout_add_backward_op(*args)
 

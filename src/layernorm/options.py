@@ -394,16 +394,9 @@ def residual_stream(
 
 
 def _no_gradient(*tensors: Tensor | None) -> bool:
-    """Whether an eager call on ``tensors`` records no gradient of any kind: plain
-    tensors (``_op.direct_call``), none requiring grad or grad mode off, and no forward
-    AD, ``torch.func`` transform, compile or trace."""
-    return (
-        not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
-        and not _op.transformed()
-        and not torch.compiler.is_compiling()
-        and not torch._C._is_tracing()
-        and _op.direct_call(*tensors)
-    )
+    """Whether an eager call on ``tensors`` records no gradient of any kind and no
+    mechanism sees it (``_op.unseen``, ``_op.records_gradient``)."""
+    return _op.unseen(*tensors) and not _op.records_gradient(*tensors)
 
 
 # ---------------------------------------------------------------------------------------
@@ -632,15 +625,7 @@ def _writable(outputs: list[Tensor], arguments: tuple[Tensor | None, ...]) -> bo
     inference tensor outside inference mode, and sharing no memory with the
     ``arguments`` (the input first) or the other output."""
     x = arguments[0]
-    if not (
-        ops.FAST_PATHS
-        and isinstance(x, Tensor)
-        and not torch.compiler.is_compiling()
-        and not torch._C._is_tracing()
-        and not torch._C._is_any_autocast_enabled()
-        and not _op.transformed()
-        and _op.direct_call(*arguments, *outputs)
-    ):
+    if not (ops.FAST_PATHS and isinstance(x, Tensor) and _op.unseen(*arguments, *outputs)):
         return False
     inference = torch.is_inference_mode_enabled()
     for i, t in enumerate(outputs):

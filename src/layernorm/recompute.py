@@ -54,9 +54,7 @@ __all__ = ["MemoryEfficientNorm", "NormLinear", "applies", "layer_norm_linear", 
 def applies(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
     """Whether a call of the norm on these saves its output instead of its input: eager
     autograd with something that requires grad, and a gamma without zeros."""
-    if _transformed():
-        return False
-    if not any(isinstance(t, Tensor) and t.requires_grad for t in (x, weight, bias)):
+    if not _eager_gradient(x, weight, bias):
         return False
     return weight is None or bool(weight.all())  # all() asks each for != 0 (NaN is)
 
@@ -224,11 +222,7 @@ def layer_norm_linear(
     if eps is None and not rms:
         eps = 1e-5
     tensors = (input, weight, bias, linear_weight, linear_bias)
-    if (
-        not isinstance(input, Tensor)
-        or not any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
-        or _transformed()
-    ):
+    if not isinstance(input, Tensor) or not _eager_gradient(*tensors):
         y = ops._norm(op, input, None, normalized_shape, weight, bias, eps, rms, backend)[0]
         return torch.nn.functional.linear(y, linear_weight, linear_bias)
     shape = ops._normalized_shape(normalized_shape)
@@ -237,15 +231,12 @@ def layer_norm_linear(
                             (shape, eps, rms, backend))  # fmt: skip
 
 
-def _transformed() -> bool:
-    """Whether a mechanism other than eager autograd sees the call (or grad mode is off):
-    the plain call or composition runs there."""
-    return (
-        torch.compiler.is_compiling()
-        or torch._C._is_tracing()
-        or _op.transformed()
-        or not torch.is_grad_enabled()
-    )
+def _eager_gradient(*tensors: object) -> bool:
+    """Whether eager autograd records a call on ``tensors`` that no other mechanism sees
+    (``_op.records_gradient``, ``_op.unseen``): elsewhere the plain call or composition
+    runs."""
+    plain = tuple(t for t in tensors if isinstance(t, Tensor))
+    return _op.records_gradient(*plain) and _op.unseen(*plain)
 
 
 class NormLinear(torch.autograd.Function):
