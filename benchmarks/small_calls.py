@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python benchmarks/small_calls.py [--breakdown] [--dtype bfloat16] [--rounds R]
         [--ops layer_norm,rms_norm,add_layer_norm,add_rms_norm] [--threads T]
-        [--shapes 4x64,1x1x768,8x128x64,64x1024]
+        [--shapes 4x64,1x1x768,8x128x64,64x1024] [--clock cpu]
 
 For each op on a few small shapes: inference (no grad), the forward with grad (inputs
 require grad), and forward plus backward (``torch.autograd.grad`` of every leaf). Torch's
@@ -16,7 +16,9 @@ Python kernels and autograd instead.)
 
 ``--dtype`` picks the inputs' and parameters' dtype (float32 by default; bfloat16 and
 float16 work the same); ``--rounds`` the rounds per median (31 by default); ``--threads``
-torch's (and so the kernels') thread count (2 by default); ``--shapes`` the input shapes.
+torch's (and so the kernels') thread count (2 by default); ``--shapes`` the input shapes;
+``--clock cpu`` times on the process's CPU clock (on a machine shared with other work)
+instead of the wall clock.
 ``--breakdown`` also times, interleaved with those, the parts of an inference call
 through Python: the numba backend's ``forward`` alone, and the allocation plus the kernel
 call alone; and single tensor attribute reads.
@@ -94,7 +96,11 @@ def _calls(op: str, n: int, x, r, w, b):
 
 
 def measure(
-    shape: tuple[int, ...], op: str, rounds: int = 31, dtype: torch.dtype = torch.float32
+    shape: tuple[int, ...],
+    op: str,
+    rounds: int = 31,
+    dtype: torch.dtype = torch.float32,
+    clock=time.perf_counter_ns,
 ) -> str:
     n = shape[-1]
     x, r, w, b = (torch.randn(*s).to(dtype) for s in (shape, shape, (n,), (n,)))
@@ -102,8 +108,13 @@ def measure(
     theirs, ours, _ = _calls(op, n, x, r, w, b)
     theirs_g, ours_g, leaves = _calls(op, n, xg, rg, wg, bg)
     with torch.no_grad():
-        t_inf = rr({"torch": theirs, "ours": ours, "ours via the op": ours}, rounds)
-    t_grad = rr({"torch": theirs_g, "ours": ours_g, "ours via the op": ours_g}, rounds, inner=1000)
+        t_inf = rr({"torch": theirs, "ours": ours, "ours via the op": ours}, rounds, clock=clock)
+    t_grad = rr(
+        {"torch": theirs_g, "ours": ours_g, "ours via the op": ours_g},
+        rounds,
+        inner=1000,
+        clock=clock,
+    )
 
     def both(f):
         def run():
@@ -117,6 +128,7 @@ def measure(
         {"torch": both(theirs_g), "ours": both(ours_g), "ours via the op": both(ours_g)},
         rounds,
         inner=300,
+        clock=clock,
     )
     return f"{op} {shape}: " + " | ".join(
         f"{part} torch {t['torch']:.1f}, ours {t['ours']:.1f} ({t['torch'] / t['ours']:.2f}x), "
@@ -181,12 +193,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ops", default="layer_norm,rms_norm,add_layer_norm,add_rms_norm")
     parser.add_argument("--shapes", default="4x64,1x1x768,8x128x64,64x1024")
     parser.add_argument("--breakdown", action="store_true", help="also time a call's parts")
+    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"])
     return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
     args = parse_args()
     dtype = getattr(torch, args.dtype)
+    clock = time.process_time_ns if args.clock == "cpu" else time.perf_counter_ns
     torch.set_num_threads(args.threads)
     numba.set_num_threads(args.threads)
     print(f"compiled dispatch: {compiled.unavailable_reason() or 'in use'}")
@@ -195,7 +209,7 @@ if __name__ == "__main__":
     shapes = [tuple(int(size) for size in shape.split("x")) for shape in args.shapes.split(",")]
     for op in args.ops.split(","):
         for shape in shapes:
-            print(measure(shape, op, args.rounds, dtype), flush=True)
+            print(measure(shape, op, args.rounds, dtype, clock), flush=True)
     if args.breakdown:
         for shape in [(4, 64), (1, 1, 768)]:
             print(breakdown(shape))

@@ -643,6 +643,32 @@ def test_a_profiler_sees_the_op(in_use):
     assert {"layernorm::forward", "layernorm::NormBackward", "layernorm::backward"} <= names
 
 
+def test_the_backward_dispatches_when_a_mechanism_would_see_it(in_use):
+    """NormBackward calls the backward's CPU kernel itself only when nothing would see the
+    call: under a dispatch mode the backward goes through the dispatcher, so the mode sees
+    layernorm::backward, and the gradients have the same bits either way."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    leaves = [t.requires_grad_() for t in (torch.randn(4, 64), torch.randn(64), torch.randn(64))]
+    y = layernorm.layer_norm(leaves[0], 64, leaves[1], leaves[2])  # the front door's call
+    assert y.grad_fn.name() == "layernorm::NormBackward"
+    dy = torch.arange(y.numel()).view_as(y).remainder(7).float() - 3
+    direct = torch.autograd.grad(y, leaves, dy, retain_graph=True)
+    with Record() as mode:
+        seen = torch.autograd.grad(y, leaves, dy)
+    assert "layernorm.backward.default" in mode.names
+    assert all(torch.equal(p, q) for p, q in zip(direct, seen, strict=True))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_one_thread_runs_the_serial_entry_to_the_same_bits(in_use, dtype):
     """With one torch thread a large call runs the serial entry in C++, not the threaded

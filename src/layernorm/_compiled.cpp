@@ -14,8 +14,10 @@
 //                (_op._forward_impl / _op._backward_impl), so every backend keeps working
 //   AutogradCPU  forward_autograd: NormBackward, a C++ autograd node whose backward
 //                calls layernorm::backward through the dispatcher (a batched gradient
-//                meets the vmap rule there); a backward that builds a graph
-//                (create_graph) runs Python's differentiable composite_backward
+//                meets the vmap rule there, a mode or the profiler sees it), or calls
+//                backward_cpu itself when no mechanism would see the call
+//                (mechanism_active); a backward that builds a graph (create_graph) runs
+//                Python's differentiable composite_backward
 //
 // norm(x, residual, normalized_shape, weight, bias, eps, rms, backend) is the front door
 // of ops._norm: for the common call (plain contiguous CPU tensors, an int or 1-tuple
@@ -25,6 +27,7 @@
 // by the op's autograd kernel (so autograd records NormBackward), without one by the CPU
 // kernel's own function, without statistics. Any other call gets None before any work.
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/autocast_mode.h>
@@ -143,6 +146,13 @@ at::ScalarType acc_dtype(int d) { return state.acc_dtypes[d]; }
 
 int64_t address(const Tensor& t) { return reinterpret_cast<int64_t>(t.data_ptr()); }
 
+// An uninitialized contiguous CPU tensor: at::empty's CPU kernel, called without the
+// dispatcher (a fifth of a small call's allocations' cost). For the kernels' own outputs
+// and buffers only, made inside a CPU kernel or for a call no mechanism sees.
+Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype) {
+    return at::detail::empty_cpu(sizes, dtype);
+}
+
 // Calls a Python function with the GIL (kernels may run without it: the autograd engine
 // releases it) and returns its result as an R, or throws its exception.
 template <typename R = void, typename... Args>
@@ -213,7 +223,7 @@ bool convert_to(const Tensor& from, const Tensor& to) {
 Tensor converted(const Tensor& t, at::ScalarType dtype) {
     if (t.scalar_type() == dtype) return t;
     if (t.is_cpu() && t.is_contiguous()) {
-        Tensor out = at::empty(t.sizes(), t.options().dtype(dtype));
+        Tensor out = empty(t.sizes(), dtype);
         bool done = false;
         switch (t.scalar_type()) {
             case at::kHalf: done = convert_to<at::Half>(t, out); break;
@@ -461,20 +471,20 @@ Forward run_forward(const Tensor& x, const Tensor& residual, const Tensor& weigh
     const int64_t n = x.size(-1), m = x.numel() / n;
     const auto acc = acc_dtype(d);
     Forward out;
-    out.y = at::empty_like(x, at::MemoryFormat::Contiguous);
+    out.y = empty(x.sizes(), x.scalar_type());
     const bool params_x_dtype = params_in_x_dtype(x.scalar_type(), acc, weight, bias);
     const auto param_dtype = params_x_dtype ? x.scalar_type() : acc;
     const Tensor w = kernel_param(weight, n, param_dtype, 1.0);
     const Tensor b = kernel_param(bias, n, param_dtype, -0.0);
     const bool has_residual = residual.defined();
-    if (has_residual) out.residual_out = at::empty_like(x, at::MemoryFormat::Contiguous);
+    if (has_residual) out.residual_out = empty(x.sizes(), x.scalar_type());
     const int64_t x_address = address(x);
     int64_t mean_address = x_address, rstd_address = x_address;  // unused: any valid one
     if (store_stats) {
-        out.rstd = at::empty({m}, x.options().dtype(acc));
+        out.rstd = empty({m}, acc);
         rstd_address = address(out.rstd);
         if (!rms) {
-            out.mean = at::empty({m}, x.options().dtype(acc));
+            out.mean = empty({m}, acc);
             mean_address = address(out.mean);
         }
     }
@@ -521,9 +531,12 @@ Forward run_forward(const Tensor& x, const Tensor& residual, const Tensor& weigh
     return out;
 }
 
-// layernorm::forward on CPU.
-Outputs forward_cpu(const Tensor& x, const OptionalTensor& residual, const OptionalTensor& weight,
-                    const OptionalTensor& bias, double eps, bool rms, c10::string_view backend) {
+// layernorm::forward on CPU; without a residual, residual_out is the schema's empty
+// tensor, or undefined where `schema_outputs` is false (record_forward's direct call,
+// which never reads it).
+Outputs forward_cpu_outputs(const Tensor& x, const OptionalTensor& residual,
+                            const OptionalTensor& weight, const OptionalTensor& bias, double eps,
+                            bool rms, c10::string_view backend, bool schema_outputs) {
     const Tensor r = value(residual), w = value(weight), b = value(bias);
     const int64_t n = x.dim() > 0 ? x.size(-1) : 0;
     int64_t kernel_address = -1;
@@ -536,8 +549,15 @@ Outputs forward_cpu(const Tensor& x, const OptionalTensor& residual, const Optio
                                     std::string(backend));
     Forward out = run_forward(x, r, w, b, eps, rms, true, kernel_address);
     // the schema has no optional outputs: an absent one is empty
-    return {out.y, r.defined() ? out.residual_out : at::empty({0}, x.options()),
-            rms ? at::empty({0}, out.rstd.options()) : out.mean, out.rstd};
+    if (!r.defined() && schema_outputs) out.residual_out = empty({0}, x.scalar_type());
+    return {out.y, out.residual_out, rms ? empty({0}, out.rstd.scalar_type()) : out.mean,
+            out.rstd};
+}
+
+// layernorm::forward on CPU.
+Outputs forward_cpu(const Tensor& x, const OptionalTensor& residual, const OptionalTensor& weight,
+                    const OptionalTensor& bias, double eps, bool rms, c10::string_view backend) {
+    return forward_cpu_outputs(x, residual, weight, bias, eps, rms, backend, true);
 }
 
 // layernorm::backward on CPU.
@@ -564,9 +584,9 @@ Gradients backward_cpu(const Tensor& dy, const Tensor& x, const OptionalTensor& 
     const Tensor wk = kernel_param(w, n, params_x_dtype ? x.scalar_type() : acc, 1.0);
     // no residual gradient: one row of -0.0 with a stride of 0 (v + -0.0 == v bitwise)
     const Tensor dres_k = dres.defined() ? dres : constant(n, x.scalar_type(), -0.0);
-    const Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
-    const Tensor dweight = at::empty({need_dweight ? n : 0}, rstd.options());
-    const Tensor dbias = at::empty({need_dbias ? n : 0}, rstd.options());
+    const Tensor dx = empty(x.sizes(), x.scalar_type());
+    const Tensor dweight = empty({need_dweight ? n : 0}, acc);
+    const Tensor dbias = empty({need_dbias ? n : 0}, acc);
     // bytes from one row to the next of each argument (0: not read)
     const int64_t size = x.element_size(), acc_size = c10::elementSize(acc);
     const int64_t dy_stride = row_stride(dy, n), x_stride = row_stride(x, n);
@@ -597,7 +617,7 @@ Gradients backward_cpu(const Tensor& dy, const Tensor& x, const OptionalTensor& 
         // each span writes its blocks' float64 partial sums (both required), then their
         // column sums in block order, as the serial entry adds them: the same bits
         const int64_t span_address = kernel(d, BACKWARD_PARALLEL);
-        const Tensor partial = at::empty({2, blocks, n}, rstd.options().dtype(at::kDouble));
+        const Tensor partial = empty({2, blocks, n}, at::kDouble);
         const int64_t dweight_partial = address(partial[0]), dbias_partial = address(partial[1]);
         std::vector<uint8_t> scratch(blocks * (block + 1));
         const int64_t scratch_address = reinterpret_cast<int64_t>(scratch.data());
@@ -641,6 +661,32 @@ backward_op() {
     return op;
 }
 
+
+// Whether a PyTorch mechanism would see or change this call: a functorch transform, a
+// dispatch or function mode (FakeTensorMode, TorchDispatchMode, torch.device), jit
+// tracing, CPU autocast, or a tensor that is not a plain dense CPU one (functorch
+// wrappers, subclasses' Python key, dual tensors' tangents: forward AD is Python's).
+bool mechanism_active(std::initializer_list<const Tensor*> tensors) {
+    static const c10::DispatchKeySet plain_tls(
+        {c10::DispatchKey::BackendSelect, c10::DispatchKey::ADInplaceOrView});
+    static const c10::DispatchKeySet plain_tensor(
+        {c10::DispatchKey::CPU, c10::DispatchKey::ADInplaceOrView,
+         c10::DispatchKey::AutogradCPU, c10::DispatchKey::AutocastCPU});
+    // (a set difference keeps backend bits: compare functionalities)
+    auto beyond = [](c10::DispatchKeySet keys, c10::DispatchKeySet plain) {
+        return (keys - plain).highestFunctionalityKey() != c10::DispatchKey::Undefined;
+    };
+    if (beyond(c10::impl::tls_local_dispatch_key_set().included_, plain_tls) ||
+        c10::impl::TorchDispatchModeTLS::stack_len() > 0 ||
+        at::impl::PythonTorchFunctionTLS::stack_len() > 0 ||
+        torch::jit::tracer::isTracing() || at::autocast::is_autocast_enabled(at::kCPU))
+        return true;
+    for (const Tensor* t : tensors) {
+        if (!t->defined()) continue;
+        if (beyond(t->key_set(), plain_tensor) || t->_fw_grad(0).defined()) return true;
+    }
+    return false;
+}
 
 // The autograd of layernorm::forward on CPU: Python's _op._setup_context and _op._backward
 // (which the Python autograd of the op runs), with the same saved tensors and outputs,
@@ -694,8 +740,12 @@ struct NormBackward : public torch::autograd::Node {
         } else {
             // (below autograd: nothing differentiates it; a batched gradient's keys remain)
             at::AutoDispatchBelowADInplaceOrView guard;
-            g = backward_op().call(dy, zt, weight_arg, m, r, dres_arg, rms, need_dweight,
-                                   need_dbias, backend, eps);
+            if (at::hasCallbacks() || mechanism_active({&dy, &zt, &w, &m, &r, &dres}))
+                g = backward_op().call(dy, zt, weight_arg, m, r, dres_arg, rms, need_dweight,
+                                       need_dbias, backend, eps);
+            else  // the CPU kernel the dispatcher would pick, without its lookups
+                g = backward_cpu(dy, zt, weight_arg, m, r, dres_arg, rms, need_dweight,
+                                 need_dbias, backend, eps);
         }
         auto& [dz, dweight, dbias] = g;
         if (need_x) out[0] = dz;
@@ -719,7 +769,8 @@ Outputs record_forward(const Tensor& x, const OptionalTensor& residual,
     {
         at::AutoDispatchBelowADInplaceOrView guard;  // (the kernel is below autograd)
         out = dispatch ? forward_op().call(x, residual, weight, bias, eps, rms, backend)
-                       : forward_cpu(x, residual, weight, bias, eps, rms, backend);
+                       : forward_cpu_outputs(x, residual, weight, bias, eps, rms, backend,
+                                             false);
     }
     if (!grad) return out;
     auto& [y, residual_out, mean, rstd] = out;
@@ -777,32 +828,6 @@ bool plain_param(PyObject* p, int64_t n, Tensor* out) {
         return false;
     *out = t;
     return true;
-}
-
-// Whether a PyTorch mechanism would see or change this call: a functorch transform, a
-// dispatch or function mode (FakeTensorMode, TorchDispatchMode, torch.device), jit
-// tracing, CPU autocast, or a tensor that is not a plain dense CPU one (functorch
-// wrappers, subclasses' Python key, dual tensors' tangents: forward AD is Python's).
-bool mechanism_active(std::initializer_list<const Tensor*> tensors) {
-    static const c10::DispatchKeySet plain_tls(
-        {c10::DispatchKey::BackendSelect, c10::DispatchKey::ADInplaceOrView});
-    static const c10::DispatchKeySet plain_tensor(
-        {c10::DispatchKey::CPU, c10::DispatchKey::ADInplaceOrView,
-         c10::DispatchKey::AutogradCPU, c10::DispatchKey::AutocastCPU});
-    // (a set difference keeps backend bits: compare functionalities)
-    auto beyond = [](c10::DispatchKeySet keys, c10::DispatchKeySet plain) {
-        return (keys - plain).highestFunctionalityKey() != c10::DispatchKey::Undefined;
-    };
-    if (beyond(c10::impl::tls_local_dispatch_key_set().included_, plain_tls) ||
-        c10::impl::TorchDispatchModeTLS::stack_len() > 0 ||
-        at::impl::PythonTorchFunctionTLS::stack_len() > 0 ||
-        torch::jit::tracer::isTracing() || at::autocast::is_autocast_enabled(at::kCPU))
-        return true;
-    for (const Tensor* t : tensors) {
-        if (!t->defined()) continue;
-        if (beyond(t->key_set(), plain_tensor) || t->_fw_grad(0).defined()) return true;
-    }
-    return false;
 }
 
 PyObject* wrap_or_none(const Tensor& t) {

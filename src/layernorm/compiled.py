@@ -16,7 +16,9 @@ in torch's dispatcher for CPU tensors (``docs/contract.md`` §6):
   the calling thread and C++ helper threads (no Python, no OpenMP), counted with the
   Python pool's threads, so the thread rules of :mod:`layernorm.backends._threads` hold;
 - an AutogradCPU kernel of the forward: a C++ autograd node with the Python autograd's
-  saved tensors and backward, which calls ``layernorm::backward`` through the dispatcher.
+  saved tensors and backward, which calls ``layernorm::backward`` through the dispatcher,
+  or its CPU kernel directly when no PyTorch mechanism would see the call (the same
+  rule as the front door's below).
 
 Its ``norm`` is the front door of :mod:`layernorm.ops`: it takes the common call (plain
 contiguous CPU tensors of the four kernel dtypes, an int or 1-tuple
