@@ -10,13 +10,21 @@ Imported with the kernels (never by ``import layernorm``). Three rules, each wri
   folder can be written at all, the kernels are compiled in memory in each process
   (:func:`location` says so). Nothing in the process's environment or in numba's
   settings is changed to do this: only the kernels' own functions get this locator.
-- **Consistency** (:func:`locked`): numba's cache keeps one index file per function that
-  maps each compiled signature to a numbered data file, and two processes compiling
-  different signatures at once can both take number 1 (an index that points at another
-  dtype's machine code: wrong results or a crash). Every compile or load of a kernel entry
-  holds an exclusive ``fcntl.flock`` on ``.lock`` in the cache folder (and a thread lock
-  in the process), so processes starting together (``torchrun --nproc-per-node 8`` on a
-  cold cache) take turns: the first compiles, the others then load what it wrote.
+- **Consistency** (:class:`_IndexDataCacheFile`, :func:`locked`): numba's cache keeps one
+  index file per function that maps each compiled signature to a numbered data file, and
+  two processes saving different signatures at once can both take number 1 (an index that
+  points at another dtype's machine code: wrong results or a crash), or each write an
+  index that lacks the other's entry. Here a data file is named by a digest of its index
+  key (one name per signature, never shared), it is written before the index names it,
+  and the index is re-read and rewritten under an exclusive ``fcntl.flock`` on
+  ``.index.lock`` in the cache folder (a few milliseconds). Processes may then compile at
+  once, callees included, and lose nothing.
+- **No repeated work** (:func:`locked`): a compile or load of a kernel entry (``"float32
+  forward_serial"``) holds an exclusive ``flock`` on that entry's own lock file, so
+  processes starting together (``torchrun --nproc-per-node 8`` on a cold cache) take
+  turns on it: the first compiles, the others then load what it wrote; different entries
+  compile in parallel (``layernorm build`` in two processes skips to an entry nobody
+  holds: :func:`locked` with ``wait=False``).
 - **Saying so** (:func:`announce_compile`): the first compile in a process that finds the
   cache cold logs, once, what it is doing and how to avoid it (``layernorm build``), on
   the ``layernorm`` logger (stderr unless logging is configured).
@@ -25,8 +33,10 @@ Imported with the kernels (never by ``import layernorm``). Three rules, each wri
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -106,8 +116,33 @@ class _Impl(caching.CompileResultCacheImpl):
     _locator_classes = [_Locator]  # noqa: RUF012 (numba reads this class attribute)
 
 
+class _IndexDataCacheFile(caching.IndexDataCacheFile):
+    """numba's index and data files, safe when processes save at once (module docstring,
+    "Consistency")."""
+
+    def save(self, key, data):
+        data_name = "{}.{}.nbc".format(
+            self._index_name.removesuffix(".nbi"),
+            hashlib.sha256(repr(key).encode()).hexdigest()[:16],
+        )
+        self._save_data(data_name, data)  # written (atomically) before any index names it
+        with _flock(Path(self._cache_path) / ".index.lock"):
+            overloads = self._load_index()  # as other processes have left it
+            if overloads.get(key) != data_name:
+                overloads[key] = data_name
+                self._save_index(overloads)
+
+
 class _FunctionCache(caching.FunctionCache):
     _impl_class = _Impl
+
+    def __init__(self, py_func):
+        super().__init__(py_func)
+        self._cache_file = _IndexDataCacheFile(
+            cache_path=self._cache_path,
+            filename_base=self._impl.filename_base,
+            source_stamp=self._impl.locator.get_source_stamp(),
+        )
 
     def load_overload(self, sig, target_context):
         # numba's own load_overload first refreshes the target context: it imports and
@@ -154,23 +189,38 @@ def enable(dispatcher) -> bool:
 
 
 @contextlib.contextmanager
-def locked() -> Iterator[None]:
-    """Holds the cache for this thread and process: a thread lock, then an exclusive
-    ``flock`` on the cache folder's ``.lock`` (released when the block ends, or when the
-    process dies). Without a cache folder, only the thread lock."""
+def _flock(path: Path, wait: bool = True) -> Iterator[bool]:
+    """An exclusive ``flock`` on ``path`` (created) while the block runs, released when
+    it ends or the process dies. Yields True once held; with ``wait=False``, False at
+    once (and nothing held) when another process holds it."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # releases the flock
+
+
+@contextlib.contextmanager
+def locked(what: str, wait: bool = True) -> Iterator[bool]:
+    """Holds ``what`` (a kernel entry, e.g. ``"float32 forward_serial"``) for this thread
+    and process: the process's thread lock, then an exclusive ``flock`` on the entry's
+    lock file in the cache folder (module docstring, "No repeated work"). Yields True once
+    held; with ``wait=False``, False at once when another process holds the entry. Without
+    a cache folder, only the thread lock."""
     with _thread_lock:
         path = directory()
         if path is None:
-            yield
+            yield True
             return
-        import fcntl
-
-        fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # releases the flock
+        with _flock(path / f".lock.{re.sub(r'[^A-Za-z0-9_.-]+', '-', what)}", wait) as held:
+            yield held
 
 
 def announce_compile(what: str) -> None:

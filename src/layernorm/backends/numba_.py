@@ -135,22 +135,35 @@ def _compiled(
 ) -> Callable[..., None]:
     """numba's compiled ``_numba_kernels.entry(name)`` for ``dtype`` (and a forward's
     ``y`` in ``y_dtype``, when given and not ``dtype``): loaded from the on-disk cache or
-    compiled, under the cache's lock (see :mod:`layernorm.backends._numba_cache`). An
+    compiled, holding the entry's lock (see :mod:`layernorm.backends._numba_cache`). An
     output dtype of its own compiles its entries on their first use only, so
     :func:`build` and a cold start of the same-dtype entries do not grow."""
     key: tuple = (dtype, name) if y_dtype is None or y_dtype == dtype else (dtype, name, y_dtype)
-    kernel = _entries.get(key)
-    if kernel is None:
-        kernels = _kernels()
-        from . import _numba_cache
+    kernel = _entries.get(key) or _load(key, wait=True)
+    assert kernel is not None  # (waited for the lock)
+    return kernel
 
-        types = _TYPES[dtype]
-        y_tag = None if len(key) == 2 else _TYPES[key[2]].storage
-        what = f"{dtype} {name}" if y_tag is None else f"{dtype} {name} to {y_dtype}"
-        with _numba_cache.locked(), _numba_cache.compiling(what):
-            kernel = _entries.get(key)  # another thread may have been first
-            if kernel is None:
-                kernel = _entries[key] = kernels.entry(name, types.storage, types.acc, y_tag)
+
+def _load(key: tuple, wait: bool) -> Callable[..., None] | None:
+    """:func:`_compiled`'s load or compile of entry ``key``; with ``wait=False``, None at
+    once when another process holds the entry's lock (it is compiling it)."""
+    kernels = _kernels()
+    from . import _numba_cache
+
+    dtype, name = key[:2]
+    types = _TYPES[dtype]
+    y_tag = None if len(key) == 2 else _TYPES[key[2]].storage
+    what = f"{dtype} {name}" if y_tag is None else f"{dtype} {name} to {key[2]}"
+    # one lock for an entry's serial and parallel kinds: they share their compiled kernel
+    shared = what.replace("_serial", "").replace("_parallel", "")
+    with _numba_cache.locked(shared, wait) as held:
+        if not held:
+            return None
+        kernel = _entries.get(key)  # another thread may have been first
+        if kernel is None:
+            with _numba_cache.compiling(what):
+                kernel = kernels.entry(name, types.storage, types.acc, y_tag)
+            _entries[key] = kernel
     return kernel
 
 
@@ -284,20 +297,31 @@ def _backward_over_threads(
 def build() -> list[str]:
     """Compiles every entry of every dtype into the on-disk cache now (or checks that it
     is there): a later process's first call of each then costs a cache load, not a
-    compile. Returns what was built, one line per dtype."""
+    compile. Processes that build at once share the work: each takes the next entry
+    that no other is compiling, and waits only when every entry left is taken. Returns
+    what was built, one line per dtype (the seconds this process spent on its entries)."""
     import time
 
     from . import _numba_cache
 
     _kernels()
     _numba_cache.expect_compiles()
-    lines = []
-    for dtype in _DTYPES:
-        start = time.perf_counter()
-        for name in (*ENTRIES, "column_sums"):
-            _compiled(dtype, name)
-        lines.append(f"{str(dtype).removeprefix('torch.')} {time.perf_counter() - start:.1f} s")
-    return lines
+    seconds = dict.fromkeys(_DTYPES, 0.0)
+    pending = [(dtype, name) for dtype in _DTYPES for name in (*ENTRIES, "column_sums")]
+    while pending:
+        waiting = []
+        for key in pending:
+            start = time.perf_counter()
+            if key not in _entries and _load(key, wait=False) is None:
+                waiting.append(key)
+            seconds[key[0]] += time.perf_counter() - start
+        if len(waiting) == len(pending):  # all taken by other processes: wait on one
+            key = waiting.pop(0)
+            start = time.perf_counter()
+            _load(key, wait=True)
+            seconds[key[0]] += time.perf_counter() - start
+        pending = waiting
+    return [f"{str(dtype).removeprefix('torch.')} {s:.1f} s" for dtype, s in seconds.items()]
 
 
 def cache_location() -> str:
