@@ -1006,25 +1006,14 @@ def forward_kernel(
     mean, rstd, m, n, eps, rms, stream, store_stats, flags,
 ):  # fmt: skip
     """Every row's output ``y`` (contiguous (M*N,)) and fallback flag ``flags[i]``
-    (:func:`_forward_row`), for one span of rows of a call that ``numba_`` spreads over
-    its threads; ``stream``: outputs far larger than the caches (streaming stores, the
-    same bits)."""
+    (:func:`_forward_row`), for a call's rows or for one span of rows of a call that
+    ``numba_`` spreads over its threads; ``stream``: outputs far larger than the caches
+    (streaming stores, the same bits). One compiled function for both entries: each
+    compile of it costs about a minute (numba's inlining of the row functions), so the
+    serial entry does not compile a copy of its own."""
     _forward_rows(
         x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y,
         mean, rstd, m, n, eps, rms, stream, store_stats, flags,
-    )  # fmt: skip
-
-
-@_jit()
-def forward_kernel_serial(
-    x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y,
-    mean, rstd, m, n, eps, rms, store_stats, flags,
-):  # fmt: skip
-    """:func:`forward_kernel` in the calling thread (no parallel region to launch): the
-    same row function, so the same bits."""
-    _forward_rows(
-        x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y,
-        mean, rstd, m, n, eps, rms, False, store_stats, flags,
     )  # fmt: skip
 
 
@@ -1861,7 +1850,8 @@ def forward_serial(
     """The forward on addresses (the arguments of ``_kernel_abi.FORWARD``), in the
     calling thread (for small inputs). Without a residual, ``residual`` and
     ``residual_out`` may be any valid address (``has_residual`` False); ``mean`` and
-    ``rstd`` too when not ``store_stats``. ``stream`` is ignored. ``flags``: m + 1
+    ``rstd`` too when not ``store_stats``. ``stream`` as :func:`forward_parallel`'s
+    (callers pass False: outputs this small stay in the caches). ``flags``: m + 1
     bytes; ``flags[i]`` is 1 when row ``i`` needs the exact fallback, ``flags[m]`` when
     any row does.
     """
@@ -1871,9 +1861,9 @@ def forward_serial(
         flags,
     )  # fmt: skip
     x_, residual_, residual_out_, weight_, bias_, y_, mean_, rstd_, flags_ = views
-    forward_kernel_serial(
+    forward_kernel(
         x_, x_stride, residual_, residual_stride, has_residual, residual_out_, weight_,
-        bias_, y_, mean_, rstd_, m, n, np.float64(eps), rms, store_stats, flags_,
+        bias_, y_, mean_, rstd_, m, n, np.float64(eps), rms, stream, store_stats, flags_,
     )  # fmt: skip
     _any_flag(flags_, m)
 
