@@ -28,12 +28,21 @@ def _compiled_dispatch():
     C++ compiler, or with LAYERNORM_COMPILED=0, everything runs through Python."""
     import layernorm
     from layernorm import compiled
-    from layernorm.backends import numba_
+    from layernorm.backends import _numba_cache, numba_
 
+    cxx = os.environ.get("LAYERNORM_COMPILED") != "0" and shutil.which("c++") is not None
+    lock = compiled.cache_dir() / ".test-build.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    # xdist's workers share the set-up: one builds the C++ part while the others start
+    # on the numba kernels (numba_.build() spreads those over every worker)
+    with _numba_cache._flock(lock, wait=False) as mine:
+        if cxx and mine and not compiled.library_path().exists():
+            compiled.build()
     numba_.build()  # every kernel into the on-disk cache, as `layernorm build` does
-    if os.environ.get("LAYERNORM_COMPILED") == "0" or shutil.which("c++") is None:
+    if not cxx:
         return
-    if not compiled.library_path().exists():
-        compiled.build()
+    with _numba_cache._flock(lock):
+        if not compiled.library_path().exists():
+            compiled.build()
     layernorm.layer_norm(torch.ones(1, 2), 2)  # loads it
     assert compiled.unavailable_reason() is None
