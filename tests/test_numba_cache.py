@@ -90,3 +90,30 @@ def _hold(folder, ready, release) -> None:
         ready.set()
         release.wait(60)
     os._exit(0)
+
+
+def test_build_in_several_processes_starts_helpers_that_build_beside_it(monkeypatch):
+    """``numba_.build(3)`` starts two helper processes running ``numba_.build()`` on the
+    same package and cache (here the session's, already complete: they load every entry
+    and exit cleanly) and returns after them; at most one process per dtype in all."""
+    import subprocess
+
+    from layernorm.backends import numba_
+
+    started = []
+    popen = subprocess.Popen
+
+    def recording(args, **kwargs):
+        started.append(popen(args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", recording)
+    lines = numba_.build(3)
+    assert [line.split()[0] for line in lines] == ["float16", "bfloat16", "float32", "float64"]
+    assert len(started) == 2
+    assert all(helper.returncode == 0 for helper in started)  # waited for, and succeeded
+    assert "numba_.build()" in started[0].args[-1]
+    started.clear()
+    numba_.build(9)
+    assert len(started) == 3  # four dtypes: four processes in all
+    assert 1 <= numba_.build_processes() <= 4

@@ -78,7 +78,8 @@ def _build(args: argparse.Namespace) -> int:
     from .backends import numba_
     from .compiled import build
 
-    kernels = numba_.build()  # first: they are what a cold process waits for
+    # first: they are what a cold process waits for; on every core
+    kernels = numba_.build(numba_.build_processes())
     kernel_line = f"numba kernels ({', '.join(kernels)}) {numba_.cache_location()}"
     start = time.perf_counter()
     try:

@@ -232,7 +232,7 @@ def _compiled_section() -> str:
     from .. import compiled
     from ..backends import numba_
 
-    numba_.build()
+    numba_.build(numba_.build_processes())
     line = compiled.ensure()
     return f"<p>Compiled dispatch (small calls without Python in between): {html.escape(line)}.</p>"
 
