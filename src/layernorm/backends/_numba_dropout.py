@@ -680,6 +680,23 @@ def _run(kernel, args: tuple, m: int, n: int) -> None:
     _threads.run(lambda lo, hi: kernel(*args, lo, hi), m, max(n, 1))
 
 
+def _sum3(
+    x0: torch.Tensor, x1: torch.Tensor, residual: torch.Tensor | None, h: torch.Tensor
+) -> None:
+    """``h = RN(x0 + x1 + residual)`` of nonempty checked rows, by :func:`_sum3_rows`
+    (:func:`_sum3_rows_single` when every term is 16-bit)."""
+    n = x0.shape[1]
+    a0, s0 = _flat(contiguous_rows(x0))
+    a1, s1 = _flat(contiguous_rows(x1))
+    if residual is None:  # IEEE's neutral zero, one row read for every row
+        ar, sr = _flat(torch.full((1, n), -0.0, dtype=x0.dtype))[0], 0
+    else:
+        ar, sr = _flat(contiguous_rows(residual))
+    args = (a0, s0, a1, s1, ar, sr, _flat(h)[0], n, h.dtype == torch.float64)
+    kernel = _sum3_rows_single if _all_16_bit(x0, x1, residual) else _sum3_rows
+    _run(kernel, args, x0.shape[0], n)
+
+
 def dropout_add(
     x0: torch.Tensor,
     x1: torch.Tensor | None,
@@ -703,8 +720,14 @@ def dropout_add(
     m, n = x0.shape
     k0, k1 = _philox.seed_key(seed)
     s, p32 = _constants(p)
-    scale = _rowscale(rowscale)
     h = torch.empty((m, n), dtype=rdtype)
+    if x1 is not None and rowscale is None and p32 == 0.0 and s == 1.0:  # all kept, s = 1
+        if m * n:
+            _sum3(x0, x1, residual, h)
+        if not want_masks:
+            return h, None, None
+        return h, torch.ones((m, n), dtype=torch.bool), torch.ones((m, n), dtype=torch.bool)
+    scale = _rowscale(rowscale)
     mask0 = torch.empty((m, n), dtype=torch.bool) if want_masks else None
     mask1 = torch.empty((m, n), dtype=torch.bool) if want_masks and x1 is not None else None
     if m * n == 0:
@@ -712,16 +735,6 @@ def dropout_add(
     a0, s0 = _flat(contiguous_rows(x0))
     a1, s1 = _flat(contiguous_rows(x1)) if x1 is not None else (a0, s0)
     ar, sr = _flat(contiguous_rows(residual)) if residual is not None else _flat(h)
-    if x1 is not None and rowscale is None and p32 == 0.0 and s == 1.0:  # all kept, no scale
-        if want_masks:
-            mask0 = torch.ones((m, n), dtype=torch.bool)
-            mask1 = torch.ones((m, n), dtype=torch.bool)
-        if residual is None:  # IEEE's neutral zero, one row read for every row
-            ar, sr = _flat(torch.full((1, n), -0.0, dtype=x0.dtype))[0], 0
-        single = _all_16_bit(x0, x1, residual)
-        sum_args = (a0, s0, a1, s1, ar, sr, _flat(h)[0], n, rdtype == torch.float64)
-        _run(_sum3_rows_single if single else _sum3_rows, sum_args, m, n)
-        return h, mask0, mask1
     dummy = np.zeros(1, np.bool_)
     args = (
         a0, s0, a1, s1, ar, sr, scale, _flat(h)[0],
