@@ -6,6 +6,7 @@ special values, layouts and errors."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import os
 import subprocess
@@ -325,7 +326,8 @@ def _sum3_cases(dtype: torch.dtype, rdtype: torch.dtype) -> list[tuple[float, fl
     inf, nan = math.inf, math.nan
     rows = [(top, top * 2.0**-g, r) for g in range(wide - digits - 3, wide - digits + 4)
             for r in (0.0, 1.0, -top * 2.0**-g)]  # fmt: skip
-    rows += [(1.0, 2.0**-g, 2.0**-g) for g in (wide - 3, wide + 2, 2 * wide)]
+    for g in (wide - 3, wide + 2, 2 * wide):  # one addition exact, the other not
+        rows += [(1.0, 2.0**-g, 2.0**-g), (1.0, 1.0, 2.0**-g), (1.0, 2.0**-g, -1.0)]
     rows += [
         (1.5, -1.5, 0.0), (1.5, -1.5, -0.0), (-0.0, -0.0, -0.0), (-0.0, -0.0, 0.0),
         (0.0, -0.0, -0.0), (-0.0, 0.0, -0.0), (top, 1.0, -(top + 1.0)), (1.0, -1.0, 2.0**-20),
@@ -362,23 +364,31 @@ def _fast(x0: torch.Tensor, x1: torch.Tensor, res: torch.Tensor) -> torch.Tensor
     return exact
 
 
-@pytest.mark.parametrize(
-    ("dtype", "res_dtype"),
-    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-     (torch.float16, torch.float16), (torch.bfloat16, torch.float32)],
-    ids=str,
-)  # fmt: skip
-@pytest.mark.parametrize(
-    "rdtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str
-)
+# (terms, residual, h): each float32 fast sum kernel's rounding to a narrower, the same
+# and a wider h; 16-bit terms with a float32 residual take the float64 sum (one compile
+# per combination: the main cost of these tests)
+FAST_SUM_DTYPES = [
+    (torch.float32, torch.float32, torch.float32),
+    (torch.float32, torch.float32, torch.bfloat16),
+    (torch.float32, torch.float32, torch.float64),
+    (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16, torch.float32),
+    (torch.float16, torch.float16, torch.float16),
+    (torch.bfloat16, torch.float32, torch.float32),
+]
+
+
+@pytest.mark.parametrize(("dtype", "res_dtype", "rdtype"), FAST_SUM_DTYPES, ids=str)
 def test_numba_fast_sum_edges(dtype, res_dtype, rdtype):
     # rows the fast sum takes and rows it hands to the exact path (both kinds present),
-    # signs and the terms' order varied along each row: the oracle's bits either way
-    cases = _sum3_cases(dtype, rdtype)
-    cols = []
-    for a, b, c in cases:
-        cols.append([(a, b, c), (-a, -b, -c), (b, a, c), (c, b, a), (a, c, b)])
-    rows = torch.tensor(cols, dtype=torch.float64)  # (rows, 5, 3)
+    # the terms in every order (a row each: one row's elements go one way), both signs
+    # along the row: the oracle's bits either way
+    cases = [
+        [(a, b, c), (-a, -b, -c)]
+        for row in _sum3_cases(dtype, rdtype)
+        for a, b, c in itertools.permutations(row)
+    ]
+    rows = torch.tensor(cases, dtype=torch.float64)  # (rows, 2, 3)
     x0, x1 = (rows[..., k].to(dtype) for k in (0, 1))
     res = rows[..., 2].to(dtype).to(res_dtype)  # the same values, in res_dtype
     fast = _fast(x0, x1, res)
@@ -604,8 +614,10 @@ def test_batch_and_thread_count_invariance():
     try:
         torch.set_num_threads(1)
         one = nd.dropout_add(x0, x1, res, rs, 77, 0.2, torch.float32, True)
+        sum_one = nd.dropout_add(x0, x1, res, None, 77, 0.0, torch.float32, False)[0]
         torch.set_num_threads(2)
         two = nd.dropout_add(x0, x1, res, rs, 77, 0.2, torch.float32, True)
+        sum_two = nd.dropout_add(x0, x1, res, None, 77, 0.0, torch.float32, False)[0]
         back_two = nd.dropout_add_backward(res, rs, 77, 0.2, x0.dtype, x1.dtype, res.dtype)
         torch.set_num_threads(1)
         back_one = nd.dropout_add_backward(res, rs, 77, 0.2, x0.dtype, x1.dtype, res.dtype)
@@ -613,6 +625,7 @@ def test_batch_and_thread_count_invariance():
         torch.set_num_threads(saved)
     for a, b in zip(one, two, strict=True):
         assert_same_bits(a, b)
+    assert_same_bits(sum_one, sum_two)
     for a, b in zip(back_one, back_two, strict=True):
         assert_same_bits(a, b)
     # the first rows of a call are a smaller call's rows
@@ -629,6 +642,7 @@ def test_strided_rows_and_zero_size():
     x1 = base[1::2, 40:77]
     res = _values(torch.float32, (37, 3), 52).t()  # strided columns: copied
     check_forward(x0, x1, res, None, 9, 0.4, torch.float32)
+    check_forward(x0, x1, res, None, 9, 0.0, torch.float32)  # the fast sum's rows
     check_backward(base[::2, 3:40], None, 9, 0.4, torch.float32, torch.float32, None)
     for shape in ((0, 5), (4, 0)):
         h, m0, m1 = nd.dropout_add(torch.ones(shape), None, None, None, 0, 0.5, torch.float32, True)
