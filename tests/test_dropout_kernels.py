@@ -6,6 +6,7 @@ special values, layouts and errors."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import os
 import subprocess
@@ -304,6 +305,101 @@ def test_numba_special_values():
     assert h.tolist() == [[inf, -inf]]
 
 
+# --- the fast sum of x0 + x1 + residual (p = 0, no rowscale) ---------------------------------
+
+
+def _fits(values: tuple[float, ...], dtype: torch.dtype) -> bool:
+    return all(math.isnan(v) or float(torch.tensor(v, dtype=dtype).item()) == v for v in values)
+
+
+def _sum3_cases(dtype: torch.dtype, rdtype: torch.dtype) -> list[tuple[float, float, float]]:
+    """``(x0, x1, residual)`` rows at the fast sum's edges, each exact in ``dtype``: the
+    terms' exponents spanning just inside and just past the fast sum's precision (float64
+    for float32 terms, float32 for 16-bit ones), cancellations to zero, signed zeros,
+    Inf and NaN, overflow, subnormal results of ``rdtype`` and ties in ``rdtype``,
+    nudged either way by a term near and far below them."""
+    digits = _DIGITS[dtype]
+    top = 2.0 - 2.0 ** (1 - digits)  # every significand bit set
+    wide = 24 if dtype in (torch.float16, torch.bfloat16) else 53
+    rdigits = 53 if rdtype == torch.float64 else _DIGITS[rdtype]
+    unit = torch.finfo(rdtype).smallest_normal * 2.0 ** (1 - rdigits)  # subnormal spacing
+    inf, nan = math.inf, math.nan
+    rows = [(top, top * 2.0**-g, r) for g in range(wide - digits - 3, wide - digits + 4)
+            for r in (0.0, 1.0, -top * 2.0**-g)]  # fmt: skip
+    for g in (wide - 3, wide + 2, 2 * wide):  # one addition exact, the other not
+        rows += [(1.0, 2.0**-g, 2.0**-g), (1.0, 1.0, 2.0**-g), (1.0, 2.0**-g, -1.0)]
+    rows += [
+        (1.5, -1.5, 0.0), (1.5, -1.5, -0.0), (-0.0, -0.0, -0.0), (-0.0, -0.0, 0.0),
+        (0.0, -0.0, -0.0), (-0.0, 0.0, -0.0), (top, 1.0, -(top + 1.0)), (1.0, -1.0, 2.0**-20),
+        (inf, 1.0, 1.0), (inf, -inf, 0.0), (nan, 1.0, 0.0), (1.0, 2.0, -inf), (inf, inf, 1.0),
+    ]  # fmt: skip
+    big = torch.finfo(dtype).max
+    rows += [(big, big, 0.0), (big, -big, 1.0), (-big, -big, -big)]
+    rmax = torch.finfo(rdtype).max
+    rows += [(rmax, rmax * 2.0 ** -(rdigits + 1), 0.0), (rmax, rmax * 2.0**-rdigits, 0.0)]
+    tie = 2.0**-rdigits  # half a unit of rdtype at 1
+    for nudge in (0.0, 2.0**-12, -(2.0**-12), 2.0**-40, -(2.0**-40)):
+        rows += [(1.0, tie, tie * nudge), (1.0 + 2 * tie, tie, tie * nudge)]
+        rows += [(5 * unit, unit / 2, unit * nudge), (unit, -unit / 2, unit * nudge)]
+        rows += [(3 * unit, -2 * unit, unit * nudge)]
+    return [row for row in rows if _fits(row, dtype)]
+
+
+def _fast(x0: torch.Tensor, x1: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+    """Per row: whether the fast sum's additions ``(x0 + x1) + res`` are exact in its
+    precision (float32 when every term is 16-bit, else float64)."""
+    single = all(t.dtype in (torch.float16, torch.bfloat16) for t in (x0, x1, res))
+    work = torch.float32 if single else torch.float64
+    a, b, c = (t.to(work) for t in (x0, x1, res))
+    exact = torch.ones(x0.shape[0], dtype=torch.bool)
+    for i in range(x0.shape[0]):
+        for u, v, w in zip(a[i].tolist(), b[i].tolist(), c[i].tolist(), strict=True):
+            total = float(torch.tensor(u, dtype=work) + torch.tensor(v, dtype=work))
+            last = float(torch.tensor(total, dtype=work) + torch.tensor(w, dtype=work))
+            if not all(map(math.isfinite, (u, v, w, total, last))):
+                exact[i] = False
+                continue
+            exact[i] &= Fraction(u) + Fraction(v) == Fraction(total)
+            exact[i] &= Fraction(total) + Fraction(w) == Fraction(last)
+    return exact
+
+
+# (terms, residual, h): each float32 fast sum kernel's rounding to a narrower, the same
+# and a wider h; 16-bit terms with a float32 residual take the float64 sum (one compile
+# per combination: the main cost of these tests)
+FAST_SUM_DTYPES = [
+    (torch.float32, torch.float32, torch.float32),
+    (torch.float32, torch.float32, torch.bfloat16),
+    (torch.float32, torch.float32, torch.float64),
+    (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16, torch.float32),
+    (torch.float16, torch.float16, torch.float16),
+    (torch.bfloat16, torch.float32, torch.float32),
+]
+
+
+@pytest.mark.parametrize(("dtype", "res_dtype", "rdtype"), FAST_SUM_DTYPES, ids=str)
+def test_numba_fast_sum_edges(dtype, res_dtype, rdtype):
+    # rows the fast sum takes and rows it hands to the exact path (both kinds present),
+    # the terms in every order (a row each: one row's elements go one way), both signs
+    # along the row: the oracle's bits either way
+    cases = [
+        [(a, b, c), (-a, -b, -c)]
+        for row in _sum3_cases(dtype, rdtype)
+        for a, b, c in itertools.permutations(row)
+    ]
+    rows = torch.tensor(cases, dtype=torch.float64)  # (rows, 2, 3)
+    x0, x1 = (rows[..., k].to(dtype) for k in (0, 1))
+    res = rows[..., 2].to(dtype).to(res_dtype)  # the same values, in res_dtype
+    fast = _fast(x0, x1, res)
+    assert fast.any() and not fast.all()
+    check_forward(x0, x1, res, None, 3, 0.0, rdtype)
+    # no residual (a row of -0.0 in the kernel), and a fast row after a slow one
+    check_forward(x0, x1, None, None, 3, 0.0, rdtype)
+    both = torch.cat([x0[~fast][:1], x0[fast][:1]] * 3)
+    check_forward(both, torch.cat([x1[~fast][:1], x1[fast][:1]] * 3), None, None, 3, 0.0, rdtype)
+
+
 @pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 1.0])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_numba_backward_is_the_exact_product_rounded_once(dtype, p):
@@ -518,8 +614,10 @@ def test_batch_and_thread_count_invariance():
     try:
         torch.set_num_threads(1)
         one = nd.dropout_add(x0, x1, res, rs, 77, 0.2, torch.float32, True)
+        sum_one = nd.dropout_add(x0, x1, res, None, 77, 0.0, torch.float32, False)[0]
         torch.set_num_threads(2)
         two = nd.dropout_add(x0, x1, res, rs, 77, 0.2, torch.float32, True)
+        sum_two = nd.dropout_add(x0, x1, res, None, 77, 0.0, torch.float32, False)[0]
         back_two = nd.dropout_add_backward(res, rs, 77, 0.2, x0.dtype, x1.dtype, res.dtype)
         torch.set_num_threads(1)
         back_one = nd.dropout_add_backward(res, rs, 77, 0.2, x0.dtype, x1.dtype, res.dtype)
@@ -527,6 +625,7 @@ def test_batch_and_thread_count_invariance():
         torch.set_num_threads(saved)
     for a, b in zip(one, two, strict=True):
         assert_same_bits(a, b)
+    assert_same_bits(sum_one, sum_two)
     for a, b in zip(back_one, back_two, strict=True):
         assert_same_bits(a, b)
     # the first rows of a call are a smaller call's rows
@@ -543,6 +642,7 @@ def test_strided_rows_and_zero_size():
     x1 = base[1::2, 40:77]
     res = _values(torch.float32, (37, 3), 52).t()  # strided columns: copied
     check_forward(x0, x1, res, None, 9, 0.4, torch.float32)
+    check_forward(x0, x1, res, None, 9, 0.0, torch.float32)  # the fast sum's rows
     check_backward(base[::2, 3:40], None, 9, 0.4, torch.float32, torch.float32, None)
     for shape in ((0, 5), (4, 0)):
         h, m0, m1 = nd.dropout_add(torch.ones(shape), None, None, None, 0, 0.5, torch.float32, True)

@@ -28,6 +28,21 @@ of the rounded pieces, rounded once), and terms near float64's overflow threshol
 overflow in a TwoSum (Inf or NaN where the exact sum is finite). Not compiled with ``fastmath`` (it would reorder
 the TwoSums); LLVM on the CPU contracts nothing without it.
 
+**The fast sums.** Where every element is kept, ``s`` is 1 and there is no rowscale
+(``dropout_p`` 0 with ``x1``), ``h = RN(x0 + x1 + residual)``: a row is first summed
+as ``t = (x0 + x1) + r`` in float64 (float32 where every term is 16-bit), with both
+additions' TwoSum errors. TwoSum is error-free (no overflow: an overflow or an Inf or
+NaN term makes an error NaN), so both errors are zero iff both additions were exact,
+and then ``t`` is the exact sum and ``RN_rdtype(t)`` (one rounding: ``_stored``, or
+``narrow`` from float32) is the exact path's ``h``, bits and all: the rounding of an
+exact value is unique, and ``t``'s zero sign is IEEE addition's, the rule below (``a +
+b`` is ``-0.0`` iff both are). Any nonzero error in a row sends the whole row to the
+exact path. For float32 terms (24 bits) the float64 sums are exact unless the terms'
+exponents span more than about 27 binades; for bfloat16 (8 bits) the float32 sums
+unless they span more than about 14; float16 terms span at most 40 binades, so their
+float32 sums may miss more often (a row then pays both). The fast sum is an
+optimization: the exact path below is the definition.
+
 **Special values.** A dropped term is +0.0 whatever ``x`` is (NaN, Inf). When a kept
 term or the residual is Inf or NaN, ``h`` is the IEEE float64 sum
 ``(x0·rs·s + x1·s) + residual`` of the rounded terms, then rounded (Inf, -Inf or NaN).
@@ -66,7 +81,7 @@ from numba.extending import intrinsic
 from . import _numba_cache, _numba_philox, _numba_vectors, _philox, _threads
 from ._dropout_add import FLOAT_DTYPES, check_args
 from ._numba_philox import keep_from_bits, random_bits, random_bits_pair
-from ._numba_vectors import narrow_once, widen
+from ._numba_vectors import narrow, narrow_once, widen
 from .torch_ import contiguous_rows
 
 __all__ = ["DEPENDS_SHA256", "depends_digest", "dropout_add", "dropout_add_backward"]
@@ -158,6 +173,46 @@ def _wide(typingctx, raw):
         return value
 
     return signature(types.float64, raw), codegen
+
+
+@intrinsic
+def _bits32(typingctx, x):
+    """The float32 ``x``'s bit pattern as an int32."""
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return signature(types.int32, types.float32), codegen
+
+
+@intrinsic
+def _single(typingctx, raw):
+    """A stored 16-bit element (float16 bits as int16, bfloat16 bits as uint16) as a
+    float32, exactly; a float32 as it is. (float64: rounded to float32; the kernels
+    never ask for it.)"""
+
+    def codegen(context, builder, sig, args):
+        value = widen(builder, args[0], sig.args[0])
+        if isinstance(value.type, ir.DoubleType):
+            value = builder.fptrunc(value, ir.FloatType())
+        return value
+
+    return signature(types.float32, raw), codegen
+
+
+@intrinsic
+def _stored_single(typingctx, value, like):
+    """The float32 ``value`` (not NaN) rounded once to nearest-even in the dtype of array
+    ``like``, as that array stores it: ``_numba_vectors.narrow`` (float16 by
+    ``fptrunc``, bfloat16 on the bit pattern), float32 as it is, float64 widened."""
+    dtype = like.dtype
+
+    def codegen(context, builder, sig, args):
+        if dtype == types.float64:
+            return builder.fpext(args[0], ir.DoubleType())
+        return narrow(builder, args[0], dtype)
+
+    return signature(dtype, types.float32, like), codegen
 
 
 @intrinsic
@@ -320,6 +375,45 @@ def _exact_h(x0v, keep0, scale, x1v, keep1, has_x1, r, s, nearest):  # pragma: n
 
 
 @_jit(inline="always")
+def _sum3_double_row(h_i, x0_i, x1_i, r_i, n_cols):  # pragma: no cover - compiled
+    """:func:`_exact_sum3`'s row when the float64 sums are exact: ``h_i[c] =
+    RN((x0 + x1) + r)`` from the float64 sum, and whether every element's was exact
+    (else the caller redoes the row: then ``h_i`` holds nothing to keep). Terms read
+    in place (float32 and float64 rows: 16-bit loads here make LLVM pick vectors too
+    wide for float64, see :func:`_forward_rows`).
+
+    The same bits where exact (module docstring, "The fast sums"). The TwoSum errors'
+    bits (sign shifted out) are OR-ed over the row: an integer reduction, which LLVM
+    vectorizes (a float one it may not reorder)."""
+    open_ = 0
+    for c in range(n_cols):
+        a, e1 = _two_sum(_wide(x0_i[c]), _wide(x1_i[c]))
+        t, e2 = _two_sum(a, _wide(r_i[c]))
+        open_ |= (_bits(e1) | _bits(e2)) << 1
+        h_i[c] = _stored(t, h_i)
+    return open_ == 0
+
+
+@_jit(inline="always")
+def _sum3_single_row(h_i, w0, w1, wr, sums, n_cols):  # pragma: no cover - compiled
+    """:func:`_sum3_double_row` in float32, for 16-bit terms already widened to the
+    float32 rows ``w0``, ``w1``, ``wr``: the sums in ``sums``, then rounded to ``h_i``'s
+    dtype in a loop of their own (the 16-bit stores in the sum loop make LLVM pick
+    4-lane vectors: 1.2x slower). Whether every element's float32 sum was exact."""
+    open_ = np.int32(0)
+    for c in range(n_cols):
+        a, e1 = _two_sum(w0[c], w1[c])
+        t, e2 = _two_sum(a, wr[c])
+        open_ |= (_bits32(e1) | _bits32(e2)) << np.int32(1)
+        sums[c] = t
+    if open_ != 0:
+        return False
+    for c in range(n_cols):
+        h_i[c] = _stored_single(sums[c], h_i)
+    return True
+
+
+@_jit(inline="always")
 def _exact_h1(x0v, keep0, r, s, nearest):  # pragma: no cover - compiled
     """:func:`_exact_h` without ``x1`` and with ``scale`` 1 (no rowscale): the pieces
     ``TwoProd(x0, s)`` and ``r`` summed by :func:`_scan3`, the same bits (the other four
@@ -387,7 +481,8 @@ def _forward_rows(
     masks are contiguous. Per row, three loops: the masks (LLVM vectorizes the Philox
     rounds there: 7x faster than inside the element loop), the operands widened to
     float64 rows (16-bit loads in the element loop make LLVM pick 32-lane vectors, whose
-    float64 arithmetic spills: 7-10x slower), then :func:`_exact_h` per element."""
+    float64 arithmetic spills: 7-10x slower), then :func:`_exact_h` per element.
+    (``x0 + x1 + residual`` with every element kept and no scale: :func:`_sum3_rows`.)"""
     keep0 = np.empty(n_cols, np.bool_)
     keep1 = np.empty(n_cols, np.bool_)
     wide0 = np.empty(n_cols, np.float64)
@@ -410,10 +505,7 @@ def _forward_rows(
             res_i = res[i * sres : i * sres + n_cols]
             for c in range(n_cols):
                 wide_r[c] = _wide(res_i[c])
-        if has_x1 and not has_rs and s == 1.0 and p32 == 0.0:
-            for c in range(n_cols):
-                h_i[c] = _stored(_exact_sum3(wide0[c], wide1[c], wide_r[c], nearest), h)
-        elif has_x1 or has_rs:
+        if has_x1 or has_rs:
             for c in range(n_cols):
                 v = _exact_h(
                     wide0[c], keep0[c], scale, wide1[c], keep1[c], has_x1, wide_r[c], s, nearest
@@ -430,6 +522,75 @@ def _forward_rows(
                 m1_i = m1[base : base + n_cols]
                 for c in range(n_cols):
                     m1_i[c] = keep1[c]
+
+
+@_jit(inline="always")
+def _exact_sum3_row(
+    h_i, x0_i, x1_i, r_i, wide0, wide1, wide_r, nearest, n_cols
+):  # pragma: no cover
+    """The row ``h_i`` by :func:`_exact_sum3`, the operands widened to the float64 rows
+    ``wide0``, ``wide1``, ``wide_r`` first (as :func:`_forward_rows`)."""
+    for c in range(n_cols):
+        wide0[c] = _wide(x0_i[c])
+    for c in range(n_cols):
+        wide1[c] = _wide(x1_i[c])
+    for c in range(n_cols):
+        wide_r[c] = _wide(r_i[c])
+    for c in range(n_cols):
+        h_i[c] = _stored(_exact_sum3(wide0[c], wide1[c], wide_r[c], nearest), h_i)
+
+
+@_jit()
+def _sum3_rows(
+    x0, sx0, x1, sx1, res, sres, h, n_cols, nearest, row_lo, row_hi,
+):  # fmt: skip  # pragma: no cover - compiled
+    """Rows ``row_lo .. row_hi - 1`` of ``h = RN(x0 + x1 + residual)``: :func:`_forward_rows`
+    when every element is kept (``p32`` 0), ``s`` is 1 and there is no rowscale, with
+    its arrays and strides (no residual: a row of ``-0.0``, stride 0). Each row by
+    :func:`_sum3_double_row` (module docstring, "The fast sums"), or where that was not
+    exact by :func:`_exact_sum3_row`."""
+    wide0 = np.empty(n_cols, np.float64)
+    wide1 = np.empty(n_cols, np.float64)
+    wide_r = np.empty(n_cols, np.float64)
+    for i in range(row_lo, row_hi):
+        base = np.int64(i) * np.int64(n_cols)
+        # row slices, as in _forward_rows
+        h_i = h[base : base + n_cols]
+        x0_i = x0[i * sx0 : i * sx0 + n_cols]
+        x1_i = x1[i * sx1 : i * sx1 + n_cols]
+        res_i = res[i * sres : i * sres + n_cols]
+        if not _sum3_double_row(h_i, x0_i, x1_i, res_i, n_cols):
+            _exact_sum3_row(h_i, x0_i, x1_i, res_i, wide0, wide1, wide_r, nearest, n_cols)
+
+
+@_jit()
+def _sum3_rows_single(
+    x0, sx0, x1, sx1, res, sres, h, n_cols, nearest, row_lo, row_hi,
+):  # fmt: skip  # pragma: no cover - compiled
+    """:func:`_sum3_rows` for 16-bit terms: each row by :func:`_sum3_single_row` on the
+    terms widened to float32 rows, or where that was not exact by
+    :func:`_exact_sum3_row`."""
+    wide0 = np.empty(n_cols, np.float64)
+    wide1 = np.empty(n_cols, np.float64)
+    wide_r = np.empty(n_cols, np.float64)
+    single0 = np.empty(n_cols, np.float32)
+    single1 = np.empty(n_cols, np.float32)
+    single_r = np.empty(n_cols, np.float32)
+    sums = np.empty(n_cols, np.float32)
+    for i in range(row_lo, row_hi):
+        base = np.int64(i) * np.int64(n_cols)
+        h_i = h[base : base + n_cols]
+        x0_i = x0[i * sx0 : i * sx0 + n_cols]
+        x1_i = x1[i * sx1 : i * sx1 + n_cols]
+        res_i = res[i * sres : i * sres + n_cols]
+        for c in range(n_cols):
+            single0[c] = _single(x0_i[c])
+        for c in range(n_cols):
+            single1[c] = _single(x1_i[c])
+        for c in range(n_cols):
+            single_r[c] = _single(res_i[c])
+        if not _sum3_single_row(h_i, single0, single1, single_r, sums, n_cols):
+            _exact_sum3_row(h_i, x0_i, x1_i, res_i, wide0, wide1, wide_r, nearest, n_cols)
 
 
 @_jit()
@@ -508,9 +669,32 @@ def _constants(p: float) -> tuple[float, np.float32]:
     return _philox.dropout_scale(p), np.float32(_philox.threshold(p))
 
 
+def _all_16_bit(*tensors: torch.Tensor | None) -> bool:
+    """Whether every present tensor is float16 or bfloat16 (the float32 fast sum's
+    terms)."""
+    return all(t is None or t.dtype in (torch.float16, torch.bfloat16) for t in tensors)
+
+
 def _run(kernel, args: tuple, m: int, n: int) -> None:
     """``kernel(*args, row_lo, row_hi)`` over all rows, in spans over ``_threads``."""
     _threads.run(lambda lo, hi: kernel(*args, lo, hi), m, max(n, 1))
+
+
+def _sum3(
+    x0: torch.Tensor, x1: torch.Tensor, residual: torch.Tensor | None, h: torch.Tensor
+) -> None:
+    """``h = RN(x0 + x1 + residual)`` of nonempty checked rows, by :func:`_sum3_rows`
+    (:func:`_sum3_rows_single` when every term is 16-bit)."""
+    n = x0.shape[1]
+    a0, s0 = _flat(contiguous_rows(x0))
+    a1, s1 = _flat(contiguous_rows(x1))
+    if residual is None:  # IEEE's neutral zero, one row read for every row
+        ar, sr = _flat(torch.full((1, n), -0.0, dtype=x0.dtype))[0], 0
+    else:
+        ar, sr = _flat(contiguous_rows(residual))
+    args = (a0, s0, a1, s1, ar, sr, _flat(h)[0], n, h.dtype == torch.float64)
+    kernel = _sum3_rows_single if _all_16_bit(x0, x1, residual) else _sum3_rows
+    _run(kernel, args, x0.shape[0], n)
 
 
 def dropout_add(
@@ -536,8 +720,14 @@ def dropout_add(
     m, n = x0.shape
     k0, k1 = _philox.seed_key(seed)
     s, p32 = _constants(p)
-    scale = _rowscale(rowscale)
     h = torch.empty((m, n), dtype=rdtype)
+    if x1 is not None and rowscale is None and p32 == 0.0 and s == 1.0:  # all kept, s = 1
+        if m * n:
+            _sum3(x0, x1, residual, h)
+        if not want_masks:
+            return h, None, None
+        return h, torch.ones((m, n), dtype=torch.bool), torch.ones((m, n), dtype=torch.bool)
+    scale = _rowscale(rowscale)
     mask0 = torch.empty((m, n), dtype=torch.bool) if want_masks else None
     mask1 = torch.empty((m, n), dtype=torch.bool) if want_masks and x1 is not None else None
     if m * n == 0:
