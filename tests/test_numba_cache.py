@@ -105,14 +105,19 @@ def test_build_in_several_processes_starts_helpers_that_build_beside_it(monkeypa
 
     def recording(args, **kwargs):
         started.append(popen(args, **kwargs))
+        started[-1].kwargs_env = kwargs["env"]
         return started[-1]
 
     monkeypatch.setattr(subprocess, "Popen", recording)
+    monkeypatch.setenv("LAYERNORM_CACHE_DIR", "/nonexistent/file/cache")  # (resolved already)
     lines = numba_.build(3)
     assert [line.split()[0] for line in lines] == ["float16", "bfloat16", "float32", "float64"]
     assert len(started) == 2
     assert all(helper.returncode == 0 for helper in started)  # waited for, and succeeded
     assert "numba_.build()" in started[0].args[-1]
+    # the helpers fill this process's folder, even where the environment now says
+    # otherwise (tests/test_compiled.py::test_cli_build points it at a file)
+    assert started[0].kwargs_env["NUMBA_CACHE_DIR"] == str(_numba_cache.directory())
     started.clear()
     numba_.build(9)
     assert len(started) == 3  # four dtypes: four processes in all

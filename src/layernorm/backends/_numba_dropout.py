@@ -143,12 +143,13 @@ def _fma(typingctx, a, b, c):
 
 @intrinsic
 def _bits(typingctx, x):
-    """The float64 ``x``'s bit pattern as an int64."""
+    """The float64 (float32) ``x``'s bit pattern as an int64 (int32)."""
+    width = 32 if x == types.float32 else 64
 
     def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(64))
+        return builder.bitcast(args[0], ir.IntType(width))
 
-    return signature(types.int64, types.float64), codegen
+    return signature(types.int32 if width == 32 else types.int64, x), codegen
 
 
 @intrinsic
@@ -173,16 +174,6 @@ def _wide(typingctx, raw):
         return value
 
     return signature(types.float64, raw), codegen
-
-
-@intrinsic
-def _bits32(typingctx, x):
-    """The float32 ``x``'s bit pattern as an int32."""
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return signature(types.int32, types.float32), codegen
 
 
 @intrinsic
@@ -404,7 +395,7 @@ def _sum3_single_row(h_i, w0, w1, wr, sums, n_cols):  # pragma: no cover - compi
     for c in range(n_cols):
         a, e1 = _two_sum(w0[c], w1[c])
         t, e2 = _two_sum(a, wr[c])
-        open_ |= (_bits32(e1) | _bits32(e2)) << np.int32(1)
+        open_ |= (_bits(e1) | _bits(e2)) << np.int32(1)
         sums[c] = t
     if open_ != 0:
         return False

@@ -313,18 +313,22 @@ def build(processes: int = 1) -> list[str]:
 
     _kernels()
     _numba_cache.expect_compiles()
+    folder = _numba_cache.directory()
     package_parent = str(Path(__file__).resolve().parents[2])  # the folder holding layernorm
     path = os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)
+    # the helpers import this package and fill this process's cache folder, whatever
+    # their environment would resolve to now
+    env = {**os.environ, "PYTHONPATH": path, "NUMBA_CACHE_DIR": str(folder)}
     helpers = [
         subprocess.Popen(
             [sys.executable, "-c", "from layernorm.backends import numba_; numba_.build()"],
-            env={**os.environ, "PYTHONPATH": path},
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,  # (this process compiles whatever a helper leaves)
         )
         for _ in range(min(processes, len(_DTYPES)) - 1)
-        if _numba_cache.directory() is not None  # (else each would compile for itself)
+        if folder is not None  # (else each would compile for itself)
     ]
     seconds = dict.fromkeys(_DTYPES, 0.0)
     pending = [(dtype, name) for dtype in _DTYPES for name in (*ENTRIES, "column_sums")]
