@@ -114,6 +114,17 @@ def _check_rows(x, w, b, rms, residual=None):
         assert np.array_equal(got[i][~zero], want[~zero]), i
 
 
+@pytest.fixture
+def one_thread():
+    """One thread: a call is one span of rows (with threads, ``numba_`` splits it into a
+    few spans a thread, and spans of at most ``BATCHED_NUMEL`` elements take the batched
+    rows, which keep no ``d``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _rows(m, n, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, n, generator=g) * 2 + torch.randn(m, 1, generator=g) * 100
@@ -132,7 +143,7 @@ def _rows(m, n, seed):
         (1000, 263),  # pipelined, the narrowest kept row past the batches
     ],
 )
-def test_rows_are_correctly_rounded_around_the_kept_widths(m, n, rms):
+def test_rows_are_correctly_rounded_around_the_kept_widths(m, n, rms, one_thread):
     assert kernels.BATCHED_NUMEL == 256 * kernels.KEPT_N  # (the cases' batched limit)
     x, w, b = _rows(m, n, m * n)
     x[1] = 3.0  # a constant row (RMSNorm: all equal)
@@ -140,9 +151,9 @@ def test_rows_are_correctly_rounded_around_the_kept_widths(m, n, rms):
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
-def test_kept_rows_with_a_residual_and_a_nan_row(rms):
+def test_kept_rows_with_a_residual_and_a_nan_row(rms, one_thread):
     """``d`` of ``z = x + residual`` (the row written first), a NaN row in between."""
-    for m, n in ((10, 200), (300, 900)):
+    for m, n in ((10, 200), (300, 900)):  # batched; pipelined
         x, w, b = _rows(m, n, n)
         residual = torch.randn(m, n, generator=torch.Generator().manual_seed(1))
         x[2, 7] = float("nan")
@@ -157,7 +168,7 @@ def test_which_rows_keep_d():
     assert kernels.KEPT_N <= kernels.SEGMENT  # a kept row is one segment
 
 
-def test_streamed_rows_of_kept_widths(monkeypatch):
+def test_streamed_rows_of_kept_widths(monkeypatch, one_thread):
     """Every output streamed (which keeps no ``d``; the rows' unaligned heads plainly):
     the oracle's bits."""
     monkeypatch.setattr(numba_, "STREAM_BYTES", 0)
