@@ -99,12 +99,15 @@ from ._numba_vectors import (
     narrow_once,
     normalize_row_checked,
     normalize_row_fast,
+    normalize_row_fast_centered,
     normalize_row_fast_single,
     normalize_row_fast_single_streaming,
     normalize_row_fast_streaming,
     row_sum,
     row_sum_sq,
+    row_sum_sq_kept,
     row_sums_centered,
+    row_sums_centered_kept,
     widen,
 )
 from ._numba_vectors import lanes as vector_lanes
@@ -119,7 +122,7 @@ SEGMENT = 1024
 #: these kernels. numba keys its on-disk cache on this file alone, so a change to that one
 #: must change this line, or a stale cached kernel would keep running the old code;
 #: ``tests/test_numba_vectors.py`` fails until it does.
-VECTORS_SHA256 = "ac05190a76055705"
+VECTORS_SHA256 = "d0576e4a6b9bdbc7"
 
 
 def _jit(*signature, **options):
@@ -206,6 +209,18 @@ def _row_statistics(
     i, x, x_stride, residual, residual_stride, has_residual, residual_out,
     mean, rstd, n, eps, rms, store_stats,
 ):  # fmt: skip
+    """:func:`_kept_statistics` without keeping ``d``."""
+    return _kept_statistics(
+        i, x, x_stride, residual, residual_stride, has_residual, residual_out,
+        mean, rstd, n, eps, rms, store_stats, False, np.empty(0, np.float64),
+    )  # fmt: skip
+
+
+@_jit(inline="always")
+def _kept_statistics(
+    i, x, x_stride, residual, residual_stride, has_residual, residual_out,
+    mean, rstd, n, eps, rms, store_stats, keep, kept,
+):  # fmt: skip
     """Row ``i``'s input ``z`` (``residual_out = x + residual``, written first, when
     ``has_residual``), its statistics in float64 and the constants of its error bound
     (docs/contract.md §3): ``(z, m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y,
@@ -216,10 +231,11 @@ def _row_statistics(
     ``x``, ``residual``: flat storage with row strides ``x_stride``, ``residual_stride``;
     ``residual_out``: contiguous (M*N,) output in x's dtype; ``mean`` (unused for RMSNorm)
     and ``rstd``: (M,) in the accumulation dtype, written only when ``store_stats``.
-    ``eps`` is a float64.
+    ``eps`` is a float64. ``keep``, ``kept``: as :func:`_row_sums` takes them.
     """
     z, m1, s1, s2 = _row_sums(
-        i, x, x_stride, residual, residual_stride, has_residual, residual_out, n, rms
+        i, x, x_stride, residual, residual_stride, has_residual, residual_out, n, rms, keep,
+        kept,
     )  # fmt: skip
     delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag = _statistics(m1, s1, s2, n, eps, rms)
     if store_stats:
@@ -230,11 +246,16 @@ def _row_statistics(
 
 
 @_jit(inline="always")
-def _row_sums(i, x, x_stride, residual, residual_stride, has_residual, residual_out, n, rms):
+def _row_sums(
+    i, x, x_stride, residual, residual_stride, has_residual, residual_out, n, rms, keep, kept
+):  # fmt: skip
     """Row ``i``'s pass over memory for :func:`_row_statistics`: ``(z, m1, s1, s2)``, the
     row ``z`` (``residual_out = x + residual`` written first, when ``has_residual``), its
     shift ``m1`` (the first element; 0 for RMSNorm) and the sums ``s1 = Σd``, ``s2 = Σd²``
-    of ``d = z - m1`` in float64 (RMSNorm: ``s1 = 0``, ``s2 = Σz²``)."""
+    of ``d = z - m1`` in float64 (RMSNorm: ``s1 = 0``, ``s2 = Σz²``). When ``keep`` (see
+    :func:`_keeps`), each ``d`` (RMSNorm: ``z`` widened) is also stored into ``kept``, a
+    float64 row of N elements, for the float32 output's cheap pass
+    (``normalize_row_fast_centered``): the same sums, bit for bit."""
     zero = 0.0
     z = x[i * x_stride : i * x_stride + n]
     if has_residual:
@@ -242,12 +263,17 @@ def _row_sums(i, x, x_stride, residual, residual_stride, has_residual, residual_
         residual_i = residual[i * residual_stride : i * residual_stride + n]
         add_rows(x[i * x_stride : i * x_stride + n], residual_i, z)
     if rms:
+        if keep:
+            return z, zero, zero, row_sum_sq_kept(z, zero, kept)
         return z, zero, zero, row_sum_sq(z, zero)
     # The shift: the row's first element (the bound holds for any m1, and this one
     # depends on the row alone). One pass for Σd and Σd², d = z − m1, and
     # Σ(d − delta)² = Σd² − N·delta²: the cancellation is in e_var.
     m1 = element_f64(z, 0) if n > 0 else zero
-    s1, s2 = row_sums_centered(z, m1, zero)
+    if keep:
+        s1, s2 = row_sums_centered_kept(z, m1, zero, kept)
+    else:
+        s1, s2 = row_sums_centered(z, m1, zero)
     return z, m1, s1, s2
 
 
@@ -397,16 +423,29 @@ def _row_constants(
     i, x, x_stride, residual, residual_stride, has_residual, residual_out,
     mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, single, out32,
 ):  # fmt: skip
+    """:func:`_kept_constants` without keeping ``d``."""
+    return _kept_constants(
+        i, x, x_stride, residual, residual_stride, has_residual, residual_out,
+        mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, single, out32,
+        False, np.empty(0, np.float64),
+    )  # fmt: skip
+
+
+@_jit(inline="always")
+def _kept_constants(
+    i, x, x_stride, residual, residual_stride, has_residual, residual_out,
+    mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, single, out32, keep, kept,
+):  # fmt: skip
     """Row ``i``'s statistics and the constants of the output passes' bounds:
     ``(z, m1, delta, rstd_i, a, b, k_y, shift, bound_a, bound_b, tiny, flag, lanes32)``
     (:func:`_row_statistics`, :func:`_folded`, :func:`_bound_constants`; the bounds are
     meaningless when ``weight_max`` is infinite, and then unused), ``lanes32`` the
     float32 lanes' constants (:func:`_single_bounds`) when ``single`` (a constant of the
     compiled code: a 16-bit output row), else unused zeros; ``out32``: a float32
-    output row (a constant too)."""
-    z, m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag = _row_statistics(
+    output row (a constant too); ``keep``, ``kept``: as :func:`_row_sums` takes them."""
+    z, m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag = _kept_statistics(
         i, x, x_stride, residual, residual_stride, has_residual, residual_out,
-        mean, rstd, n, eps, rms, store_stats,
+        mean, rstd, n, eps, rms, store_stats, keep, kept,
     )  # fmt: skip
     a, b, shift, bound_a, bound_b, tiny, lanes32 = _bound_constants(
         m1, delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, weight_max, bias_max, single, out32
@@ -492,6 +531,49 @@ def _widens(m, n, stream):
     return m >= _WIDE_M and n >= _WIDE_N and not stream
 
 
+#: Rows of at most this many elements keep their ``d = z - m1`` (two float64 rows of
+#: scratch, 16 KiB: with the row, weight and bias they stay in the L1 cache; wider rows
+#: measured slower) for a float32 output's cheap pass: software-pipelined rows without
+#: streaming stores only (benchmarks/RESULTS.md, "the output pass reads d from the
+#: statistics pass"). At most :data:`SEGMENT`: a kept row is one segment.
+KEPT_N = 1024
+
+
+@intrinsic
+def _scratch_row(typingctx, rows, j):
+    """Row ``j`` of the 2-D C array ``rows``, as a 1-D array that borrows its memory (no
+    reference count: a slice ``rows[j]`` costs an atomic increment and decrement per
+    row, some 15 ns, which short rows felt). The caller keeps ``rows`` alive while it
+    uses the row (numba frees an array only after its last use)."""
+    row_type = types.Array(rows.dtype, 1, "C")
+
+    def codegen(context, builder, sig, args):
+        parent = context.make_array(sig.args[0])(context, builder, args[0])
+        n = builder.extract_value(parent.shape, 1)
+        index = context.cast(builder, args[1], sig.args[1], types.intp)
+        data = builder.gep(parent.data, [builder.mul(index, n)])
+        row = context.make_array(row_type)(context, builder)
+        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(data.type.pointee))
+        context.populate_array(
+            row, data=data, shape=[n], strides=[itemsize], itemsize=itemsize, meminfo=None
+        )
+        return row._getvalue()
+
+    return row_type(rows, j), codegen
+
+
+@_jit(inline="always")
+def _keeps(out32, n, stream):
+    """Whether a float32 output's software-pipelined rows keep ``d`` from their
+    statistics pass for the cheap pass (:func:`_row_sums`,
+    ``normalize_row_fast_centered``): rows of at most :data:`KEPT_N` elements, whose
+    scratch stays in the L1 cache, without streaming stores (which measured no faster
+    with it). ``out32`` is a constant of the compiled code: no code for it elsewhere.
+    The batched short rows (:func:`_forward_batches`) keep none: a batch's eight
+    scratch rows measured no faster."""
+    return out32 and n <= KEPT_N and not stream
+
+
 def _float64_for(y, values, wide):
     """The cheap pass's copy of ``values`` (a weight or bias row): for a float32 row
     ``y`` and float32 ``values``, widened to float64 once (a fresh row, exact) when
@@ -550,7 +632,9 @@ def _forward_rows(
     that row alone: the same bits in any order. For a float32 ``y``, the cheap pass gets
     weight and bias widened to float64 here, once per call (:func:`_float64_for`), but
     with streaming stores, where the widened rows measured slower (benchmarks/RESULTS.md,
-    "the cheaper float32 forward pass")."""
+    "the cheaper float32 forward pass"). The pipelined rows of a float32 output keep their
+    ``d = z - m1`` from the statistics pass (:func:`_keeps`) in two scratch rows, row
+    ``i``'s in row ``i % 2``, for their cheap pass."""
     if m == 0:
         return
     weight_max, bias_max = _largest_parameters(weight, bias)
@@ -572,20 +656,24 @@ def _forward_rows(
                 flags, weight_max, bias_max, single, out32,
             )  # fmt: skip
         return
-    row = _row_constants(
+    keep = _keeps(out32, n, stream)
+    kept = np.empty((2, n if keep else 0), np.float64)  # rows i % 2: row i's d
+    row = _kept_constants(
         0, x, x_stride, residual, residual_stride, has_residual, residual_out,
-        mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, single, out32,
+        mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, single, out32, keep,
+        _scratch_row(kept, 0),
     )  # fmt: skip
     for i in range(m):
         following = row
         if i + 1 < m:
-            following = _row_constants(
+            following = _kept_constants(
                 i + 1, x, x_stride, residual, residual_stride, has_residual, residual_out,
                 mean, rstd, n, eps, rms, store_stats, weight_max, bias_max, single, out32,
+                keep, _scratch_row(kept, (i + 1) % 2),
             )  # fmt: skip
         flags[i] = _forward_row(
             i, row, weight, bias, cheap, y, mean, rstd, n, eps, rms, store_stats, weight_max,
-            stream,
+            stream, keep, _scratch_row(kept, i % 2),
         )  # fmt: skip
         row = following
 
@@ -654,15 +742,16 @@ def _forward_batches(
     (:func:`_batch_statistics`), then each row's output (:func:`_forward_row`). Every
     row's arithmetic is :func:`_row_constants`' (the same bits); only the scalar work is
     shared. ``cheap``: the cheap pass's weight and bias, as :func:`_forward_row` takes
-    them."""
+    them. The rows keep no ``d`` (:func:`_keeps`)."""
     scratch = np.empty((_SCRATCH, _FORWARD_BATCH), np.float64)
+    unkept = np.empty((1, 0), np.float64)
     k_y = _K_Y
     for first in range(0, m, _FORWARD_BATCH):
         count = min(_FORWARD_BATCH, m - first)
         for j in range(count):
             _, scratch[_M1, j], scratch[_S1, j], scratch[_S2, j] = _row_sums(
                 first + j, x, x_stride, residual, residual_stride, has_residual,
-                residual_out, n, rms,
+                residual_out, n, rms, False, _scratch_row(unkept, 0),
             )  # fmt: skip
         _batch_statistics(scratch, count, n, eps, rms, weight_max, bias_max, single, out32)
         for j in range(count):
@@ -689,13 +778,14 @@ def _forward_batches(
             )  # fmt: skip
             flags[i] = _forward_row(
                 i, row, weight, bias, cheap, y, mean, rstd, n, eps, rms, store_stats,
-                weight_max, stream,
+                weight_max, stream, False, _scratch_row(unkept, 0),
             )  # fmt: skip
 
 
 @_jit(inline="always")
 def _forward_row(
     i, row, weight, bias, cheap, y, mean, rstd, n, eps, rms, store_stats, weight_max, stream,
+    keep, kept,
 ):  # fmt: skip
     """Row ``i``'s output from its constants ``row`` (:func:`_row_constants`), each
     element rounded once.
@@ -709,8 +799,9 @@ def _forward_row(
     :func:`_cheap_segments`. A 16-bit row (``_is_half``) runs in float32
     lanes instead (``normalize_row_fast_single``, whose result is the checked pass's;
     streamed from the first 32-byte boundary when ``stream``), or, where
-    :func:`_single_bounds` finds it unusable, the checked pass directly. Returns the
-    row's fallback flag."""
+    :func:`_single_bounds` finds it unusable, the checked pass directly. ``keep``: the
+    cheap pass loads ``d = z - m1`` from ``kept``, where :func:`_row_sums` stored it.
+    Returns the row's fallback flag."""
     z, m1, delta, rstd_i, a, b, k_y, shift, bound_a, bound_b, tiny, flag, lanes32 = row
     m1f, r, neg_t, a32, single = lanes32
     y_i = y[i * n : (i + 1) * n]
@@ -749,12 +840,12 @@ def _forward_row(
         elif _is_copy(cheap[0], weight) and not streaming and cheap[0].shape[0] == n:
             checked = _cheap_segments(  # their float64 copies
                 z, y_i, m1, delta, rstd_i, shift, weight, bias, cheap[0], cheap[1], a, b, k_y,
-                bound_a, bound_b, tiny, n, False,
+                bound_a, bound_b, tiny, n, False, keep, kept,
             )  # fmt: skip
         else:  # the parameters as they are
             checked = _cheap_segments(
                 z, y_i, m1, delta, rstd_i, shift, weight, bias, weight, bias, a, b, k_y,
-                bound_a, bound_b, tiny, n, streaming,
+                bound_a, bound_b, tiny, n, streaming, keep, kept,
             )  # fmt: skip
     else:
         checked = normalize_row_checked(z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y)
@@ -772,19 +863,29 @@ def _forward_row(
 @_jit(inline="always")
 def _cheap_segments(
     z, y_i, m1, delta, rstd_i, shift, weight, bias, cheap_weight, cheap_bias, a, b, k_y,
-    bound_a, bound_b, tiny, n, streaming,
+    bound_a, bound_b, tiny, n, streaming, keep, kept,
 ):  # fmt: skip
     """:func:`_forward_row`'s output pass over segments of at most :data:`SEGMENT`
     elements: the cheap pass (``normalize_row_fast``, on ``cheap_weight`` and
     ``cheap_bias``, the same values as ``weight`` and ``bias``, in their dtype or
     float64), and the checked pass, which rewrites a segment it leaves open (the passes
     have no reductions: segments change no bits). Returns the checked passes' flag.
-    ``streaming``: non-temporal stores after the unaligned head."""
+    ``streaming``: non-temporal stores after the unaligned head. ``keep`` (a row of one
+    segment, no streaming: :func:`_keeps`): the cheap pass reads ``d = z - m1`` from
+    ``kept`` (``normalize_row_fast_centered``; the checked pass reads ``z``)."""
     checked = np.int32(0)
     if n <= SEGMENT and not streaming:  # one segment: the row itself, no slicing
-        if normalize_row_fast(
-            z, y_i, m1, delta, rstd_i, shift, cheap_weight, cheap_bias, bound_a, bound_b, tiny
-        ):  # fmt: skip
+        if keep:  # (only here: see _keeps)
+            open_ = normalize_row_fast_centered(
+                kept, y_i, m1, delta, rstd_i, shift, cheap_weight, cheap_bias, bound_a,
+                bound_b, tiny,
+            )  # fmt: skip
+        else:
+            open_ = normalize_row_fast(
+                z, y_i, m1, delta, rstd_i, shift, cheap_weight, cheap_bias, bound_a, bound_b,
+                tiny,
+            )  # fmt: skip
+        if open_ != 0:
             checked = normalize_row_checked(z, y_i, m1, delta, rstd_i, weight, bias, a, b, k_y)
         return checked
     start = 0

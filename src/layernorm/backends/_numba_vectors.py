@@ -198,14 +198,18 @@ def _reduce(
     scalars: Sequence[ir.Value],
     terms: Terms,
     count: int,
+    kept: tuple[types.Array, ir.Value] | None = None,
 ) -> list[ir.Value]:
     """``count`` sums over the rows ``arrays`` (numba 1-D C arrays of one length N, the
     first one's): ``terms(builder, elements, scalars)`` gives each element's ``count``
     terms from the arrays' elements (widened) and ``scalars`` (splat to match), as
     vectors of :func:`lanes` in the body and as scalars in the tail. The order is the
     module docstring's: blocks of :data:`SUM_BLOCK` elements, each summed by
-    :func:`_block_sums`, their totals added in float64 in block order."""
+    :func:`_block_sums`, their totals added in float64 in block order. With ``kept`` (a row
+    of the accumulation dtype, at least N elements), ``terms`` gives one value more per element,
+    stored there at the element's index (no effect on the sums)."""
     rows = [Row(context, builder, t, v) for t, v in arrays]
+    keep = None if kept is None else Row(context, builder, *kept)
     n = rows[0].length
     intp = n.type
     acc = scalars[-1].type  # the zero argument's: the accumulation type
@@ -221,8 +225,11 @@ def _reduce(
     wide = ir.DoubleType()
     totals = [cgutils.alloca_once_value(builder, ir.Constant(wide, 0.0)) for _ in range(count)]
 
-    def load(index: ir.Value, lanes: int) -> list[ir.Value]:
-        return [row.load(index, lanes, acc) for row in rows]
+    def step(index: ir.Value, lanes: int, splat_scalars: list[ir.Value]) -> list[ir.Value]:
+        values = terms(builder, [row.load(index, lanes, acc) for row in rows], splat_scalars)
+        if keep is not None:
+            keep.store_raw(values[count], index, lanes)
+        return values[:count]
 
     def block(start: ir.Value, length: ir.Value) -> list[ir.Value]:
         for k in range(count):
@@ -230,7 +237,7 @@ def _reduce(
                 builder.store(zero_vector, sums[k][u])
             builder.store(ir.Constant(acc, 0.0), tails[k])
         return _block_sums(
-            builder, start, length, width, load, terms, vector_scalars, scalars, sums, tails
+            builder, start, length, width, step, vector_scalars, scalars, sums, tails
         )
 
     def add_to_totals(values: list[ir.Value]) -> None:
@@ -265,8 +272,7 @@ def _block_sums(
     start: ir.Value,
     length: ir.Value,
     width: int,
-    load: Callable[[ir.Value, int], list[ir.Value]],
-    terms: Terms,
+    step: Callable[[ir.Value, int, list[ir.Value]], list[ir.Value]],
     vector_scalars: list[ir.Value],
     scalars: Sequence[ir.Value],
     sums: list[list[ir.Value]],
@@ -274,7 +280,9 @@ def _block_sums(
 ) -> list[ir.Value]:
     """The sums of the terms of elements ``start`` to ``start + length - 1`` in the
     accumulation dtype, steps 1-4 of the module docstring, into the zeroed accumulators
-    ``sums`` (``UNROLL`` vectors per sum) and ``tails`` (a scalar per sum)."""
+    ``sums`` (``UNROLL`` vectors per sum) and ``tails`` (a scalar per sum);
+    ``step(index, lanes, scalars)`` gives the terms of ``lanes`` elements from
+    ``index``."""
     intp = length.type
     count = len(sums)
     block = width * UNROLL
@@ -282,20 +290,20 @@ def _block_sums(
     with cgutils.for_range(builder, blocks) as loop:
         base = builder.add(start, builder.mul(loop.index, intp(block)))
         for u in range(UNROLL):
-            values = terms(builder, load(builder.add(base, intp(u * width)), width), vector_scalars)
+            values = step(builder.add(base, intp(u * width)), width, vector_scalars)
             for k in range(count):
                 builder.store(builder.fadd(builder.load(sums[k][u]), values[k]), sums[k][u])
     done = builder.mul(blocks, intp(block))
     vectors = builder.udiv(builder.sub(length, done), intp(width))
     with cgutils.for_range(builder, vectors) as loop:
         index = builder.add(start, builder.add(done, builder.mul(loop.index, intp(width))))
-        values = terms(builder, load(index, width), vector_scalars)
+        values = step(index, width, vector_scalars)
         for k in range(count):
             builder.store(builder.fadd(builder.load(sums[k][0]), values[k]), sums[k][0])
     tail_start = builder.add(done, builder.mul(vectors, intp(width)))
     with cgutils.for_range(builder, builder.sub(length, tail_start)) as loop:
         index = builder.add(start, builder.add(tail_start, loop.index))
-        values = terms(builder, load(index, 1), list(scalars))
+        values = step(index, 1, list(scalars))
         for k in range(count):
             builder.store(builder.fadd(builder.load(tails[k]), values[k]), tails[k])
     results = []
@@ -363,6 +371,43 @@ def row_sums_centered(typingctx, z, m1, zero):
         )
 
     return signature(types.UniTuple(zero, 2), z, m1, zero), codegen
+
+
+@intrinsic
+def row_sum_sq_kept(typingctx, z, zero, kept):
+    """:func:`row_sum_sq`, also storing ``z`` widened to ``zero``'s dtype into the row
+    ``kept`` (of that dtype, at least as long as ``z``): an RMSNorm row's ``d = z``, for
+    :func:`normalize_row_fast_centered`."""
+
+    def codegen(context, builder, sig, args):
+        def terms(b, values, scalars):
+            return [b.fmul(values[0], values[0]), values[0]]
+
+        z, zero, kept = args
+        arrays = [(sig.args[0], z)]
+        sums = _reduce(context, builder, arrays, [zero], terms, 1, (sig.args[2], kept))
+        return _result(context, builder, sig, sums)
+
+    return signature(zero, z, zero, kept), codegen
+
+
+@intrinsic
+def row_sums_centered_kept(typingctx, z, m1, zero, kept):
+    """:func:`row_sums_centered`, also storing each ``d = z - m1`` into the row ``kept``
+    (``zero``'s dtype, at least as long as ``z``), for
+    :func:`normalize_row_fast_centered`: the same sums, bit for bit."""
+
+    def codegen(context, builder, sig, args):
+        def terms(b, values, scalars):
+            d = b.fsub(values[0], scalars[0])
+            return [d, b.fmul(d, d), d]
+
+        z, m1, zero, kept = args
+        arrays = [(sig.args[0], z)]
+        sums = _reduce(context, builder, arrays, [m1, zero], terms, 2, (sig.args[3], kept))
+        return _result(context, builder, sig, sums)
+
+    return signature(types.UniTuple(zero, 2), z, m1, zero, kept), codegen
 
 
 @intrinsic
@@ -849,6 +894,30 @@ def normalize_row_fast_streaming(
     return sig, lambda context, builder, sig, args: _fast_pass(context, builder, sig, args, True)
 
 
+@intrinsic
+def normalize_row_fast_centered(
+    typingctx, d, y, m1, delta, rstd, shift, weight, bias, bound_a, bound_b, tiny
+):  # fmt: skip
+    """:func:`normalize_row_fast` from the row's ``d = z - m1`` (a float64 row, as
+    :func:`row_sums_centered_kept` stored it; ``m1`` is unused) instead of ``z``: it
+    loads each ``d`` where that pass widens ``z`` and subtracts ``m1`` again, the same
+    IEEE operation on the same operands, so the same bits, with the conversion and the
+    subtraction moved off the arithmetic ports onto a load."""
+    sig = signature(types.int32, d, y, m1, delta, rstd, shift, weight, bias, bound_a, bound_b, tiny)
+    return sig, lambda context, builder, sig, args: _fast_pass(
+        context, builder, sig, args, False, centered=True
+    )
+
+
+def _centered(builder: ir.IRBuilder, source: Row, m1: ir.Value, index: ir.Value, lanes: int):
+    """``d = z - m1`` in float64 for ``lanes`` elements from ``index``: loaded from the
+    float64 row ``source`` when ``m1`` is None (it holds ``d``:
+    :func:`normalize_row_fast_centered`), else computed from the row ``z = source``."""
+    if m1 is None:
+        return source.load(index, lanes, ir.DoubleType())
+    return builder.fsub(source.load(index, lanes, ir.DoubleType()), m1)
+
+
 def _float32_values(builder: ir.IRBuilder, rows, scalars, index: ir.Value, lanes: int):
     """One vector (or element) of :func:`normalize_row_fast` for a float32 ``y``:
     ``(stored, decided)``, ``decided`` an i1 per lane; ``rows = (z, y, w, b)``,
@@ -860,12 +929,14 @@ def _float32_values(builder: ir.IRBuilder, rows, scalars, index: ir.Value, lanes
 
     ``M`` is the midpoint of the float32 neighbours of ``yh`` (same sign and exponent:
     ``yh - M`` is exact); a NaN or infinite ``yh`` makes ``M`` a NaN, and the ordered
-    comparisons leave it open."""
+    comparisons leave it open. ``m1`` None: ``rows[0]`` holds ``d = z - m1``
+    (:func:`_centered`)."""
     z, _, w, b = rows
     double = ir.DoubleType()
-    m1, rstd, shift, bound_a, bound_b, tiny = _splat_all(builder, scalars, lanes)
-    zv, wv, bv = (row.load(index, lanes, double) for row in (z, w, b))
-    t = _fma(builder, builder.fsub(zv, m1), rstd, shift)
+    rstd, shift, bound_a, bound_b, tiny = _splat_all(builder, scalars[1:], lanes)
+    m1 = None if scalars[0] is None else _splat_all(builder, scalars[:1], lanes)[0]
+    wv, bv = (row.load(index, lanes, double) for row in (w, b))
+    t = _fma(builder, _centered(builder, z, m1, index, lanes), rstd, shift)
     yh = _fma(builder, t, wv, bv)
     stored = builder.fptrunc(yh, _shaped(ir.FloatType(), yh))
     bits = builder.bitcast(yh, _shaped(_I64, yh))
@@ -882,12 +953,14 @@ def _fast_values(builder: ir.IRBuilder, rows, scalars, index: ir.Value, lanes: i
     """One vector (or element) of :func:`normalize_row_fast` for a 16-bit or float64
     ``y``: ``(stored, open)``, the values to store (the row's storage dtype; ``rows =
     (z, y, w, b)``, ``scalars = (m1, delta, rstd, shift, bound_a, bound_b, tiny)``) and,
-    but for float64, an i1 per lane where the test leaves the element open."""
+    but for float64, an i1 per lane where the test leaves the element open. ``m1``
+    None: ``rows[0]`` holds ``d = z - m1`` (:func:`_centered`)."""
     z, y, w, b = rows
     double = ir.DoubleType()
-    m1, delta, rstd, _, _, _, tiny = _splat_all(builder, scalars, lanes)
-    zv, wv, bv = (row.load(index, lanes, double) for row in (z, w, b))
-    c = builder.fsub(builder.fsub(zv, m1), delta)
+    delta, rstd, _, _, _, tiny = _splat_all(builder, scalars[1:], lanes)
+    m1 = None if scalars[0] is None else _splat_all(builder, scalars[:1], lanes)[0]
+    wv, bv = (row.load(index, lanes, double) for row in (w, b))
+    c = builder.fsub(_centered(builder, z, m1, index, lanes), delta)
     p = builder.fmul(builder.fmul(c, rstd), wv)
     yh = builder.fadd(p, bv)
     if y.dtype == types.float64:
@@ -922,14 +995,16 @@ def _bfloat16_upper(builder: ir.IRBuilder, single: ir.Value) -> ir.Value:
     return builder.trunc(rounded, _shaped(_I16, bits))
 
 
-def _fast_pass(context, builder, sig, args, streaming: bool) -> ir.Value:
-    """:func:`normalize_row_fast`'s code (``streaming``: non-temporal vector stores)."""
+def _fast_pass(context, builder, sig, args, streaming: bool, centered: bool = False) -> ir.Value:
+    """:func:`normalize_row_fast`'s code (``streaming``: non-temporal vector stores;
+    ``centered``: the first row holds ``d = z - m1``, :func:`normalize_row_fast_centered`)."""
     rows = tuple(Row(context, builder, sig.args[k], args[k]) for k in (0, 1, 6, 7))
     y = rows[1]
     width = lanes(ir.DoubleType())
+    scalars = (None if centered else args[2], *args[3:6], *args[8:11])
     if y.dtype == types.float32:
         decided = _Decided(builder, width)
-        m1, _, rstd, shift, bound_a, bound_b, tiny = args[2:6] + args[8:11]
+        m1, _, rstd, shift, bound_a, bound_b, tiny = scalars
 
         def single(index: ir.Value, lanes: int) -> None:
             scalars = (m1, rstd, shift, bound_a, bound_b, tiny)
@@ -942,7 +1017,7 @@ def _fast_pass(context, builder, sig, args, streaming: bool) -> ir.Value:
     flags = _Flags(builder, width, mask=True)  # an i1 per element
 
     def element(index: ir.Value, lanes: int) -> None:
-        stored, differ = _fast_values(builder, rows, args[2:6] + args[8:11], index, lanes)
+        stored, differ = _fast_values(builder, rows, scalars, index, lanes)
         y.store_raw(stored, index, lanes, streaming)
         if differ is not None:
             flags.add(differ)
