@@ -230,7 +230,7 @@ def announce_compile(what: str) -> None:
         return
     _announced = True
     _log.warning(
-        "layernorm: compiling the numba kernels for %s (a few seconds each, once per "
+        "layernorm: compiling the numba kernels for %s (half a minute for a forward, once per "
         "machine; %s). `layernorm build` compiles them all ahead of time.",
         what,
         location(),

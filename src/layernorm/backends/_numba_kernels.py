@@ -64,8 +64,13 @@ block in float64, then over blocks in block order in float64.
 
 Inlining. Code that numba inlines itself (``inline="always"``) is lowered with the
 caller's fast-math flags; none of these kernels has any, and the forward's row function
-is inlined (a call per row would pass a dozen array structs). The row passes are
-intrinsics: inline by construction.
+is inlined (a call per row would pass a dozen array structs: 7–27 % slower at 64 to 1024
+elements a row). The row passes are intrinsics: inline by construction. numba inlines
+by copying the callee's IR, its own inlined callees included, at every call site, and
+types each copy again: most of a forward's compile time. So a function called once per
+call, such as :func:`_forward_batches`, is a plain call (numba compiles it once per
+argument types), not a nested inline: the float32 forward compiles in about half the
+time, the same code per row (benchmarks/RESULTS.md, "Compiling the kernels").
 """
 
 from __future__ import annotations
@@ -730,7 +735,7 @@ def _batch_statistics(scratch, count, n, eps, rms, weight_max, bias_max, single,
         usable_[j] = 1.0 if usable else 0.0
 
 
-@_jit(inline="always")
+@_jit()
 def _forward_batches(
     x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, cheap, y,
     mean, rstd, m, n, eps, rms, stream, store_stats, flags, weight_max, bias_max, single, out32,
@@ -742,7 +747,10 @@ def _forward_batches(
     (:func:`_batch_statistics`), then each row's output (:func:`_forward_row`). Every
     row's arithmetic is :func:`_row_constants`' (the same bits); only the scalar work is
     shared. ``cheap``: the cheap pass's weight and bias, as :func:`_forward_row` takes
-    them. The rows keep no ``d`` (:func:`_keeps`)."""
+    them. The rows keep no ``d`` (:func:`_keeps`). A plain call, not inlined: its one
+    call per kernel call costs nothing, and inlining it (with its inlined
+    :func:`_forward_row`) into both call sites of :func:`_forward_rows` doubled the
+    forward's compile time (module docstring, "Inlining")."""
     scratch = np.empty((_SCRATCH, _FORWARD_BATCH), np.float64)
     unkept = np.empty((1, 0), np.float64)
     k_y = _K_Y
@@ -1110,7 +1118,7 @@ def forward_kernel(
     (:func:`_forward_row`), for a call's rows or for one span of rows of a call that
     ``numba_`` spreads over its threads; ``stream``: outputs far larger than the caches
     (streaming stores, the same bits). One compiled function for both entries: each
-    compile of it costs about a minute (numba's inlining of the row functions), so the
+    compile of it costs half a minute (numba's inlining of the row functions), so the
     serial entry does not compile a copy of its own."""
     _forward_rows(
         x, x_stride, residual, residual_stride, has_residual, residual_out, weight, bias, y,

@@ -38,8 +38,9 @@ no OpenMP or numba threading layer is started, so forked children compute normal
 torch's settings are never changed (:mod:`layernorm.backends._threads`).
 
 JIT cost: nothing is compiled until the first call; each dtype then compiles its forward
-or backward entries once (a few seconds each) and stores them in the on-disk cache, which
-later processes load (:func:`build`, ``layernorm build``, compiles them all ahead). A
+or backward entries once (half a minute for a forward, seconds for a backward) and
+stores them in the on-disk cache, which later processes load (:func:`build`,
+``layernorm build``, compiles them all ahead). A
 forward whose ``y`` has a narrower dtype than ``x`` (``out_dtype``: float32 from float64,
 a 16-bit dtype from a wider or the other 16-bit one) has entries of its own per (x's
 dtype, y's dtype), compiled (or loaded) on their first use only, so the build and the
@@ -300,7 +301,7 @@ def build(processes: int = 1) -> list[str]:
     compile. Processes that build at once share the work: each takes the next entry
     that no other is compiling, and waits only when every entry left is taken; with
     ``processes`` > 1, this one starts ``processes - 1`` more that build beside it (each
-    dtype's forward is one unit of about a minute: more than 4 gain nothing) and returns
+    dtype's forward is one unit of about half a minute: more than 4 gain nothing) and returns
     once they are done. Returns what was built, one line per dtype: the seconds this
     process spent on its entries."""
     import os
