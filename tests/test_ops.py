@@ -5,6 +5,8 @@ batch invariance, determinism) is tests/test_contract.py, on every backend; here
 call names ``backend="torch"`` unless it tests the automatic choice.
 """
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -191,6 +193,69 @@ def test_backend_that_cannot_run_errors():
 
 
 # --- bad input (docs/contract.md §4) ---------------------------------------------------------------------
+
+
+_BAD_SHAPES = [
+    torch.tensor([4]),  # a tensor of sizes
+    torch.ones(4),  # a weight passed where the shape goes
+    4.0,
+    [4.0],
+    True,
+    [True],
+    "4",
+    None,
+    [4, None],
+    [3, 4.0],
+    [torch.tensor(4.0)],
+    [3, torch.tensor(4.0)],
+    range(4, 5),
+    np.int64(4),
+]
+
+
+@pytest.mark.parametrize("shape", _BAD_SHAPES, ids=lambda s: type(s).__name__ + repr(s)[:12])
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "slow"])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_a_bad_normalized_shape_is_torchs_type_error(shape, fast, op, monkeypatch):
+    """What torch's argument parser rejects is the same TypeError, with torch's message,
+    from every entry point that takes a ``normalized_shape``, before any work: never a
+    tensor's values or a float truncated into a shape."""
+    monkeypatch.setattr(layernorm.ops, "FAST_PATHS", fast)
+    x = torch.randn(2, 3, 4)
+    with pytest.raises(TypeError) as theirs:
+        getattr(F, op)(x, shape)
+    message = str(theirs.value)
+    added = message.replace(op, f"add_{op}", 1)
+    added = added.replace("(position 2)", "(position 3)").replace("at pos 2 ", "at pos 3 ")
+    fused = message.replace(op, "fused_norm", 1)
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        getattr(layernorm, op)(x, shape)
+    with pytest.raises(TypeError, match=f"^{re.escape(added)}$"):
+        getattr(layernorm, f"add_{op}")(x, x, shape)
+    with pytest.raises(TypeError, match=f"^{re.escape(fused)}$"):
+        layernorm.fused_norm(x, shape, rms=op == "rms_norm")
+
+
+def test_a_bool_is_no_size():
+    """Stricter than torch, which reads ``True`` after the first element as 1."""
+    with pytest.raises(TypeError, match=r"failed to unpack the object at pos 2 .*got bool"):
+        layernorm.layer_norm(torch.randn(2, 1, 1), [1, True])
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [[4], (4,), torch.Size([4]), [np.int64(4)], (np.int32(4),), (torch.tensor(4),), (3, 4), 4],
+    ids=repr,
+)
+def test_every_normalized_shape_torch_takes_is_taken(shape):
+    """The shapes torch's ``F.layer_norm`` takes give its result (and an int, as
+    ``nn.LayerNorm`` takes it)."""
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    expected = F.layer_norm(x, [shape] if isinstance(shape, int) else shape)
+    torch.testing.assert_close(layernorm.layer_norm(x, shape), expected)
+    torch.testing.assert_close(
+        layernorm.rms_norm(x, shape), F.rms_norm(x, [shape] if isinstance(shape, int) else shape)
+    )
 
 
 def test_bad_input_errors():

@@ -516,7 +516,7 @@ def fused_norm(
             ``bias1`` without ``weight1``, ``rms`` with a bias, an unknown backend.
         RuntimeError: tensors on different devices; a rowscale that requires grad.
     """
-    shape = ops._normalized_shape(normalized_shape)
+    shape = ops._normalized_shape(normalized_shape, "fused_norm")
     ops._check_input("input", x, shape, "fused_norm")
     _check_same("residual", residual, x)
     _check_same("x1", x1, x)

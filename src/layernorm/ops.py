@@ -23,6 +23,7 @@ function its full signature for ``inspect`` and ``help``.
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -59,19 +60,60 @@ class NormalizedShapeError(ValueError, RuntimeError):
 # Validation and flattening
 
 
-def _normalized_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
+def _normalized_shape(normalized_shape: ShapeLike, op: str = "layer_norm") -> tuple[int, ...]:
+    """``normalized_shape`` as a tuple of ints. What torch's ``F.layer_norm`` takes (a
+    list, tuple or ``torch.Size`` of ints: Python ints, integer scalars such as numpy's,
+    0-d integer tensors), and a single int as ``nn.LayerNorm`` takes it. Anything else is
+    the TypeError torch raises, before any work: never a tensor of sizes, a float or a
+    bool read as a size."""
     one = isinstance(normalized_shape, tuple) and len(normalized_shape) == 1
     if one and type(normalized_shape[0]) is int:  # type: ignore[index]  # the modules' own
         return normalized_shape  # type: ignore[return-value]
-    if isinstance(normalized_shape, int):
+    if type(normalized_shape) is int:
         return (normalized_shape,)
-    shape = tuple(int(s) for s in normalized_shape)
+    position = 3 if op.startswith("add_") else 2  # add_*(input, residual, normalized_shape)
+    expected = f"{op}(): argument 'normalized_shape' (position {position}) must be tuple of ints"
+    if not isinstance(normalized_shape, (tuple, list)):
+        raise TypeError(f"{expected}, not {_type_name(normalized_shape)}")
+    shape = tuple(_size(s, pos, op, position) for pos, s in enumerate(normalized_shape))
     if len(shape) == 0:
         raise NormalizedShapeError(
             "Expected normalized_shape to be at least 1-dimensional, i.e., containing at "
             f"least one element, but got normalized_shape = {list(shape)}"
         )
     return shape
+
+
+def _size(s: object, pos: int, op: str, position: int) -> int:
+    """Element ``pos`` of a ``normalized_shape`` (argument ``position`` of ``op``), as
+    torch's argument parser reads it, with its messages; stricter in one point: a bool
+    is no size anywhere (torch takes ``True`` as 1 after the first element)."""
+    if type(s) is int:
+        return s
+    if isinstance(s, Tensor):
+        integral = not (s.is_floating_point() or s.is_complex() or s.dtype == torch.bool)
+        if s.dim() == 0 and integral:
+            return int(s)
+    elif not isinstance(s, bool) and hasattr(type(s), "__index__"):
+        return operator.index(s)  # type: ignore[arg-type]
+    if pos == 0:  # torch's parser tells the list's type from its first element
+        raise TypeError(
+            f"{op}(): argument 'normalized_shape' (position {position}) must be tuple of "
+            f"ints, but found element of type {_type_name(s)} at pos 0"
+        )
+    raise TypeError(
+        f"{op}(): argument 'normalized_shape' failed to unpack the object at pos "
+        f'{position} with error "type must be tuple of ints,but got {_type_name(s)}"'
+    )
+
+
+def _type_name(value: object) -> str:
+    """The type's name as torch's messages print it (``float``, ``Tensor``,
+    ``numpy.float64``)."""
+    kind = type(value)
+    if kind.__module__ in ("builtins", "torch"):
+        return kind.__name__
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _check_input(name: str, t: Tensor, shape: tuple[int, ...], op: str) -> None:
@@ -189,7 +231,7 @@ def _call(
 ) -> tuple[Tensor, Tensor | None]:
     """The full checks, then :func:`_enter` on kernel arguments (``y`` in ``out_dtype``
     when given: :func:`_norm`)."""
-    shape = _normalized_shape(normalized_shape)
+    shape = _normalized_shape(normalized_shape, op)
     _check_input("input", x, shape, op)
     if residual is not None:
         _check_input("residual", residual, shape, op)

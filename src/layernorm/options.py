@@ -476,7 +476,7 @@ def cast_rms_norm(
     every mode computes in float64 (nothing is narrowed to float32). The float64
     references of the three are ``tests/test_options.py::reference_cast_rms_norm``.
     """
-    shape = ops._normalized_shape(normalized_shape)
+    shape = ops._normalized_shape(normalized_shape, op)
     wide = torch.promote_types(x.dtype, torch.float32)
     kernel = "rms_norm" if residual is None else "add_rms_norm"
     h: Tensor | None
@@ -588,7 +588,7 @@ def write_into(
     outputs = [t for t in (out, residual_out) if t is not None]
     if not _writable(outputs, (x, residual, weight, bias)):
         return None
-    shape = ops._normalized_shape(normalized_shape)
+    shape = ops._normalized_shape(normalized_shape, op)
     ops._check_input("input", x, shape, op)
     if residual is not None:
         ops._check_input("residual", residual, shape, op)

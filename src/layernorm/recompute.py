@@ -73,7 +73,7 @@ def norm(
     :func:`applies`, else the plain call (the same values)."""
     if not (isinstance(x, Tensor) and applies(x, weight, bias)):
         return ops._norm(op, x, None, normalized_shape, weight, bias, eps, rms, backend)[0]
-    shape = ops._normalized_shape(normalized_shape)
+    shape = ops._normalized_shape(normalized_shape, op)
     ops._check_input("input", x, shape, op)
     w = None if weight is None else ops._param("weight", weight, shape, x, op)
     b = None if bias is None else ops._param("bias", bias, shape, x, op)
@@ -225,7 +225,7 @@ def layer_norm_linear(
     if not isinstance(input, Tensor) or not _eager_gradient(*tensors):
         y = ops._norm(op, input, None, normalized_shape, weight, bias, eps, rms, backend)[0]
         return torch.nn.functional.linear(y, linear_weight, linear_bias)
-    shape = ops._normalized_shape(normalized_shape)
+    shape = ops._normalized_shape(normalized_shape, op)
     ops._check_input("input", input, shape, op)
     return NormLinear.apply(input, weight, bias, linear_weight, linear_bias,
                             (shape, eps, rms, backend))  # fmt: skip

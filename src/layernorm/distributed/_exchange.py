@@ -129,7 +129,7 @@ def prepare(
     eps = float(eps)
     error: Exception | None
     try:  # an error on one rank alone must reach the others too
-        shape = _normalized_shape(normalized_shape)
+        shape = _normalized_shape(normalized_shape, op)
     except (TypeError, ValueError) as bad_shape:
         shape, error = (0,), bad_shape
     else:

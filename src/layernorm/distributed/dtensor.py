@@ -124,7 +124,7 @@ def dtensor_norm(
     """
     from torch.distributed.tensor import DTensor
 
-    shape = _normalized_shape(normalized_shape)
+    shape = _normalized_shape(normalized_shape, op)
     if tuple(x.shape[x.ndim - len(shape) :]) != shape or x.ndim < len(shape):
         raise ValueError(
             f"Given normalized_shape={list(shape)}, expected input with shape "
