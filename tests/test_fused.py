@@ -131,6 +131,47 @@ def test_fused_norm_is_the_composition(shapes, dtype, features, p):
     again = fused_norm(x, nshape, w, b, dropout_p=p, seed=seed, **kw)
     assert again.dropout_mask is None and again.dropout_mask1 is None
     assert torch.equal(again.y, out.y)
+    assert (again.residual_out is None) == (out.residual_out is None)
+    if out.residual_out is not None:  # (p = 0 with a residual alone: the add_* kernel)
+        assert torch.equal(again.residual_out, out.residual_out)
+    if out.y1 is not None:
+        assert torch.equal(again.y1, out.y1)
+
+
+@pytest.mark.parametrize("masks", [False, True], ids=["nomask", "mask"])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize(
+    "dtype, rdtype", [(F32, F32), (BF16, BF16), (F16, F16), (F64, F64), (BF16, F32), (F16, F32)]
+)
+def test_a_residual_alone_is_the_add_call(dtype, rdtype, rms, masks):
+    """With a residual alone at p = 0, fused_norm is add_layer_norm / add_rms_norm (with
+    ``residual_dtype`` for a wider residual stream): the same y, residual_out and
+    gradients, bit for bit, masks asked for or not; and h, y are the general path's (the
+    dropout-add's h, the norm of h)."""
+    x, w, b, kw = _make((2, 3, 64), 64, dtype, ("residual",), seed=7, rdtype=rdtype)
+    x.requires_grad_(True)
+    r = kw["residual"].requires_grad_(True)
+    b = None if rms else b
+    gy = torch.randn_like(x, dtype=F64).to(dtype)
+    gh = torch.randn_like(x, dtype=F64).to(rdtype)
+    out = fused_norm(x, 64, w, b, 1e-5, rms=rms, residual=r, return_dropout_mask=masks)
+    wide = {} if rdtype == dtype else {"residual_dtype": rdtype}
+    if rms:
+        y, h = layernorm.add_rms_norm(x, r, 64, w, 1e-5, **wide)
+    else:
+        y, h = layernorm.add_layer_norm(x, r, 64, w, b, 1e-5, **wide)
+    assert torch.equal(out.y, y) and torch.equal(out.residual_out, h)
+    expected_h = _expected_h(x.detach(), 64, {"residual": r.detach()}, 0.0, 0, rdtype)[0]
+    assert torch.equal(h, expected_h)
+    norm = layernorm.rms_norm if rms else layernorm.layer_norm
+    bias = {} if rms else {"bias": b}
+    assert torch.equal(y, norm(expected_h, 64, w, eps=1e-5, out_dtype=dtype, **bias))
+    ours = torch.autograd.grad((out.y * gy).sum() + (out.residual_out * gh).sum(), (x, r))
+    theirs = torch.autograd.grad((y * gy).sum() + (h * gh).sum(), (x, r))
+    assert all(torch.equal(a, c) for a, c in zip(ours, theirs, strict=True))
+    if masks:
+        assert out.dropout_mask.dtype == torch.bool and bool(out.dropout_mask.all())
+        assert out.dropout_mask.shape == x.shape and out.dropout_mask1 is None
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from . import _op, backends, ops
+from . import options as _options
 from .backends import _dropout_add, _philox
 
 __all__ = ["FusedNorm", "dropout_add_op", "fused_norm"]
@@ -476,7 +477,13 @@ def fused_norm(
     independent keep masks of docs/contract.md §7 from the seed, ``s = 1/(1 - p)``);
     ``y = norm(h)·weight + bias`` and ``y1 = norm(h)·weight1 + bias1``, each correctly
     rounded to ``out_dtype`` from ``h`` (the public :func:`layernorm.layer_norm` /
-    :func:`layernorm.rms_norm` on ``h``, with ``offset`` and ``out_dtype``).
+    :func:`layernorm.rms_norm` on ``h``, with ``offset`` and ``out_dtype``). With a
+    ``residual`` alone (no ``x1``, ``dropout_p = 0``, no rowscale, ``h`` in
+    ``residual``'s dtype, as wide as ``x``'s or wider) the call is :func:`layernorm.add_layer_norm` /
+    :func:`layernorm.add_rms_norm` (the same ``y`` and ``h``; one kernel pass), whose
+    backward rounds ``dx = dresidual`` once from the exact sum of the norm's gradient
+    and ``residual_out``'s, where the general composition rounds the norm's ``dx`` and
+    then the sum.
 
     Args:
         x: input, shape ``(*, *normalized_shape)``, a floating dtype.
@@ -554,9 +561,27 @@ def fused_norm(
         eps = ops._op.default_eps(x.dtype) if rms else 1e-5
 
     is_x = residual is None and x1 is None and p == 0.0 and rowscale is None and rdtype == x.dtype
+    # h = x + residual alone: one IEEE addition, as add_*'s residual_out (the same bits
+    # as the dropout-add's exact sum rounded once), whose kernel adds and normalizes in
+    # one pass
+    is_add = (
+        residual is not None
+        and x1 is None
+        and p == 0.0
+        and rowscale is None
+        and residual.dtype == rdtype
+        and _options.holds(rdtype, x.dtype)
+    )
     mask0 = mask1 = None
     if is_x and not return_dropout_mask:
         h, residual_out = x, None
+    elif is_add:
+        y, h = _norm(x, shape, weight, bias, eps, rms, offset, out_dtype or x.dtype, backend,
+                     residual=residual)  # fmt: skip
+        residual_out = h
+        if return_dropout_mask:  # p = 0 keeps every element
+            mask0 = torch.ones(m, n, dtype=torch.bool, device=x.device)
+            mask1 = mask0
     else:
         seed_t = _seed_tensor(seed, generator)
         h_rows, mask0, mask1 = dropout_add(
@@ -568,10 +593,11 @@ def fused_norm(
         )  # fmt: skip
         h = h_rows.view(x.shape)
         residual_out = None if is_x else h
-    y = _norm(h, shape, weight, bias, eps, rms, offset, out_dtype or x.dtype, backend)
+    if not is_add:
+        y = _norm(h, shape, weight, bias, eps, rms, offset, out_dtype or x.dtype, backend)[0]
     y1 = None
     if weight1 is not None:
-        y1 = _norm(h, shape, weight1, bias1, eps, rms, offset, out_dtype or x.dtype, backend)
+        y1 = _norm(h, shape, weight1, bias1, eps, rms, offset, out_dtype or x.dtype, backend)[0]
     if not return_dropout_mask:
         return FusedNorm(y, y1, residual_out, None, None)
     assert mask0 is not None and mask1 is not None
@@ -594,13 +620,23 @@ def _norm(
     offset: float,
     out_dtype: torch.dtype,
     backend: str | None,
-) -> Tensor:
-    """``norm(h)·weight + bias`` in ``out_dtype``, by the public functions and options."""
+    residual: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(norm(h)·weight + bias, h)``, the first in ``out_dtype``, by the public functions
+    and options; ``h`` is the given one, or with ``residual``, ``h + residual`` (add_*)."""
     options: dict[str, Any] = {}
     if offset != 0.0:
         options["offset"] = float(offset)
     if out_dtype != h.dtype:
         options["out_dtype"] = out_dtype
+    if residual is not None:
+        if residual.dtype != h.dtype:  # the residual stream, wider
+            options["residual_dtype"] = residual.dtype
+        if rms:
+            return ops.add_rms_norm(h, residual, shape, weight, eps, backend=backend, **options)
+        return ops.add_layer_norm(
+            h, residual, shape, weight, bias, eps, backend=backend, **options
+        )  # fmt: skip
     if rms:
-        return ops.rms_norm(h, shape, weight, eps, backend=backend, **options)
-    return ops.layer_norm(h, shape, weight, bias, eps, backend=backend, **options)
+        return ops.rms_norm(h, shape, weight, eps, backend=backend, **options), h
+    return ops.layer_norm(h, shape, weight, bias, eps, backend=backend, **options), h
