@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing
 import os
 import threading
@@ -122,3 +123,14 @@ def test_build_in_several_processes_starts_helpers_that_build_beside_it(monkeypa
     numba_.build(9)
     assert len(started) == 3  # four dtypes: four processes in all
     assert 1 <= numba_.build_processes() <= 4
+
+
+def test_each_entry_names_the_kernel_it_compiles():
+    """The entry locks are per compiled kernel (``_numba_kernels.COMPILES``): every entry
+    has one, and each entry's function calls the kernel named for it."""
+    from layernorm.backends import _numba_kernels, numba_
+
+    assert set(_numba_kernels.COMPILES) == {*numba_.ENTRIES, "column_sums"}
+    for name, kernel in _numba_kernels.COMPILES.items():
+        body = inspect.getsource(getattr(_numba_kernels, name).py_func)
+        assert f"{kernel}(" in body, (name, kernel)

@@ -2111,6 +2111,18 @@ def _check_parameters(function, direction: str, tags: int = 0) -> None:
         )
 
 
+#: The compiled function that each entry's compile compiles: the forward entries share
+#: :func:`forward_kernel` (a caller serializes their compiles on this name, so that the
+#: second loads what the first compiled), each other entry has its own.
+COMPILES = {
+    "forward_serial": "forward_kernel",
+    "forward_parallel": "forward_kernel",
+    "backward_serial": "backward_kernel_serial",
+    "backward_parallel": "backward_kernel",
+    "column_sums": "column_sum_kernel",
+}
+
+
 def entry(name: str, storage_tag: np.ndarray, acc_tag: np.ndarray, y_tag: np.ndarray | None = None):
     """Kernel ``name`` (``forward_serial``, ``forward_parallel``, ``backward_serial`` or
     ``backward_parallel``) for the storage and accumulation dtypes of the tags (and, for

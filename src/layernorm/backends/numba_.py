@@ -154,15 +154,14 @@ def _load(key: tuple, wait: bool) -> Callable[..., None] | None:
     dtype, name = key[:2]
     types = _TYPES[dtype]
     y_tag = None if len(key) == 2 else _TYPES[key[2]].storage
-    what = f"{dtype} {name}" if y_tag is None else f"{dtype} {name} to {key[2]}"
-    # one lock for an entry's serial and parallel kinds: they share their compiled kernel
-    shared = what.replace("_serial", "").replace("_parallel", "")
-    with _numba_cache.locked(shared, wait) as held:
+    to = "" if y_tag is None else f" to {key[2]}"
+    # one lock per compiled kernel: entries that share one compile it once
+    with _numba_cache.locked(f"{dtype} {kernels.COMPILES[name]}{to}", wait) as held:
         if not held:
             return None
         kernel = _entries.get(key)  # another thread may have been first
         if kernel is None:
-            with _numba_cache.compiling(what):
+            with _numba_cache.compiling(f"{dtype} {name}{to}"):
                 kernel = kernels.entry(name, types.storage, types.acc, y_tag)
             _entries[key] = kernel
     return kernel
