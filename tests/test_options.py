@@ -402,6 +402,7 @@ def test_out_is_written_by_the_kernels_in_place(op, kw, dtype, which, monkeypatc
         given["residual_out"] = torch.full_like(x, float("nan"))
     pointers = {k: t.data_ptr() for k, t in given.items()}
     versions = {k: t._version for k, t in given.items()}
+    monkeypatch.setattr(options, "WRITE_INTO_BYTES", 0)  # (these are small)
     monkeypatch.setattr(options, "store", _no_copy)
     got = fn(*args, 64, w, backend="numba", **kw, **given)
     got_y, got_h = got if add else (got, None)
@@ -432,6 +433,7 @@ def test_out_the_kernels_cannot_write_is_copied_with_the_same_bits(case, monkeyp
     copies = []
     store = options.store
     monkeypatch.setattr(options, "store", lambda *a: copies.append(a[1]) or store(*a))
+    monkeypatch.setattr(options, "WRITE_INTO_BYTES", 0)  # (this input is small)
     g = torch.Generator().manual_seed(4)
     x = torch.randn(6, 32, generator=g)
     w = torch.randn(32, generator=g)
@@ -459,6 +461,26 @@ def test_out_the_kernels_cannot_write_is_copied_with_the_same_bits(case, monkeyp
         assert layernorm.rms_norm(x, 32, w, out=out, backend=backend) is out
     assert copies == ["out"] * (2 if case == "grad-out" else 1)  # inference mode: written
     assert out.shape == x.shape and np.array_equal(_bits(out.detach()), _bits(want))
+
+
+@pytest.mark.parametrize("shape", [(4, 64), (2, 5, 64), (4096, 64)], ids=str)
+def test_out_below_write_into_bytes_is_copied_above_written(shape, monkeypatch):
+    """Inputs below ``options.WRITE_INTO_BYTES`` are computed and copied into ``out``
+    (cheaper there), larger ones written by the kernels; the same bits either way."""
+    copies = []
+    store = options.store
+    monkeypatch.setattr(options, "store", lambda *a: copies.append(a[1]) or store(*a))
+    g = torch.Generator().manual_seed(5)
+    x, r = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    w = torch.randn(64, generator=g)
+    want_y, want_h = layernorm.add_layer_norm(x, r, 64, w, backend="numba")
+    out, residual_out = torch.empty_like(x), torch.empty_like(x)
+    got = layernorm.add_layer_norm(x, r, 64, w, backend="numba", out=out, residual_out=residual_out)
+    assert got[0] is out and got[1] is residual_out
+    small = x.numel() * x.element_size() < options.WRITE_INTO_BYTES
+    assert copies == (["out", "residual_out"] if small else [])
+    assert np.array_equal(_bits(out), _bits(want_y))
+    assert np.array_equal(_bits(residual_out), _bits(want_h))
 
 
 def test_out_resize_rules():
