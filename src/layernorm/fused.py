@@ -479,11 +479,11 @@ def fused_norm(
     rounded to ``out_dtype`` from ``h`` (the public :func:`layernorm.layer_norm` /
     :func:`layernorm.rms_norm` on ``h``, with ``offset`` and ``out_dtype``). With a
     ``residual`` alone (no ``x1``, ``dropout_p = 0``, no rowscale, ``h`` in
-    ``residual``'s dtype, as wide as ``x``'s or wider) the call is :func:`layernorm.add_layer_norm` /
-    :func:`layernorm.add_rms_norm` (the same ``y`` and ``h``; one kernel pass), whose
-    backward rounds ``dx = dresidual`` once from the exact sum of the norm's gradient
-    and ``residual_out``'s, where the general composition rounds the norm's ``dx`` and
-    then the sum.
+    ``residual``'s dtype, as wide as ``x``'s or wider) the call is
+    :func:`layernorm.add_layer_norm` / :func:`layernorm.add_rms_norm` (the same ``y``
+    and ``h``; one kernel pass), whose backward rounds ``dx = dresidual`` once from the
+    exact sum of the norm's gradient and ``residual_out``'s, where the general
+    composition rounds the norm's ``dx`` and then the sum.
 
     Args:
         x: input, shape ``(*, *normalized_shape)``, a floating dtype.

@@ -300,8 +300,8 @@ def build(processes: int = 1) -> list[str]:
     compile. Processes that build at once share the work: each takes the next entry
     that no other is compiling, and waits only when every entry left is taken; with
     ``processes`` > 1, this one starts ``processes - 1`` more that build beside it (each
-    dtype's forward is one unit of about half a minute: more than 4 gain nothing) and returns
-    once they are done. Returns what was built, one line per dtype: the seconds this
+    dtype's forward is one unit of about half a minute: more than 4 gain nothing) and
+    returns once they are done. Returns what was built, one line per dtype: the seconds this
     process spent on its entries."""
     import os
     import subprocess
