@@ -496,6 +496,26 @@ def test_a_drawn_seed_is_drawn_at_each_call_of_a_traced_graph():
 # --- seeds and masks ----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("features", [("x1",), ("residual", "rowscale"), ("x1", "weight1")])
+def test_no_dropout_draws_nothing(features):
+    """At dropout_p = 0 no seed is drawn: torch's default generator and a given one are
+    where they were (torch's F.dropout and flash-attn's layer_norm_fn draw nothing
+    there), and the masks, all True, are those of any seed."""
+    x, w, b, kw = _make((3, 32), 32, F32, features, seed=9)
+    generator = torch.Generator().manual_seed(1)
+    state, given = torch.get_rng_state(), generator.get_state()
+    out = fused_norm(x, 32, w, b, return_dropout_mask=True, **kw)
+    also = fused_norm(x, 32, w, b, generator=generator, **kw)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(generator.get_state(), given)
+    seeded = fused_norm(x, 32, w, b, seed=12345, return_dropout_mask=True, **kw)
+    assert torch.equal(out.y, seeded.y) and torch.equal(out.y, also.y)
+    assert bool(out.dropout_mask.all()) and torch.equal(out.dropout_mask, seeded.dropout_mask)
+    # with dropout, one draw, as before
+    fused_norm(x, 32, w, b, dropout_p=0.1, **kw)
+    assert not torch.equal(torch.get_rng_state(), state)
+
+
 def test_manual_seed_and_generator_reproduce_the_masks():
     x = torch.randn(8, 32)
     torch.manual_seed(123)

@@ -583,7 +583,10 @@ def fused_norm(
             mask0 = torch.ones(m, n, dtype=torch.bool, device=x.device)
             mask1 = mask0
     else:
-        seed_t = _seed_tensor(seed, generator)
+        if p == 0.0 and seed is None:  # every element kept, whatever the seed: no draw
+            seed_t = torch.zeros((), dtype=torch.int64)  # (as torch's F.dropout, flash-attn)
+        else:
+            seed_t = _seed_tensor(seed, generator)
         h_rows, mask0, mask1 = dropout_add(
             x.reshape(m, n),
             None if x1 is None else x1.reshape(m, n),
