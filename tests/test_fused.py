@@ -174,6 +174,29 @@ def test_a_residual_alone_is_the_add_call(dtype, rdtype, rms, masks):
         assert out.dropout_mask.shape == x.shape and out.dropout_mask1 is None
 
 
+@pytest.mark.parametrize("masks", [False, True], ids=["nomask", "mask"])
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+def test_a_wider_stream_alone_is_x_widened(dtype, masks):
+    """No residual, p = 0 and a wider residual_dtype (flash-attn's first block with
+    residual_in_fp32): h is x converted exactly, y the norm of h in x's dtype, and the
+    gradients those of that composition (dx = dh rounded once, as the dropout-add's)."""
+    x, w, b, _ = _make((2, 3, 64), 64, dtype, (), seed=8)
+    x.requires_grad_(True)
+    gy = torch.randn_like(x, dtype=F64).to(dtype)
+    gh = torch.randn_like(x, dtype=F64)
+    out = fused_norm(x, 64, w, b, residual_dtype=F64, return_dropout_mask=masks)
+    h = x.double()
+    y = layernorm.layer_norm(h, 64, w, b, out_dtype=dtype)
+    assert out.residual_out.dtype == F64 and torch.equal(out.residual_out, h)
+    assert torch.equal(out.residual_out, _expected_h(x.detach(), 64, {}, 0.0, 0, F64)[0])
+    assert out.y.dtype == dtype and torch.equal(out.y, y)
+    (ours,) = torch.autograd.grad((out.y * gy).sum() + (out.residual_out * gh).sum(), x)
+    (theirs,) = torch.autograd.grad((y * gy).sum() + (h * gh).sum(), x)
+    assert torch.equal(ours, theirs)
+    if masks:
+        assert bool(out.dropout_mask.all()) and out.dropout_mask1 is None
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rms_and_options_are_the_public_functions_on_h(dtype):
     """rms=True is rms_norm of h (eps=None: rms_norm's rule for x's dtype); offset and

@@ -477,13 +477,14 @@ def fused_norm(
     independent keep masks of docs/contract.md §7 from the seed, ``s = 1/(1 - p)``);
     ``y = norm(h)·weight + bias`` and ``y1 = norm(h)·weight1 + bias1``, each correctly
     rounded to ``out_dtype`` from ``h`` (the public :func:`layernorm.layer_norm` /
-    :func:`layernorm.rms_norm` on ``h``, with ``offset`` and ``out_dtype``). With a
-    ``residual`` alone (no ``x1``, ``dropout_p = 0``, no rowscale, ``h`` in
-    ``residual``'s dtype, as wide as ``x``'s or wider) the call is
-    :func:`layernorm.add_layer_norm` / :func:`layernorm.add_rms_norm` (the same ``y``
-    and ``h``; one kernel pass), whose backward rounds ``dx = dresidual`` once from the
-    exact sum of the norm's gradient and ``residual_out``'s, where the general
-    composition rounds the norm's ``dx`` and then the sum.
+    :func:`layernorm.rms_norm` on ``h``, with ``offset`` and ``out_dtype``). Without
+    ``x1``, dropout or rowscale, and ``h`` in a dtype as wide as ``x``'s or wider, ``h``
+    is ``x`` widened (exactly: ``x.to(residual_dtype)``), or with a ``residual`` (in
+    ``h``'s dtype) the call is :func:`layernorm.add_layer_norm` /
+    :func:`layernorm.add_rms_norm` (the same ``y`` and ``h``; one kernel pass), whose
+    backward rounds ``dx = dresidual`` once from the exact sum of the norm's gradient
+    and ``residual_out``'s, where the general composition rounds the norm's ``dx`` and
+    then the sum.
 
     Args:
         x: input, shape ``(*, *normalized_shape)``, a floating dtype.
@@ -560,25 +561,26 @@ def fused_norm(
     if eps is None:
         eps = ops._op.default_eps(x.dtype) if rms else 1e-5
 
-    is_x = residual is None and x1 is None and p == 0.0 and rowscale is None and rdtype == x.dtype
-    # h = x + residual alone: one IEEE addition, as add_*'s residual_out (the same bits
-    # as the dropout-add's exact sum rounded once), whose kernel adds and normalizes in
-    # one pass
-    is_add = (
-        residual is not None
-        and x1 is None
+    # No dropout, x1 or rowscale, and h in a dtype that holds x's: h is x itself, x
+    # widened (exact), or x + residual, one IEEE addition as add_*'s residual_out (whose
+    # kernel adds and normalizes in one pass): the dropout-add's exact sum rounded once,
+    # the same bits, without its kernel
+    plain = (
+        x1 is None
         and p == 0.0
         and rowscale is None
-        and residual.dtype == rdtype
+        and (residual is None or residual.dtype == rdtype)
         and _options.holds(rdtype, x.dtype)
     )
+    is_x = plain and residual is None and rdtype == x.dtype
     mask0 = mask1 = None
-    if is_x and not return_dropout_mask:
-        h, residual_out = x, None
-    elif is_add:
-        y, h = _norm(x, shape, weight, bias, eps, rms, offset, out_dtype or x.dtype, backend,
-                     residual=residual)  # fmt: skip
-        residual_out = h
+    if plain:
+        if residual is not None:
+            y, h = _norm(x, shape, weight, bias, eps, rms, offset, out_dtype or x.dtype,
+                         backend, residual=residual)  # fmt: skip
+        else:
+            h = x.to(rdtype)  # (x itself when rdtype is x's dtype)
+        residual_out = None if is_x else h
         if return_dropout_mask:  # p = 0 keeps every element
             mask0 = torch.ones(m, n, dtype=torch.bool, device=x.device)
             mask1 = mask0
@@ -595,8 +597,8 @@ def fused_norm(
             seed_t, p, rdtype, return_dropout_mask, name,
         )  # fmt: skip
         h = h_rows.view(x.shape)
-        residual_out = None if is_x else h
-    if not is_add:
+        residual_out = h
+    if not (plain and residual is not None):
         y = _norm(h, shape, weight, bias, eps, rms, offset, out_dtype or x.dtype, backend)[0]
     y1 = None
     if weight1 is not None:
