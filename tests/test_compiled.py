@@ -326,6 +326,8 @@ def test_every_other_call_is_left_to_python(monkeypatch, in_use):
         return in_use(x, residual, shape, weight, bias, eps, False, backend)
 
     assert answer() is not None and answer(shape=8) is not None
+    for shape in (torch.Size([8]), [8]):  # what F.layer_norm is often given
+        assert torch.equal(answer(shape=shape)[0], answer()[0])
     with torch.no_grad():
         assert answer(weight=torch.nn.Parameter(torch.randn(8)), eps=None) is not None
     others = {
@@ -334,8 +336,9 @@ def test_every_other_call_is_left_to_python(monkeypatch, in_use):
         "negative eps": answer(eps=-1.0),
         "nan eps": answer(eps=float("nan")),
         "two dims": answer(shape=(3, 8), weight=None, bias=None),
-        "torch.Size": answer(shape=torch.Size([8])),
-        "list": answer(shape=[8]),
+        "two-dim torch.Size": answer(shape=torch.Size([3, 8]), weight=None, bias=None),
+        "list of a float": answer(shape=[8.0]),
+        "list of a bool": answer(x=torch.randn(2, 1), shape=[True], weight=None, bias=None),
         "empty tuple": answer(shape=()),
         "nested tuple": answer(shape=((8,),)),
         "bool shape": answer(x=torch.randn(2, 1), shape=True, weight=None, bias=None),

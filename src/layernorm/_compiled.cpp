@@ -806,10 +806,13 @@ Outputs forward_autograd(const Tensor& x, const OptionalTensor& residual,
     return record_forward(x, residual, weight, bias, eps, rms, backend, true);
 }
 
-// n when normalized_shape is an int or a 1-tuple of one (exactly: not bool, not Size).
+// n when normalized_shape is an int, or a tuple (torch.Size too) or list of one int
+// (exactly an int: not a bool, a SymInt or a tracer's proxy).
 int64_t last_dim(PyObject* shape) {
-    if (PyTuple_CheckExact(shape) && PyTuple_GET_SIZE(shape) == 1)
+    if (PyTuple_Check(shape) && PyTuple_GET_SIZE(shape) == 1)
         shape = PyTuple_GET_ITEM(shape, 0);
+    else if (PyList_Check(shape) && PyList_GET_SIZE(shape) == 1)
+        shape = PyList_GET_ITEM(shape, 0);
     if (!PyLong_CheckExact(shape)) return 0;
     int overflow = 0;
     const long long n = PyLong_AsLongLongAndOverflow(shape, &overflow);
