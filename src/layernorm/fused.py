@@ -574,16 +574,12 @@ def fused_norm(
     )
     is_x = plain and residual is None and rdtype == x.dtype
     mask0 = mask1 = None
+    added = None  # a residual that the norm's own call adds (add_*: h = x + residual)
     if plain:
-        if residual is not None:
-            y, h = _norm(x, shape, weight, bias, eps, rms, offset, out_dtype or x.dtype,
-                         backend, residual=residual)  # fmt: skip
-        else:
-            h = x.to(rdtype)  # (x itself when rdtype is x's dtype)
-        residual_out = None if is_x else h
+        h = x if residual is not None else x.to(rdtype)  # (x itself for x's dtype)
+        added = residual
         if return_dropout_mask:  # p = 0 keeps every element
             mask0 = torch.ones(m, n, dtype=torch.bool, device=x.device)
-            mask1 = mask0
     else:
         if p == 0.0 and seed is None:  # every element kept, whatever the seed: no draw
             seed_t = torch.zeros((), dtype=torch.int64)  # (as torch's F.dropout, flash-attn)
@@ -597,21 +593,20 @@ def fused_norm(
             seed_t, p, rdtype, return_dropout_mask, name,
         )  # fmt: skip
         h = h_rows.view(x.shape)
-        residual_out = h
-    if not (plain and residual is not None):
-        y = _norm(h, shape, weight, bias, eps, rms, offset, out_dtype or x.dtype, backend)[0]
+    y, h = _norm(h, shape, weight, bias, eps, rms, offset, out_dtype or x.dtype, backend, added)
+    residual_out = None if is_x else h
     y1 = None
     if weight1 is not None:
         y1 = _norm(h, shape, weight1, bias1, eps, rms, offset, out_dtype or x.dtype, backend)[0]
     if not return_dropout_mask:
         return FusedNorm(y, y1, residual_out, None, None)
-    assert mask0 is not None and mask1 is not None
+    assert mask0 is not None
     return FusedNorm(
         y,
         y1,
         residual_out,
         mask0.view(x.shape),
-        mask1.view(x.shape) if x1 is not None else None,
+        None if x1 is None or mask1 is None else mask1.view(x.shape),
     )
 
 

@@ -71,11 +71,9 @@ def _normalized_shape(normalized_shape: ShapeLike, op: str = "layer_norm") -> tu
         return normalized_shape  # type: ignore[return-value]
     if type(normalized_shape) is int:
         return (normalized_shape,)
-    position = 3 if op.startswith("add_") else 2  # add_*(input, residual, normalized_shape)
-    expected = f"{op}(): argument 'normalized_shape' (position {position}) must be tuple of ints"
     if not isinstance(normalized_shape, (tuple, list)):
-        raise TypeError(f"{expected}, not {_type_name(normalized_shape)}")
-    shape = tuple(_size(s, pos, op, position) for pos, s in enumerate(normalized_shape))
+        raise TypeError(f"{_not_ints(op)}, not {_type_name(normalized_shape)}")
+    shape = tuple(_size(s, pos, op) for pos, s in enumerate(normalized_shape))
     if len(shape) == 0:
         raise NormalizedShapeError(
             "Expected normalized_shape to be at least 1-dimensional, i.e., containing at "
@@ -84,10 +82,21 @@ def _normalized_shape(normalized_shape: ShapeLike, op: str = "layer_norm") -> tu
     return shape
 
 
-def _size(s: object, pos: int, op: str, position: int) -> int:
-    """Element ``pos`` of a ``normalized_shape`` (argument ``position`` of ``op``), as
-    torch's argument parser reads it, with its messages; stricter in one point: a bool
-    is no size anywhere (torch takes ``True`` as 1 after the first element)."""
+def _position(op: str) -> int:
+    """``normalized_shape``'s argument position in ``op``: ``add_*(input, residual,
+    normalized_shape)``, else second."""
+    return 3 if op.startswith("add_") else 2
+
+
+def _not_ints(op: str) -> str:
+    """The start of torch's message for a ``normalized_shape`` that is no tuple of ints."""
+    return f"{op}(): argument 'normalized_shape' (position {_position(op)}) must be tuple of ints"
+
+
+def _size(s: object, pos: int, op: str) -> int:
+    """Element ``pos`` of ``op``'s ``normalized_shape``, as torch's argument parser reads
+    it, with its messages; stricter in one point: a bool is no size anywhere (torch takes
+    ``True`` as 1 after the first element)."""
     if type(s) is int:
         return s
     if isinstance(s, Tensor):
@@ -97,13 +106,10 @@ def _size(s: object, pos: int, op: str, position: int) -> int:
     elif not isinstance(s, bool) and hasattr(type(s), "__index__"):
         return operator.index(s)  # type: ignore[arg-type]
     if pos == 0:  # torch's parser tells the list's type from its first element
-        raise TypeError(
-            f"{op}(): argument 'normalized_shape' (position {position}) must be tuple of "
-            f"ints, but found element of type {_type_name(s)} at pos 0"
-        )
+        raise TypeError(f"{_not_ints(op)}, but found element of type {_type_name(s)} at pos 0")
     raise TypeError(
         f"{op}(): argument 'normalized_shape' failed to unpack the object at pos "
-        f'{position} with error "type must be tuple of ints,but got {_type_name(s)}"'
+        f'{_position(op)} with error "type must be tuple of ints,but got {_type_name(s)}"'
     )
 
 
