@@ -5,7 +5,11 @@
 For random rows (z N(offset, 3) at offsets 0, 1e2, 1e4; dy N(0, 1); gamma in [0.5, 1.5))
 counts the rows the numba kernel flags for the host's exact fallback (docs/contract.md
 §3, "Correct rounding of the backward"), and times the exact fallback of one row
-(``_exact.fix_backward_row``) at a few widths.
+(``_exact.fix_backward_row``) at a few widths. For dweight's per-row scalars
+(``_weight_terms``): the rows whose float64 test the numba kernel's fast sums leave
+open (those take the compensated sums before their terms are added), the rows the torch
+backend sends to ``_exact.weight_scalars`` (it has no compensated step), and the time of
+``_exact.weight_scalars`` for one row.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import time
 
 import numpy as np
 import torch
+from numba import njit
 
-from layernorm.backends import _exact, numba_
+from layernorm.backends import _exact, _numba_kernels, numba_, torch_
 
 
 def flagged_rows(dtype: torch.dtype, m: int, n: int, offset: float, rms: bool) -> int:
@@ -38,6 +43,45 @@ def flagged_rows(dtype: torch.dtype, m: int, n: int, offset: float, rms: bool) -
     return int(flags[:m].sum())
 
 
+@njit
+def _open_scalars(dy, z, w, mean, eps, rms):  # pragma: no cover - compiled
+    """Rows of (M, N) float64 arrays whose scalars the kernel's first test leaves open."""
+    m, n = z.shape
+    factors = _numba_kernels._backward_factors(n, _numba_kernels._fast_gamma(n))
+    count = 0
+    for i in range(m):
+        m1 = 0.0 if rms else mean[i]
+        s_d, s_dd, s_g, s_gg, s_gd = _numba_kernels._chunked_backward_sums(dy[i], z[i], w, m1, n)
+        constants = _numba_kernels._backward_constants(
+            s_d, s_dd, s_g, s_gg, s_gd, m1, z[i, 0], factors, n, eps, rms, True, False
+        )
+        count += constants[11]
+    return count
+
+
+def open_scalars(dtype: torch.dtype, m: int, n: int, offset: float, rms: bool) -> tuple[int, int]:
+    """(numba rows retried, torch backend rows sent to _exact) for one random batch."""
+    z = (torch.randn(m, n) * 3 + offset).to(dtype)
+    dy = torch.randn(m, n).to(dtype)
+    w = torch.rand(n, dtype=torch.float64) + 0.5
+    _, _, mean, _ = numba_.forward(z, None, None, None, 1e-5, rms)
+    mean64 = np.zeros(m) if mean is None else mean.double().numpy()
+    retried = _open_scalars(dy.double().numpy(), z.double().numpy(), w.numpy(), mean64, 1e-5, rms)
+    calls = []
+    exact = _exact.weight_scalars
+
+    def counting(row, eps, rms_):
+        calls.append(1)
+        return exact(row, eps, rms_)
+
+    _exact.weight_scalars = counting
+    try:
+        torch_.weight_gradient(dy, z, mean, 1e-5, rms)
+    finally:
+        _exact.weight_scalars = exact
+    return int(retried), len(calls)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=4096)
@@ -56,6 +100,22 @@ def main() -> None:
                     op = "rms_norm" if rms else "layer_norm"
                     name = str(dtype).removeprefix("torch.")
                     print(f"| {name} | {op} | {m}x{n} | {offset:g} | {rows} | {m * n:,} |")
+    print()
+    print("| dweight's scalars | op | M x N | offset | numba rows retried | torch rows to _exact |")
+    print("|---|---|---|---:|---:|---:|")
+    for rms in (False, True):
+        for n in (768, 4096):
+            for offset in (0.0, 1e2, 1e4):
+                m = options.rows
+                retried, exact = open_scalars(torch.float32, m, n, offset, rms)
+                op = "rms_norm" if rms else "layer_norm"
+                print(f"| float32 | {op} | {m}x{n} | {offset:g} | {retried} | {exact} |")
+    print()
+    for n in (768, 4096, 32768):
+        z = (np.random.randn(n) * 3 + 100).astype(np.float32).astype(np.float64)
+        start = time.perf_counter()
+        _exact.weight_scalars(z, 1e-5, False)
+        print(f"_exact.weight_scalars, one row of {n}: {time.perf_counter() - start:.4f} s")
     print()
     print("| exact fallback of one float32 row | N | seconds |")
     print("|---|---:|---:|")

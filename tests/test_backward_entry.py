@@ -35,16 +35,19 @@ def test_no_residual_is_a_row_of_negative_zeros_with_stride_0(dtype, n):
 
 @pytest.mark.parametrize("blocks", [1, 2, 5])
 @pytest.mark.parametrize("out_dtype", [np.float32, np.float64])
-def test_column_sums_add_the_blocks_in_order_from_zero(blocks, out_dtype):
-    """``out[k] = ((0.0 + p[0, k]) + p[1, k]) + ...`` in float64, rounded once into the
-    output: one block included (-0.0 becomes +0.0, as ``0.0 + -0.0`` does)."""
+def test_column_sums_add_the_blocks_by_halving(blocks, out_dtype):
+    """``out`` = the blocks' partial sums added by halving (``_weight_terms``: block
+    ``j < k - h`` takes ``block_j + block_{j+h}``, ``h = ceil(k/2)``, until one is left)
+    in float64, rounded once into the output; one block is itself."""
     n = 9
     rng = np.random.default_rng(blocks)
     partial = rng.standard_normal((blocks, n)) * 10.0 ** rng.integers(-30, 30, (blocks, n))
     partial[0, :3] = [-0.0, 0.0, np.nan]
     out = np.empty(n, out_dtype)
-    kernels.column_sum_kernel(partial.reshape(-1), blocks, n, out)
-    expected = np.zeros(n)
-    for block in range(blocks):
-        expected = expected + partial[block]
+    rows = list(partial.copy())
+    kernels.column_sum_kernel(partial.reshape(-1), blocks, n, out)  # (rewrites partial)
+    while len(rows) > 1:
+        k, h = len(rows), (len(rows) + 1) // 2
+        rows = [rows[j] + rows[j + h] if j < k - h else rows[j] for j in range(h)]
+    expected = rows[0]
     np.testing.assert_array_equal(out.view(np.uint8), expected.astype(out_dtype).view(np.uint8))

@@ -319,7 +319,7 @@ def _dx_of_weights(dy, z, dx, weight, k_0, a_0):
     partial = np.zeros(weight.shape[0])
     return _numba_kernels._dx_row_checked(
         dy, z, None, dx, weight, partial, partial,
-        0.0, 0.0, 1.0, -0.0, 0.0, 0.0, 0.0, k_0, a_0,
+        0.0, 0.0, 1.0, -0.0, 0.0, 0.0, 0.0, k_0, a_0, 0.0, 1.0, 0.0,
     )  # fmt: skip
 
 
@@ -394,9 +394,9 @@ def test_near_midpoints_reach_the_exact_stage_and_others_do_not(dtype, monkeypat
     reached: list[int] = []
     fix = numba_._fix_backward_rows
 
-    def recording(dx, dy, z, w, dresidual_out, eps, rms, flags):
+    def recording(dx, dweight, dy, z, w, mean, dresidual_out, eps, rms, flags):
         reached.append(int(flags.sum()))
-        fix(dx, dy, z, w, dresidual_out, eps, rms, flags)
+        fix(dx, dweight, dy, z, w, mean, dresidual_out, eps, rms, flags)
 
     monkeypatch.setattr(numba_, "_fix_backward_rows", recording)
     ulp = _ulp_one(dtype)

@@ -291,7 +291,7 @@ int64_t entry_for(const Tensor& x, c10::string_view backend, Entry serial) {
 // ---------------------------------------------------------------------------------------
 // Threaded calls. A call's rows split into spans of whole ROW_BLOCKs give the same bits
 // for any split (rows are independent; the backward's dweight/dbias partial sums belong
-// to fixed blocks of rows, added in block order afterwards: layernorm.backends._threads).
+// to fixed blocks of rows, added in a fixed order afterwards: layernorm.backends._threads).
 // The spans run on the calling thread and on as many helper threads as _threads.lend
 // grants: it counts them with the Python pool's, so the process's kernel threads never
 // outnumber its CPUs, and it follows torch.get_num_threads() at call time. The helpers
@@ -615,7 +615,7 @@ Gradients backward_cpu(const Tensor& dy, const Tensor& x, const OptionalTensor& 
              need_dbias ? address(dbias) : 0, reinterpret_cast<int64_t>(flags));
     } else {
         // each span writes its blocks' float64 partial sums (both required), then their
-        // column sums in block order, as the serial entry adds them: the same bits
+        // column sums by halving, as the serial entry adds them: the same bits
         const int64_t span_address = kernel(d, BACKWARD_PARALLEL);
         const Tensor partial = empty({2, blocks, n}, at::kDouble);
         const int64_t dweight_partial = address(partial[0]), dbias_partial = address(partial[1]);
@@ -632,7 +632,7 @@ Gradients backward_cpu(const Tensor& dy, const Tensor& x, const OptionalTensor& 
         if (need_dbias) sums(dbias_partial, blocks, n, address(dbias));
     }
     if (flags[m] != 0)  // rare: rewrite the flagged rows exactly
-        call_python(state.fix_backward, dx, dy, x, wk, dresidual_out, eps, rms,
+        call_python(state.fix_backward, dx, dweight, dy, x, wk, mean, dresidual_out, eps, rms,
                     flag_tensor(flags, m));
     return {dx, dweight, dbias};
 }

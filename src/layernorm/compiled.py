@@ -328,18 +328,24 @@ def _fix_forward_rows(
 
 def _fix_backward_rows(
     dx: torch.Tensor,
+    dweight: torch.Tensor,
     dy: torch.Tensor,
     z: torch.Tensor,
     weight: torch.Tensor,
+    mean: torch.Tensor,
     dresidual_out: torch.Tensor | None,
     eps: float,
     rms: bool,
     flags: torch.Tensor,
 ) -> None:
-    """The numba backend's exact fallback for the rows of ``dx`` that ``flags`` marks."""
+    """The numba backend's exact fallback for the rows of ``dx`` that ``flags`` marks,
+    and for ``dweight`` (empty when not wanted) when a row's scalars need it."""
     from .backends import numba_
 
-    numba_._fix_backward_rows(dx, dy, z, weight, dresidual_out, eps, rms, flags.numpy()[:-1])
+    numba_._fix_backward_rows(
+        dx, dweight if dweight.numel() else None, dy, z, weight, None if rms else mean,
+        dresidual_out, eps, rms, flags.numpy()[:-1],
+    )  # fmt: skip
 
 
 def _resolve(index: int, name: str) -> int | None:

@@ -28,6 +28,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from . import _weight_terms
+
 __all__ = [
     "FORMATS",
     "STORAGE",
@@ -36,6 +38,7 @@ __all__ = [
     "fix_forward_rows",
     "round_fraction",
     "round_once",
+    "weight_scalars",
 ]
 
 
@@ -406,3 +409,28 @@ def fix_backward_rows(
         or [round_once(np.zeros(z.shape[1]), dtype)]
     )[: int(finite.sum())]
     return finite, out.view(np.int16) if out.dtype == np.uint16 else out
+
+
+# ---------------------------------------------------------------------------------------
+# The per-row scalars of dweight's terms (layernorm.backends._weight_terms)
+
+#: ``r``'s format: :data:`_weight_terms.RSTD_BITS` bits, float64's exponents
+_RSTD = Format(_weight_terms.RSTD_BITS, -1022, 1023)
+#: ``t``'s grid: below ``2^19`` this format's subnormals, multiples of ``2^-32``
+_SHIFT = Format(19 + 33, 19, 1023)
+
+
+def weight_scalars(z: np.ndarray, eps: float, rms: bool) -> tuple[float, float, float]:
+    """The row ``z``'s ``(a, r, t)`` of :mod:`layernorm.backends._weight_terms`, exactly:
+    ``r = 1/sqrt(s)`` and ``t = (mean - a)/sqrt(s)`` rounded to nearest-even in their
+    formats. A row holding a NaN or an infinity gets NaN for ``r`` and ``t`` (its terms
+    are NaN on every backend); ``s = 0`` gives ``r = inf``, ``t = 0``."""
+    a = 0.0 if rms else float(z[0])
+    if not np.isfinite(z).all():
+        return a, math.nan, math.nan
+    stats = row_statistics(z, eps, rms)
+    if stats.s == 0:
+        return a, math.inf, 0.0
+    r = round_sqrt_form(Fraction(0), Fraction(1), stats.s, 0.0, _RSTD)
+    t = 0.0 if rms else round_sqrt_form(Fraction(0), stats.mean - Fraction(a), stats.s, 0.0, _SHIFT)
+    return a, r, t + 0.0

@@ -58,9 +58,10 @@ bit for bit; ``tests/test_numba_backend.py`` compares the entries and paths). Th
 arithmetic carries no fast-math flags, so ``(z - m1) - delta`` is never rewritten, and
 no function that computes a statistic is compiled with ``fastmath``. So outputs are
 bitwise batch- and thread-invariant, and the same from build to build.
-dweight/dbias partial sums come from a fixed partition of the rows into blocks of
-:data:`ROW_BLOCK` rows (independent of the thread count), summed row by row within a
-block in float64, then over blocks in block order in float64.
+dweight/dbias are the sums of :mod:`layernorm.backends._weight_terms` (the same bits as
+every backend's): a fixed partition of the rows into blocks of :data:`ROW_BLOCK` rows
+(independent of the thread count), summed row by row within a block in float64, then
+the blocks' totals by halving (:func:`column_sum_kernel`).
 
 Inlining. Code that numba inlines itself (``inline="always"``) is lowered with the
 caller's fast-math flags; none of these kernels has any, and the forward's row function
@@ -86,7 +87,7 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from . import _kernel_abi, _numba_cache
+from . import _kernel_abi, _numba_cache, _weight_terms
 from ._numba_vectors import (
     FAST_MARGIN,
     SUM_BLOCK,
@@ -119,7 +120,7 @@ from ._numba_vectors import lanes as vector_lanes
 
 _FLAG_TAG = np.empty(0, np.uint8)  # the dtype of the forward's fallback flags
 _F64_TAG = np.empty(0, np.float64)  # the dtype of the backward's dweight/dbias partials
-ROW_BLOCK = 32  # rows per dweight/dbias partial sum (fixed: never depends on threads)
+ROW_BLOCK = _weight_terms.ROWS  # rows per dweight/dbias partial sum (never the threads')
 #: Elements per segment of the forward's output pass (``_forward_row``): a segment that
 #: the cheap pass leaves open is rewritten by the checked pass, so this bounds that cost.
 SEGMENT = 1024
@@ -128,6 +129,8 @@ SEGMENT = 1024
 #: must change this line, or a stale cached kernel would keep running the old code;
 #: ``tests/test_numba_vectors.py`` fails until it does.
 VECTORS_SHA256 = "d0576e4a6b9bdbc7"
+#: The same for ``_weight_terms.py``, whose constants the backward compiles in
+WEIGHT_TERMS_SHA256 = "ab2d592cd4c8c1f6"
 
 
 def _jit(*signature, **options):
@@ -197,6 +200,61 @@ def _single_head(a):
 _U = 2.0**-53  # float64's unit roundoff
 _SLACK = 1.0 + 2.0**-30  # covers the rounding errors of computing the bound itself
 _K_Y = 2.1 * _U * _SLACK  # the forward bound's |yh| factor (docs/contract.md §3)
+
+
+@intrinsic
+def _pattern(typingctx, value):
+    """A float64's bits as an int64, or an int64's as a float64."""
+    target = types.int64 if value == types.float64 else types.float64
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], context.get_value_type(target))
+
+    return target(value), codegen
+
+
+#: ``_weight_terms``' constants as the kernels use them
+_RSTD_LOW_MASK = (1 << _weight_terms.RSTD_LOW) - 1
+_GRID = 1.0 / _weight_terms.SHIFT_QUANTUM
+
+
+@_jit(inline="always")
+def _round_rstd(r):
+    """``r`` rounded to nearest-even to ``_weight_terms.RSTD_BITS`` bits, on its pattern."""
+    bits = _pattern(r)
+    bits = (bits + (_RSTD_LOW_MASK >> 1) + ((bits >> _weight_terms.RSTD_LOW) & 1)) & ~_RSTD_LOW_MASK
+    return _pattern(bits)
+
+
+@_jit(inline="always")
+def _on_grid(v):
+    """``v`` (``|v| < 2^19``) rounded to nearest-even to a multiple of ``2^-32``."""
+    return ((v * _GRID + _weight_terms.MAGIC) - _weight_terms.MAGIC) * _weight_terms.SHIFT_QUANTUM
+
+
+@_jit(inline="always")
+def _weight_scalars(m1, a, delta, e_mean, rstd, e_r, loose, rms):
+    """A row's ``(r, t, open)`` of :mod:`._weight_terms` from its float64 statistics:
+    ``mean = m1 + delta`` within ``e_mean``, ``rstd`` within ``e_r`` of itself (unless
+    ``loose``); ``open`` is 1 where Ziv's test on either scalar leaves its rounding open
+    (the torch backend's ``_weight_scalars``, the same tests)."""
+    spread = rstd * (1.01 * e_r + 4.0 * _U)
+    r_t = _round_rstd(rstd)
+    open_ = (loose != 0) | (not np.isfinite(rstd))
+    open_ |= _round_rstd(rstd - spread) != _round_rstd(rstd + spread)
+    t = 0.0
+    if not rms:
+        head = m1 - a
+        w = head + delta
+        v = w * rstd
+        e_v = 1.02 * (
+            (e_mean + _U * (abs(head) + abs(w))) * (rstd + spread)
+            + abs(v) * (1.01 * e_r + 3.0 * _U)
+        )  # fmt: skip
+        t = _on_grid(v)
+        open_ |= not abs(v) + e_v < _weight_terms.SHIFT_LIMIT
+        open_ |= _on_grid(v - e_v) != _on_grid(v + e_v)
+    return r_t, t, 1 if open_ else 0
 
 
 @_jit(inline="always")
@@ -1235,7 +1293,7 @@ _SINGLE_NORMAL = 2.0**-126
 @intrinsic
 def _dx_row_checked(
     typingctx, dy, z, dresidual_out, dx, weight, dweight_partial, dbias_partial,
-    m1, delta, rstd, c2, k, k_t1, k_c, k_0, a_0,
+    m1, delta, rstd, c2, k, k_t1, k_c, k_0, a_0, a, r_t, t,
 ):  # fmt: skip
     """One row's dx, each element rounded once to dx's dtype, Ziv's test on each, and the
     row's terms added to the dweight/dbias partial sums (docs/contract.md §3)::
@@ -1244,7 +1302,7 @@ def _dx_row_checked(
         t1 = gh - c2;  t2 = rstd * t1;  t3 = k * c;  t4 = t2 - t3   (fused: below)
         y = t4 + dresidual_out      (+ 0.0 for float64: an exact zero is +0.0)
         E = k_t1 |t1| + (k_c |c| + (k_y |y| + k_0)),  k_y = 3.1u(1 + 2^-30)
-        dweight_partial += dy * (c * rstd);  dbias_partial += dy
+        dweight_partial += dy * u;  dbias_partial += dy,  u = ((z - a) * r_t) - t
 
     in float64 (the scalars are doubles; rows are widened exactly; ``E``'s three steps are
     fused multiply-adds where the CPU has them, and the caller's ``k_t1``, ``k_c``, ``k_0``
@@ -1265,15 +1323,17 @@ def _dx_row_checked(
     vector with an element the row test leaves open runs the test with ``E`` per
     element (the same answer where the row test decides). Returns 1 when ``y - E`` and
     ``y + E`` round to different values of dx's dtype for some element (the row needs
-    the exact fallback), else 0; for a float64 ``dx``, no test (0)."""
+    the exact fallback), else 0; for a float64 ``dx``, no test (0). ``u`` is
+    :mod:`._weight_terms`' (the row's ``a``, ``r_t``, ``t``), each operation rounded once.
+    """
     sig = types.int32(
         dy, z, dresidual_out, dx, weight, dweight_partial, dbias_partial,
-        m1, delta, rstd, c2, k, k_t1, k_c, k_0, a_0,
+        m1, delta, rstd, c2, k, k_t1, k_c, k_0, a_0, a, r_t, t,
     )  # fmt: skip
 
     def codegen(context, builder, sig, args):
         # (the shared arguments first, then the row's: as _dx_rows_checked takes them)
-        order = [4, 5, 6, 0, 1, 2, 3, 7, 8, 9, 10, 11, 12, 13, 14, 15]
+        order = [4, 5, 6, 0, 1, 2, 3, *range(7, 19)]
         return _dx_codegen(
             context, builder, [sig.args[i] for i in order], [args[i] for i in order], 1
         )
@@ -1284,9 +1344,9 @@ def _dx_row_checked(
 @intrinsic
 def _dx_rows_checked(
     typingctx, weight, dweight_partial, dbias_partial,
-    dy, z, dresidual_out, dx, m1, delta, rstd, c2, k, k_t1, k_c, k_0, a_0,
+    dy, z, dresidual_out, dx, m1, delta, rstd, c2, k, k_t1, k_c, k_0, a_0, a, r_t, t,
     dy_b, z_b, dresidual_out_b, dx_b, m1_b, delta_b, rstd_b, c2_b, k_b, k_t1_b, k_c_b, k_0_b,
-    a_0_b,
+    a_0_b, a_b, r_t_b, t_b,
 ):  # fmt: skip
     """:func:`_dx_row_checked` of two rows in one pass: the second row's arguments
     follow the first's (the weight and the partial sums are shared). Each element of
@@ -1295,9 +1355,9 @@ def _dx_rows_checked(
     set when the first row is left open, bit 1 when the second is."""
     sig = types.int32(
         weight, dweight_partial, dbias_partial,
-        dy, z, dresidual_out, dx, m1, delta, rstd, c2, k, k_t1, k_c, k_0, a_0,
+        dy, z, dresidual_out, dx, m1, delta, rstd, c2, k, k_t1, k_c, k_0, a_0, a, r_t, t,
         dy_b, z_b, dresidual_out_b, dx_b, m1_b, delta_b, rstd_b, c2_b, k_b, k_t1_b, k_c_b, k_0_b,
-        a_0_b,
+        a_0_b, a_b, r_t_b, t_b,
     )  # fmt: skip
 
     def codegen(context, builder, sig, args):
@@ -1307,7 +1367,7 @@ def _dx_rows_checked(
 
 
 #: Per row, :func:`_dx_codegen` takes four arrays and this many scalars
-_ROW_SCALARS = 9
+_ROW_SCALARS = 12
 
 
 def _below_tiny(builder: ir.IRBuilder, y: ir.Value, a_0: ir.Value) -> ir.Value:
@@ -1360,9 +1420,9 @@ def _dx_codegen(context, builder: ir.IRBuilder, arg_types, args, count: int) -> 
         return builder.fpext(builder.fptrunc(value, _shaped(ir.FloatType(), value)), value.type)
 
     def one_row(first, arrays, flag, wv, index, lanes):
-        """Row's dx stored and tested; returns its ``(dy, c * rstd)`` for the partials."""
+        """Row's dx stored and tested; returns its ``(dy, u)`` for the partials."""
         dy, z, dres, dx = arrays
-        m1, delta, rstd, c2, k, k_t1, k_c, k_0, a_0 = _splat_all(
+        m1, delta, rstd, c2, k, k_t1, k_c, k_0, a_0, a, r_t, t = _splat_all(
             builder, args[first + 4 : first + 4 + _ROW_SCALARS], lanes
         )
         g, zv = (a.load(index, lanes, double) for a in (dy, z))
@@ -1381,7 +1441,7 @@ def _dx_codegen(context, builder: ir.IRBuilder, arg_types, args, count: int) -> 
         # (no "+ 0.0" but for float64: with c2 never +0.0, t4 is never -0.0, and neither
         # is y, for rows of float32 and narrower: docs/contract.md §3)
         y = t4 if dres is None else builder.fadd(t4, dres.load(index, lanes, double))
-        u = builder.fmul(c, rstd)
+        u = builder.fsub(builder.fmul(builder.fsub(zv, a), r_t), t)  # (no fast-math flags)
         if not check:
             y = builder.fadd(y, ir.Constant(y.type, None))
             dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
@@ -1564,14 +1624,16 @@ def _over_n(total, n_float, binary):
 
 
 @_jit(inline="always")
-def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms, plain, binary):
+def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, m1, z0, factors, n, eps, rms, plain, binary):
     """A row's constants for :func:`_dx_row_checked` from its five sums
     (:func:`_backward_sums`) and the call's :func:`_backward_factors`, and the row's flag
-    (docs/contract.md §3): ``(delta, rstd, c2, k, k_t1, k_c, k_0, a_0, flag)``, the
+    (docs/contract.md §3): ``(delta, rstd, c2, k, k_t1, k_c, k_0, a_0, flag, r, t,
+    open)``, the
     three ``k_*`` times the slack ``1 + 2^-30``; ``c2`` as the dx pass takes it (-0.0
     for +0.0); ``a_0`` bounds the row's ``E`` at ``y = 0`` (every element's ``E <= a_0
     + k_y|y|``: the dx pass's row test); ``flag`` is 1 when the bound on ``rstd`` is too
-    loose to use. ``binary``: ``N`` is a power of two (:func:`_over_n`). ``plain`` (no
+    loose to use; ``r``, ``t`` and ``open`` are :func:`_weight_scalars`' for the row
+    whose saved mean is ``m1`` and first element ``z0``. ``binary``: ``N`` is a power of two (:func:`_over_n`). ``plain`` (no
     residual gradient: ``y = t4``, and ``|y| <= (1 + u)²(rstd|t1| + |k||c|)``): ``E``'s
     ``3.1u|y|`` term is folded into ``k_t1`` and ``k_c`` (as ``3.11u·rstd`` and
     ``3.11u|k|``), and the dx pass leaves it out. The values that ``dx`` and ``dweight``
@@ -1642,19 +1704,23 @@ def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms, plain,
     # dresidual_out, so the dx pass needs no "+ 0.0" (the same bits: only zeros' signs
     # move, and y's zeros were +0.0 already)
     c2_dx = c2 if c2 != zero else -zero
-    return delta, rstd, c2_dx, k, k_t1, k_c, k_0, a_0, flag
+    r_t, t, open_ = _weight_scalars(m1, z0, delta, e_mean, rstd, e_r, flag, rms)
+    return delta, rstd, c2_dx, k, k_t1, k_c, k_0, a_0, flag, r_t, t, open_
 
 
 #: Rows whose constants :func:`_backward_block` computes together (one vector of doubles)
 _BATCH = 8
 #: What a batch's scratch holds per row (``_BATCH`` columns each), in this order
 _SUMS, _CONSTANTS = 6, 9  # m1, the five sums; delta, rstd, c2, k, k_t1, k_c, k_0, a_0, flag
+_SCALARS = 4  # then dweight's: a (the row's first element), r, t, open (_weight_scalars)
+_W_A, _W_R, _W_T, _W_OPEN = 15, 16, 17, 18  # (the forward has _A, _R)
 
 
 @_jit()
 def _batch_constants(scratch, b, factors, n, eps, rms, plain):
     """:func:`_backward_constants` of the ``b`` rows of a batch, from their sums in
-    ``scratch[1:6, :b]`` into ``scratch[6:15, :b]`` (the flag as 0.0 or 1.0): one loop,
+    ``scratch[1:6, :b]`` (and ``m1``, ``a``) into ``scratch[6:15, :b]`` and
+    ``scratch[16:19, :b]`` (the flags as 0.0 or 1.0): one loop,
     which LLVM vectorizes across the rows (the same IEEE operations on each lane: the
     same bits as one row at a time, and an eighth of the instructions)."""
     if n & (n - 1) == 0:  # a power of two: no division by N (_over_n)
@@ -1669,13 +1735,16 @@ def _batch_rows(scratch, b, factors, n, eps, rms, plain, binary):
     s_d, s_dd, s_g, s_gg, s_gd = scratch[1], scratch[2], scratch[3], scratch[4], scratch[5]
     delta, rstd, c2, k = scratch[6], scratch[7], scratch[8], scratch[9]
     k_t1, k_c, k_0, a_0 = scratch[10], scratch[11], scratch[12], scratch[13]
-    flag = scratch[14]
+    flag, m1, a = scratch[14], scratch[0], scratch[_W_A]
+    r_t, t, open_ = scratch[_W_R], scratch[_W_T], scratch[_W_OPEN]
     for j in range(b):
         row = _backward_constants(
-            s_d[j], s_dd[j], s_g[j], s_gg[j], s_gd[j], factors, n, eps, rms, plain, binary
-        )
+            s_d[j], s_dd[j], s_g[j], s_gg[j], s_gd[j], m1[j], a[j], factors, n, eps, rms,
+            plain, binary,
+        )  # fmt: skip
         delta[j], rstd[j], c2[j], k[j], k_t1[j], k_c[j], k_0[j], a_0[j] = row[:8]
         flag[j] = np.float64(row[8])
+        r_t[j], t[j], open_[j] = row[9], row[10], np.float64(row[11])
 
 
 @_jit()
@@ -1709,16 +1778,38 @@ def _backward_row_again(
     dresidual_out_i = dresidual_out[i * dresidual_out_stride : i * dresidual_out_stride + n]
     dx_i = dx[i * n : (i + 1) * n]
     s_d, s_dd, s_g, s_gg, s_gd, gamma = _precise_backward_sums(dy_i, x_i, weight, m1, n)
-    delta, rstd_i, c2, k, k_t1, k_c, k_0, a_0, flag = _backward_constants(
-        s_d, s_dd, s_g, s_gg, s_gd, _backward_factors(n, gamma), n, eps, rms, False,
+    constants = _backward_constants(
+        s_d, s_dd, s_g, s_gg, s_gd, m1, 0.0, _backward_factors(n, gamma), n, eps, rms, False,
         n & (n - 1) == 0,
     )  # fmt: skip
+    delta, rstd_i, c2, k, k_t1, k_c, k_0, a_0, flag = constants[:9]
     throwaway = np.zeros(n)
     checked = _dx_row_checked(
         dy_i, x_i, dresidual_out_i, dx_i, weight, throwaway, throwaway,
-        m1, delta, rstd_i, c2, k, k_t1, k_c, k_0, a_0,
+        m1, delta, rstd_i, c2, k, k_t1, k_c, k_0, a_0, 0.0, 0.0, 0.0,
     )  # fmt: skip
     return np.uint8(flag | checked)
+
+
+@_jit()
+def _weight_scalars_again(i, dy, dy_stride, x, x_stride, weight, scratch, j, n, eps, rms):
+    """Row ``i``'s :func:`_weight_scalars` once more, before its terms are added, for a
+    row whose test left them open (rare): from compensated sums, whose bound is some
+    100 times tighter, into ``scratch[_W_R:, j]`` (``open`` stays 1 where these leave
+    them open too: the host's exact fallback, ``_exact.weight_scalars``)."""
+    dy_i = dy[i * dy_stride : i * dy_stride + n]
+    x_i = x[i * x_stride : i * x_stride + n]
+    m1 = scratch[0, j]
+    s_d, s_dd, s_g, s_gg, s_gd, gamma = _precise_backward_sums(dy_i, x_i, weight, m1, n)
+    constants = _backward_constants(
+        s_d, s_dd, s_g, s_gg, s_gd, m1, scratch[_W_A, j], _backward_factors(n, gamma), n, eps,
+        rms, False, n & (n - 1) == 0,
+    )  # fmt: skip
+    scratch[_W_R, j], scratch[_W_T, j], scratch[_W_OPEN, j] = (
+        constants[9],
+        constants[10],
+        np.float64(constants[11]),
+    )
 
 
 @_jit()
@@ -1759,10 +1850,16 @@ def _backward_block(
             dy_i = dy[i * dy_stride : i * dy_stride + n]
             x_i = x[i * x_stride : i * x_stride + n]
             scratch[0, j] = m1
+            scratch[_W_A, j] = 0.0 if rms else element_f64(x_i, 0)
             (scratch[1, j], scratch[2, j], scratch[3, j], scratch[4, j], scratch[5, j]) = (
                 _chunked_backward_sums(dy_i, x_i, weight, m1, n)
             )
         _batch_constants(scratch, b, factors, n, eps, rms, plain)
+        for j in range(b):  # (rare) dweight's scalars are settled before the terms
+            if scratch[_W_OPEN, j] != 0.0:
+                _weight_scalars_again(
+                    first + j, dy, dy_stride, x, x_stride, weight, scratch, j, n, eps, rms
+                )
         for j in range(0, b, 2):  # two rows a pass (the partial sums loaded once)
             i = first + j
             pair = j + 1 < b
@@ -1773,16 +1870,17 @@ def _backward_block(
             m1, delta, rstd_i, c2 = scratch[0, j], scratch[6, j], scratch[7, j], scratch[8, j]
             k, k_t1, k_c, k_0 = scratch[9, j], scratch[10, j], scratch[11, j], scratch[12, j]
             a_0 = scratch[13, j]
+            a, r_t, t = scratch[_W_A, j], scratch[_W_R, j], scratch[_W_T, j]
             if not pair:
                 if plain:
                     opened = _dx_row_checked(
                         dy_i, x_i, None, dx_i, weight, dweight_block, dbias_block,
-                        m1, delta, rstd_i, c2, k, k_t1, k_c, k_0, a_0,
+                        m1, delta, rstd_i, c2, k, k_t1, k_c, k_0, a_0, a, r_t, t,
                     )  # fmt: skip
                 else:
                     opened = _dx_row_checked(
                         dy_i, x_i, dres_i, dx_i, weight, dweight_block, dbias_block,
-                        m1, delta, rstd_i, c2, k, k_t1, k_c, k_0, a_0,
+                        m1, delta, rstd_i, c2, k, k_t1, k_c, k_0, a_0, a, r_t, t,
                     )  # fmt: skip
             else:
                 h = i + 1
@@ -1794,19 +1892,23 @@ def _backward_block(
                     opened = _dx_rows_checked(
                         weight, dweight_block, dbias_block,
                         dy_i, x_i, None, dx_i, m1, delta, rstd_i, c2, k, k_t1, k_c, k_0, a_0,
+                        a, r_t, t,
                         dy_h, x_h, None, dx_h, scratch[0, j + 1], scratch[6, j + 1],
                         scratch[7, j + 1], scratch[8, j + 1], scratch[9, j + 1],
                         scratch[10, j + 1], scratch[11, j + 1], scratch[12, j + 1],
-                        scratch[13, j + 1],
+                        scratch[13, j + 1], scratch[_W_A, j + 1], scratch[_W_R, j + 1],
+                        scratch[_W_T, j + 1],
                     )  # fmt: skip
                 else:
                     opened = _dx_rows_checked(
                         weight, dweight_block, dbias_block,
                         dy_i, x_i, dres_i, dx_i, m1, delta, rstd_i, c2, k, k_t1, k_c, k_0, a_0,
+                        a, r_t, t,
                         dy_h, x_h, dres_h, dx_h, scratch[0, j + 1], scratch[6, j + 1],
                         scratch[7, j + 1], scratch[8, j + 1], scratch[9, j + 1],
                         scratch[10, j + 1], scratch[11, j + 1], scratch[12, j + 1],
-                        scratch[13, j + 1],
+                        scratch[13, j + 1], scratch[_W_A, j + 1], scratch[_W_R, j + 1],
+                        scratch[_W_T, j + 1],
                     )  # fmt: skip
             for r in range(2 if pair else 1):
                 flags[i + r] = np.uint8(0)
@@ -1815,6 +1917,8 @@ def _backward_block(
                         i + r, dy, dy_stride, x, x_stride, dresidual_out,
                         dresidual_out_stride, weight, dx, scratch[0, j + r], n, eps, rms,
                     )  # fmt: skip
+                if scratch[_W_OPEN, j + r] != 0.0:  # the host recomputes dweight
+                    flags[i + r] |= np.uint8(2)
 
 
 @_jit()
@@ -1824,7 +1928,7 @@ def backward_kernel(
 ):  # fmt: skip
     """:func:`_backward_block` for every block of rows of one span of blocks of a call
     that ``numba_`` spreads over its threads."""
-    scratch = np.empty((_SUMS + _CONSTANTS, _BATCH), np.float64)
+    scratch = np.empty((_SUMS + _CONSTANTS + _SCALARS, _BATCH), np.float64)
     plain = _no_residual(dresidual_out, dresidual_out_stride, n)
     for block in range((m + ROW_BLOCK - 1) // ROW_BLOCK):
         _backward_block(
@@ -1839,7 +1943,7 @@ def backward_kernel_serial(
     dx, dweight_partial, dbias_partial, flags, m, n, eps, rms,
 ):  # fmt: skip
     """:func:`backward_kernel` in the calling thread."""
-    scratch = np.empty((_SUMS + _CONSTANTS, _BATCH), np.float64)
+    scratch = np.empty((_SUMS + _CONSTANTS + _SCALARS, _BATCH), np.float64)
     plain = _no_residual(dresidual_out, dresidual_out_stride, n)
     for block in range((m + ROW_BLOCK - 1) // ROW_BLOCK):
         _backward_block(
@@ -1856,22 +1960,26 @@ def _add_into(total, part):
 
 @_jit()
 def column_sum_kernel(partial, blocks, n, out):
-    """``out[k] = sum over blocks of partial[block*N + k]``, in block order, in float64.
+    """``out`` = the column sums of the ``blocks`` x N float64 partial sums, in the order
+    of :mod:`._weight_terms`: by halving (while ``k > 1`` blocks are left, ``h =
+    ceil(k/2)`` and block ``j < k - h`` takes ``block_j + block_{j+h}``), rounded once to
+    ``out``'s dtype. Rewrites ``partial``.
 
     Serial on purpose: the partials are ``M / ROW_BLOCK`` rows of N, a few MB at most, and
-    a parallel region costs more to launch than this costs to run. One block (a call of
-    ``M <= ROW_BLOCK`` rows) is the same one addition per element, ``0.0 + partial``,
-    without the buffer and its passes.
+    a parallel region costs more to launch than this costs to run.
     """
-    if blocks == 1:
-        for k in range(n):
-            out[k] = 0.0 + partial[k]
+    if blocks == 0:
+        for c in range(n):
+            out[c] = 0.0
         return
-    total = np.zeros(n, np.float64)
-    for block in range(blocks):
-        _add_into(total, partial[block * n : (block + 1) * n])
-    for k in range(n):
-        out[k] = total[k]
+    k = blocks
+    while k > 1:
+        h = (k + 1) // 2
+        for j in range(k - h):
+            _add_into(partial[j * n : (j + 1) * n], partial[(j + h) * n : (j + h + 1) * n])
+        k = h
+    for c in range(n):
+        out[c] = partial[c]
 
 
 # ---------------------------------------------------------------------------------------
@@ -2061,8 +2169,8 @@ def backward_parallel(
     backward that ``numba_`` spreads over its threads: :func:`backward_serial`, except that
     ``dweight`` and ``dbias`` receive the span's per-block partial sums
     (``ceil(m / ROW_BLOCK) * n`` elements each, float64; both required),
-    which the caller adds over all spans in block order with :func:`column_sums`: the same
-    additions in the same order as :func:`backward_serial`'s, so the same bits. ``flags``:
+    which the caller adds over all spans with :func:`column_sums`: the same additions in
+    the same order as :func:`backward_serial`'s, so the same bits. ``flags``:
     the span's m + 1 fallback flags, as :func:`backward_serial` writes them."""
     arrays = _backward_arrays(
         storage_tag, acc_tag, dy, dy_stride, x, x_stride, dresidual_out,
@@ -2081,8 +2189,9 @@ def backward_parallel(
 @_jit()
 def column_sums(acc_tag, partial, blocks, n, out):
     """``out`` (N,) = the column sums of the ``blocks`` x N partial sums at ``partial``
-    (addresses; float64 partials, ``out`` in the accumulation dtype), in block order in
-    float64: how the spans of :func:`backward_parallel` become dweight and dbias."""
+    (addresses; float64 partials, ``out`` in the accumulation dtype), by halving in
+    float64 (:func:`column_sum_kernel`): how the spans of :func:`backward_parallel`
+    become dweight and dbias."""
     partials = _view(partial, blocks * n, _F64_TAG)
     column_sum_kernel(partials, blocks, n, _view(out, n, acc_tag))
 

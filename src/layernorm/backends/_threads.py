@@ -3,7 +3,7 @@
 The kernel entries release the GIL, and a call's rows can be split anywhere on a
 ``ROW_BLOCK`` boundary without changing a bit (rows are independent in the forward, and
 the backward's dweight/dbias partial sums belong to fixed blocks of rows that are added in
-block order afterwards). So :func:`run` hands consecutive spans of a call's blocks to the
+a fixed order afterwards). So :func:`run` hands consecutive spans of a call's blocks to the
 calling thread and to helper threads, which take the next span as they finish (a few
 spans per thread, so a core that other work slows down does not hold up the call).
 

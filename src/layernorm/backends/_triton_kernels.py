@@ -50,10 +50,11 @@ the test leaves open gets stage 2: the sums again by extraction, as the forward'
 stage 2, in the same program (fused) or in :func:`backward_precise_kernel` (chunked);
 a row still open is flagged 1 for the host's exact fallback
 (``triton_._settle_backward``). Each program owns a
-fixed block of rows (and one chunk of columns when chunked), loops over them in order
-and accumulates ``dweight``/``dbias`` in float64 registers; the per-program partials go
-to a ``(programs, N)`` float64 buffer that :func:`column_sum_kernel` reduces in a fixed
-order and rounds once to float32. No atomics anywhere, so every result is bitwise
+fixed block of rows (a multiple of ``_weight_terms.ROWS``; and one chunk of columns when
+chunked), loops over them in order and adds the terms of ``_weight_terms`` (``dy·u`` and
+``dy``) in float64 registers, one block of rows at a time, into a ``(blocks, N)``
+float64 buffer, whose blocks the host adds by halving (``torch_.block_totals``): the
+numba and torch backends' sums, bit for bit. No atomics anywhere, so every result is bitwise
 reproducible, and a row's output never depends on the other rows.
 """
 
@@ -65,6 +66,8 @@ import os
 
 import triton
 import triton.language as tl
+
+from . import _weight_terms
 
 _knobs = getattr(triton, "knobs", None)
 #: whether this copy of the module runs in Triton's interpreter (fixed when it is loaded)
@@ -651,6 +654,64 @@ def forward_precise_kernel(
 _C2_02 = tl.constexpr(2.03125)  # >= 2.02
 _C2_04 = tl.constexpr(2.046875)  # >= 2.04
 _C3_03 = tl.constexpr(3.03125)  # >= 3.02 and >= 3.03
+#: ``_weight_terms``' constants (each float one a power of two or exact in float32)
+_RSTD_LOW = tl.constexpr(_weight_terms.RSTD_LOW)
+_RSTD_HALF = tl.constexpr((1 << (_weight_terms.RSTD_LOW - 1)) - 1)
+_RSTD_KEEP = tl.constexpr(-(1 << _weight_terms.RSTD_LOW))
+_GRID = tl.constexpr(1.0 / _weight_terms.SHIFT_QUANTUM)
+_QUANTUM = tl.constexpr(_weight_terms.SHIFT_QUANTUM)
+_MAGIC = tl.constexpr(_weight_terms.MAGIC)
+_SHIFT_LIMIT = tl.constexpr(_weight_terms.SHIFT_LIMIT)
+_WEIGHT_ROWS = tl.constexpr(_weight_terms.ROWS)
+
+
+@triton.jit
+def _round_rstd(r):
+    # r rounded to nearest-even to _weight_terms.RSTD_BITS bits, on its pattern
+    bits = r.to(tl.int64, bitcast=True)
+    bits = (bits + _RSTD_HALF + ((bits >> _RSTD_LOW) & 1)) & _RSTD_KEEP
+    return bits.to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _on_grid(v):
+    # v (|v| < 2^19) rounded to nearest-even to a multiple of 2^-32
+    return ((v * _GRID + _MAGIC) - _MAGIC) * _QUANTUM
+
+
+@triton.jit
+def _weight_scalars(m1, z0, delta, e_mean, rstd, e_r, loose, RMS: tl.constexpr):
+    """A row's ``(r, t, open)`` of ``_weight_terms`` from its float64 statistics
+    (``mean = m1 + delta`` within ``e_mean``, ``rstd`` within ``e_r`` of itself unless
+    ``loose``): Ziv's test on each scalar, the torch backend's ``_weight_scalars``."""
+    spread = rstd * (_C1_01 * e_r + 4.0 * _U)
+    r_t = _round_rstd(rstd)
+    open_ = (loose != 0) | (rstd - rstd != 0.0)  # (rstd - rstd: NaN unless finite)
+    open_ = open_ | (_round_rstd(rstd - spread) != _round_rstd(rstd + spread))
+    t = tl.full([], 0.0, tl.float64)
+    if not RMS:
+        head = m1 - z0
+        w = head + delta
+        v = w * rstd
+        e_v = _C1_02 * (
+            (e_mean + _U * (tl.abs(head) + tl.abs(w))) * (rstd + spread)
+            + tl.abs(v) * (_C1_01 * e_r + 3.0 * _U)
+        )  # fmt: skip
+        t = _on_grid(v)
+        open_ = open_ | ~(tl.abs(v) + e_v < _SHIFT_LIMIT)
+        open_ = open_ | (_on_grid(v - e_v) != _on_grid(v + e_v))
+    return r_t, t, open_.to(tl.int32)
+
+
+@triton.jit
+def _weight_shift(Z, row, stride_z, RMS: tl.constexpr):
+    # the row's a of _weight_terms: its first element (0 for RMSNorm)
+    z0 = tl.full([], 0.0, tl.float64)
+    if not RMS:
+        z0 = tl.load(Z + row * stride_z).to(tl.float32).to(tl.float64)
+    return z0
+
+
 _C3_1 = tl.constexpr(3.125)  # >= 3.1
 
 
@@ -709,7 +770,8 @@ def _accurate_sum(t, mask, n, g):
 def _backward_constants(
     s_d, s_dd, s_g, s_gg, s_gd, e_d, e_dd, e_g, e_gd, n, eps, RMS: tl.constexpr
 ):  # fmt: skip
-    """Step 2: ``(delta, c2, rstd, k, k_t1, k_c, k_0, loose)`` from the five sums and
+    """Step 2: ``(delta, c2, rstd, k, k_t1, k_c, k_0, loose, e_mean, e_r)`` from the five
+    sums and
     bounds ``e_*`` on the summation errors of four (docs/contract.md §3, the torch
     backend's formulas, with ``γ·D`` written ``e_d``, ``γ·Σd²`` ``e_dd``, ``γ·G``
     ``e_g`` and ``γ·P`` ``e_gd``: :func:`_plain_errors` in step 1, the extraction's
@@ -756,7 +818,7 @@ def _backward_constants(
     k_t1 = r_hi * (e_r + _U) + _C2_02 * _U * rstd
     k_c = tl.abs(k) * (alpha + _C2_02 * _U) + e_k * (1.0 + alpha)
     k_0 = r_hi * e_c2 + beta * (tl.abs(k) + e_k)
-    return delta, c2, rstd, k, k_t1, k_c, k_0, loose
+    return delta, c2, rstd, k, k_t1, k_c, k_0, loose, e_mean, e_r
 
 
 @triton.jit
@@ -803,7 +865,7 @@ def backward_sums_kernel(
 
 @triton.jit(do_not_specialize=["N", "eps_bits", "depth"])
 def backward_kernel(
-    DY, Z, W, MEAN, DRES, DX, DW_PART, DB_PART, PART, CHUNK_FLAGS,
+    DY, Z, W, MEAN, DRES, DX, DW_PART, DB_PART, PART, CHUNK_FLAGS, SCALARS, WEIGHT_FLAGS,
     stride_dy, stride_z, stride_dres, stride_dx,
     M, N, eps_bits, depth, rows_per_program, num_chunks,
     HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr, NEED_DW: tl.constexpr,
@@ -818,9 +880,15 @@ def backward_kernel(
     chunk, 1 where it is open; FUSED: an open row gets stage 2 (the sums again by
     extraction) here, and its flag is then 2 where that settles it (else 1: the host's
     exact fallback rewrites the row). Chunked rows get stage 2 from
-    :func:`backward_precise_kernel`. This program's
-    float64 Σ dy·u (``u = c·rstd``) and Σ dy over its rows go to row ``program_id(0)``
-    of DW_PART / DB_PART."""
+    :func:`backward_precise_kernel`.
+
+    ``dweight``/``dbias``: the terms of ``_weight_terms`` (``dy·u``, ``u = ((z - a)·r) -
+    t``, and ``dy``), added row by row in float64 from ``0.0`` over each block of
+    ``_weight_terms.ROWS`` rows (``rows_per_program`` is a multiple of it) into row
+    ``block`` of DW_PART / DB_PART. The row's ``(r, t)``: FUSED, from its constants (and
+    stage 2's when their test leaves them open), ``WEIGHT_FLAGS[row]`` 1 where they are
+    still open (the host's exact fallback); chunked, from ``SCALARS`` (2, M), which
+    :func:`backward_scalars_kernel` wrote."""
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * (ROWS * COLS) + _tile(ROWS, COLS)
@@ -839,6 +907,7 @@ def backward_kernel(
         z, dy = _load_gradient_row(DY, Z, row, stride_dy, stride_z, cols, mask)
         gh = dy * gamma  # exact: 24 by 24 bits
         m1 = _shift(MEAN, row, RMS)
+        z0 = _weight_shift(Z, row, stride_z, RMS)
         if FUSED:
             s_d, s_dd, s_g, s_gg, s_gd = _backward_sums(z, gh, m1, mask, RMS)
         else:
@@ -848,61 +917,168 @@ def backward_kernel(
             s_gg = _row_total(PART + 3 * plane, row, num_chunks, CHUNKS_P2)
             s_gd = _row_total(PART + 4 * plane, row, num_chunks, CHUNKS_P2)
         e_d, e_dd, e_g, e_gd = _plain_errors(s_dd, s_gg, n, g)
-        delta, c2, rstd, k, k_t1, k_c, k_0, loose = _backward_constants(
+        delta, c2, rstd, k, k_t1, k_c, k_0, loose, e_mean, e_r = _backward_constants(
             s_d, s_dd, s_g, s_gg, s_gd, e_d, e_dd, e_g, e_gd, n, eps, RMS
         )
         rho = tl.full([ROWS, COLS], -0.0, tl.float64)
         if HAS_DRES:
             rho = _load_row(DRES, row, stride_dres, cols, mask)
-        dx, open_, c = _backward_output(
+        dx, open_, _ = _backward_output(
             z, gh, rho, mask, m1, delta, c2, rstd, k, k_t1, k_c, k_0, DX.dtype.element_ty
         )
         flag = open_ | loose
         if FUSED:
-            if flag != 0:  # rare: stage 2, the sums again by extraction (far tighter)
+            r_t, t, w_open = _weight_scalars(m1, z0, delta, e_mean, rstd, e_r, loose, RMS)
+            if not NEED_DW:
+                w_open = w_open * 0
+            if (flag | w_open) != 0:  # rare: stage 2, the sums again by extraction
                 d = tl.where(mask, z - m1, 0.0)
                 s_dd, e_dd = _accurate_sum(d * d, mask, n, g)
                 s_gd, e_gd = _accurate_sum(gh * d, mask, n, g)
                 if not RMS:
                     s_d, e_d = _accurate_sum(d, mask, n, g)
                     s_g, e_g = _accurate_sum(gh, mask, n, g)
-                delta, c2, rstd, k, k_t1, k_c, k_0, loose = _backward_constants(
+                delta, c2, rstd, k, k_t1, k_c, k_0, loose, e_mean, e_r = _backward_constants(
                     s_d, s_dd, s_g, s_gg, s_gd, e_d, e_dd, e_g, e_gd, n, eps, RMS
                 )
-                dx, open_, c = _backward_output(
-                    z, gh, rho, mask, m1, delta, c2, rstd, k, k_t1, k_c, k_0,
-                    DX.dtype.element_ty,
-                )  # fmt: skip
-                flag = 2 - (open_ | loose)  # 2: settled by stage 2, 1: still open
+                if flag != 0:
+                    dx, open_, _ = _backward_output(
+                        z, gh, rho, mask, m1, delta, c2, rstd, k, k_t1, k_c, k_0,
+                        DX.dtype.element_ty,
+                    )  # fmt: skip
+                    flag = 2 - (open_ | loose)  # 2: settled by stage 2, 1: still open
+                if w_open != 0:
+                    r_t, t, w_open = _weight_scalars(m1, z0, delta, e_mean, rstd, e_r, loose, RMS)
+            tl.store(WEIGHT_FLAGS + row, w_open)
+        else:
+            r_t = tl.full([], 0.0, tl.float64)
+            t = r_t
+            if NEED_DW:
+                r_t = tl.load(SCALARS + row)
+                t = tl.load(SCALARS + M + row)
         tl.store(DX + row * stride_dx + cols, dx, mask=mask)
         tl.store(CHUNK_FLAGS + row * num_chunks + chunk, flag)
         if NEED_DW:
-            dw += tl.where(mask, dy * (c * rstd), 0.0)
+            dw += tl.where(mask, dy * (((z - z0) * r_t) - t), 0.0)
         if NEED_DB:
             db += dy
+        if ((row + 1) % _WEIGHT_ROWS == 0) | (row + 1 == end):  # a block's last row
+            out = (row // _WEIGHT_ROWS) * N + cols
+            if NEED_DW:
+                tl.store(DW_PART + out, dw, mask=mask)
+                dw = tl.zeros([ROWS, COLS], dtype=tl.float64)
+            if NEED_DB:
+                tl.store(DB_PART + out, db, mask=mask)
+                db = tl.zeros([ROWS, COLS], dtype=tl.float64)
         row += 1
-    out = pid.to(tl.int64) * N + cols
-    if NEED_DW:
-        tl.store(DW_PART + out, dw, mask=mask)
-    if NEED_DB:
-        tl.store(DB_PART + out, db, mask=mask)
 
 
 @triton.jit
-def column_sum_kernel(
-    PART, OUT, P, N,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+def _precise_sums(
+    DY, Z, W, row, m1, stride_dy, stride_z, N, n, g, num_chunks,
+    HAS_WEIGHT: tl.constexpr, RMS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
 ):  # fmt: skip
-    """OUT = Σ_p PART[p] for a (P, N) float64 buffer, in a fixed order, in float64,
-    rounded once to OUT's dtype; grid cdiv(N, BLOCK_N)."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float64)
-    for p0 in range(0, P, BLOCK_P):
-        rows = p0 + tl.arange(0, BLOCK_P)
-        offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
-        acc += tl.load(PART + offsets, mask=(rows < P)[:, None] & col_mask[None, :], other=0.0)
-    tl.store(OUT + cols, tl.sum(acc, 0).to(OUT.dtype.element_ty), mask=col_mask)
+    """Stage 2's sums of a chunked row by extraction, with their bounds: two passes over
+    the row (the largest terms, then the sums): ``(s_d, e_d, s_dd, e_dd, s_g, e_g,
+    s_gd, e_gd)``."""
+    tile = _tile(ROWS, COLS)
+    zero = tl.full([], 0.0, tl.float64)
+    big_d = zero
+    big_dd = zero
+    big_g = zero
+    big_gd = zero
+    for chunk in range(0, num_chunks):  # the largest terms of each sum
+        cols = chunk * (ROWS * COLS) + tile
+        mask = cols < N
+        z, dy = _load_gradient_row(DY, Z, row, stride_dy, stride_z, cols, mask)
+        gamma, _ = _load_params(W, W, cols, mask, HAS_WEIGHT, False)
+        gh = dy * gamma
+        d = tl.where(mask, z - m1, 0.0)
+        big_d = tl.maximum(big_d, _max2d(tl.abs(d)))
+        big_dd = tl.maximum(big_dd, _max2d(d * d))
+        big_g = tl.maximum(big_g, _max2d(tl.abs(gh)))
+        big_gd = tl.maximum(big_gd, _max2d(tl.abs(gh * d)))
+    sigma_d = _pow2_above(4.0 * n * big_d)
+    sigma_dd = _pow2_above(4.0 * n * big_dd)
+    sigma_g = _pow2_above(4.0 * n * big_g)
+    sigma_gd = _pow2_above(4.0 * n * big_gd)
+    q_d = zero
+    r_d = zero
+    q_dd = zero
+    r_dd = zero
+    q_g = zero
+    r_g = zero
+    q_gd = zero
+    r_gd = zero
+    for chunk in range(0, num_chunks):  # the sums by extraction (_accurate_sum's)
+        cols = chunk * (ROWS * COLS) + tile
+        mask = cols < N
+        z, dy = _load_gradient_row(DY, Z, row, stride_dy, stride_z, cols, mask)
+        gamma, _ = _load_params(W, W, cols, mask, HAS_WEIGHT, False)
+        gh = dy * gamma
+        d = tl.where(mask, z - m1, 0.0)
+        q, r = _split(d * d, sigma_dd)
+        q_dd += _sum2d(q)
+        r_dd += _sum2d(r)
+        q, r = _split(gh * d, sigma_gd)
+        q_gd += _sum2d(q)
+        r_gd += _sum2d(r)
+        if not RMS:
+            q, r = _split(d, sigma_d)
+            q_d += _sum2d(q)
+            r_d += _sum2d(r)
+            q, r = _split(gh, sigma_g)
+            q_g += _sum2d(q)
+            r_g += _sum2d(r)
+    s_dd, e_dd = _accurate(q_dd, r_dd, sigma_dd, n, g)
+    s_gd, e_gd = _accurate(q_gd, r_gd, sigma_gd, n, g)
+    s_d, e_d = _accurate(q_d, r_d, sigma_d, n, g)
+    s_g, e_g = _accurate(q_g, r_g, sigma_g, n, g)
+    return s_d, e_d, s_dd, e_dd, s_g, e_g, s_gd, e_gd
+
+
+@triton.jit(do_not_specialize=["N", "eps_bits", "depth"])
+def backward_scalars_kernel(
+    DY, Z, W, MEAN, PART, SCALARS, WEIGHT_FLAGS,
+    stride_dy, stride_z,
+    M, N, eps_bits, depth, num_chunks,
+    HAS_WEIGHT: tl.constexpr, RMS: tl.constexpr,
+    CHUNKS_P2: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+):  # fmt: skip
+    """Chunked rows, grid (M,): each row's ``(r, t)`` of ``_weight_terms`` into
+    ``SCALARS`` (2, M), from the chunk partials of :func:`backward_sums_kernel` (the
+    constants :func:`backward_kernel` computes), and where their test leaves them open
+    (rare) from :func:`_precise_sums`; ``WEIGHT_FLAGS[row]`` is 1 where they are still
+    open (the host's exact fallback)."""
+    row = tl.program_id(0).to(tl.int64)
+    n = N.to(tl.float64)
+    eps = _eps(eps_bits)
+    g = _gamma(depth)
+    plane = M.to(tl.int64) * num_chunks
+    s_d = _row_total(PART, row, num_chunks, CHUNKS_P2)
+    s_dd = _row_total(PART + plane, row, num_chunks, CHUNKS_P2)
+    s_g = _row_total(PART + 2 * plane, row, num_chunks, CHUNKS_P2)
+    s_gg = _row_total(PART + 3 * plane, row, num_chunks, CHUNKS_P2)
+    s_gd = _row_total(PART + 4 * plane, row, num_chunks, CHUNKS_P2)
+    m1 = _shift(MEAN, row, RMS)
+    z0 = _weight_shift(Z, row, stride_z, RMS)
+    e_d, e_dd, e_g, e_gd = _plain_errors(s_dd, s_gg, n, g)
+    delta, _, rstd, _, _, _, _, loose, e_mean, e_r = _backward_constants(
+        s_d, s_dd, s_g, s_gg, s_gd, e_d, e_dd, e_g, e_gd, n, eps, RMS
+    )
+    r_t, t, w_open = _weight_scalars(m1, z0, delta, e_mean, rstd, e_r, loose, RMS)
+    if w_open != 0:
+        s_d, e_d, s_dd, e_dd, s_g, e_g, s_gd, e_gd = _precise_sums(
+            DY, Z, W, row, m1, stride_dy, stride_z, N, n, g, num_chunks,
+            HAS_WEIGHT, RMS, ROWS, COLS,
+        )  # fmt: skip
+        delta, _, rstd, _, _, _, _, loose, e_mean, e_r = _backward_constants(
+            s_d, s_dd, s_g, s_gg, s_gd, e_d, e_dd, e_g, e_gd, n, eps, RMS
+        )
+        r_t, t, w_open = _weight_scalars(m1, z0, delta, e_mean, rstd, e_r, loose, RMS)
+    tl.store(SCALARS + row, r_t)
+    tl.store(SCALARS + M + row, t)
+    tl.store(WEIGHT_FLAGS + row, w_open)
 
 
 @triton.jit(do_not_specialize=["N", "eps_bits", "depth"])
@@ -915,9 +1091,9 @@ def backward_precise_kernel(
 ):  # fmt: skip
     """Chunked rows, stage 2, grid (M,): launched for every row, it returns at once for
     a row none of whose chunks is open; for an open row it takes the four sums again by
-    extraction (two passes over the row: the largest terms, then the sums), then step
-    3 again, rewriting the row's ``dx``. ``FLAGS[row]``: 0 when stage 1 settled the row,
-    2 when stage 2 did, 1 when it is still open (the host's exact fallback)."""
+    extraction (:func:`_precise_sums`), then step 3 again, rewriting the row's ``dx``.
+    ``FLAGS[row]``: 0 when stage 1 settled the row, 2 when stage 2 did, 1 when it is
+    still open (the host's exact fallback)."""
     row = tl.program_id(0).to(tl.int64)
     index = tl.arange(0, CHUNKS_P2)
     chunk_flags = tl.load(CHUNK_FLAGS + row * num_chunks + index, mask=index < num_chunks, other=0)
@@ -926,62 +1102,14 @@ def backward_precise_kernel(
         n = N.to(tl.float64)
         g = _gamma(depth)
         tile = _tile(ROWS, COLS)
-        zero = tl.full([], 0.0, tl.float64)
         plane = M.to(tl.int64) * num_chunks
         s_gg = _row_total(PART + 3 * plane, row, num_chunks, CHUNKS_P2)
         m1 = _shift(MEAN, row, RMS)
-        big_d = zero
-        big_dd = zero
-        big_g = zero
-        big_gd = zero
-        for chunk in range(0, num_chunks):  # the largest terms of each sum
-            cols = chunk * (ROWS * COLS) + tile
-            mask = cols < N
-            z, dy = _load_gradient_row(DY, Z, row, stride_dy, stride_z, cols, mask)
-            gamma, _ = _load_params(W, W, cols, mask, HAS_WEIGHT, False)
-            gh = dy * gamma
-            d = tl.where(mask, z - m1, 0.0)
-            big_d = tl.maximum(big_d, _max2d(tl.abs(d)))
-            big_dd = tl.maximum(big_dd, _max2d(d * d))
-            big_g = tl.maximum(big_g, _max2d(tl.abs(gh)))
-            big_gd = tl.maximum(big_gd, _max2d(tl.abs(gh * d)))
-        sigma_d = _pow2_above(4.0 * n * big_d)
-        sigma_dd = _pow2_above(4.0 * n * big_dd)
-        sigma_g = _pow2_above(4.0 * n * big_g)
-        sigma_gd = _pow2_above(4.0 * n * big_gd)
-        q_d = zero
-        r_d = zero
-        q_dd = zero
-        r_dd = zero
-        q_g = zero
-        r_g = zero
-        q_gd = zero
-        r_gd = zero
-        for chunk in range(0, num_chunks):  # the sums by extraction (_accurate_sum's)
-            cols = chunk * (ROWS * COLS) + tile
-            mask = cols < N
-            z, dy = _load_gradient_row(DY, Z, row, stride_dy, stride_z, cols, mask)
-            gamma, _ = _load_params(W, W, cols, mask, HAS_WEIGHT, False)
-            gh = dy * gamma
-            d = tl.where(mask, z - m1, 0.0)
-            q, r = _split(d * d, sigma_dd)
-            q_dd += _sum2d(q)
-            r_dd += _sum2d(r)
-            q, r = _split(gh * d, sigma_gd)
-            q_gd += _sum2d(q)
-            r_gd += _sum2d(r)
-            if not RMS:
-                q, r = _split(d, sigma_d)
-                q_d += _sum2d(q)
-                r_d += _sum2d(r)
-                q, r = _split(gh, sigma_g)
-                q_g += _sum2d(q)
-                r_g += _sum2d(r)
-        s_dd, e_dd = _accurate(q_dd, r_dd, sigma_dd, n, g)
-        s_gd, e_gd = _accurate(q_gd, r_gd, sigma_gd, n, g)
-        s_d, e_d = _accurate(q_d, r_d, sigma_d, n, g)
-        s_g, e_g = _accurate(q_g, r_g, sigma_g, n, g)
-        delta, c2, rstd, k, k_t1, k_c, k_0, loose = _backward_constants(
+        s_d, e_d, s_dd, e_dd, s_g, e_g, s_gd, e_gd = _precise_sums(
+            DY, Z, W, row, m1, stride_dy, stride_z, N, n, g, num_chunks,
+            HAS_WEIGHT, RMS, ROWS, COLS,
+        )  # fmt: skip
+        delta, c2, rstd, k, k_t1, k_c, k_0, loose, _, _ = _backward_constants(
             s_d, s_dd, s_g, s_gg, s_gd, e_d, e_dd, e_g, e_gd, n, _eps(eps_bits), RMS
         )
         flag = loose

@@ -9,8 +9,9 @@ dtypes, the numerics of docs/contract.md §3) with one kernel per direction:
 - backward: per block of ``_numba_kernels.ROW_BLOCK`` (32) rows, ``dx``
   (``+ dresidual_out``) for each row, correctly rounded (docs/contract.md §3: the row's
   statistics recomputed from ``x`` and ``eps``, flagged rows fixed by
-  :func:`_fix_backward_rows`), and float64 partial sums of ``g * u`` and ``g``; a serial
-  loop adds the block partials in block order (float64) for dweight/dbias.
+  :func:`_fix_backward_rows`), and float64 partial sums of ``g * u`` and ``g``
+  (:mod:`._weight_terms`); a serial loop adds the block partials by halving (float64)
+  for dweight/dbias.
 
 Tensors reach the kernels as addresses (``data_ptr()``) and sizes, through per-dtype
 entries of C-typed arguments only (:func:`entry`; the arguments are described once, in
@@ -257,8 +258,8 @@ def _backward_over_threads(
     dbias: int, m: int, n: int, rms: bool, stream: bool, eps: float, flags: int,
 ) -> None:  # fmt: skip
     """The ``backward_parallel`` entry: spans of ``ROW_BLOCK`` rows over the threads,
-    each writing its blocks' dweight/dbias partial sums, then their column sums in block
-    order (float64), as ``backward_serial`` adds them. The spans' fallback flags are
+    each writing its blocks' dweight/dbias partial sums, then their column sums by
+    halving (float64), as ``backward_serial`` adds them. The spans' fallback flags are
     gathered into ``flags`` as :func:`_forward_over_threads` does."""
     run = _compiled(dtype, "backward_parallel")
     types = _TYPES[dtype]
@@ -608,26 +609,33 @@ def backward(
         flags.ctypes.data,  # flags
     )
     if flags[m]:  # rare: rows whose rounding the float64 bound left open
-        _fix_backward_rows(dx, dy, x, w, dresidual_out, eps, rms, flags[:m])
+        _fix_backward_rows(dx, dweight, dy, x, w, mean, dresidual_out, eps, rms, flags[:m])
     return dx, dweight, dbias
 
 
 def _fix_backward_rows(
     dx: torch.Tensor,
+    dweight: torch.Tensor | None,
     dy: torch.Tensor,
     z: torch.Tensor,
     w: torch.Tensor,
+    mean: torch.Tensor | None,
     dresidual_out: torch.Tensor | None,
     eps: float,
     rms: bool,
     flags: np.ndarray,
 ) -> None:
-    """Rewrites the flagged rows of ``dx`` exactly (:mod:`layernorm.backends._exact`)."""
+    """Rewrites exactly (:mod:`layernorm.backends._exact`) the rows of ``dx`` whose
+    ``flags`` have bit 0, and ``dweight`` (when wanted) when some row has bit 1: that
+    row's ``_weight_terms`` scalars were left open, and the torch backend's backward
+    computes the same sums with their exact values (rare: a whole dweight again)."""
     from . import _exact, torch_
 
+    if dweight is not None and (flags & 2).any():
+        dweight.copy_(torch_.weight_gradient(dy, z, mean, eps, rms))
     if dx.dtype == torch.float64:
         return
-    rows = torch.from_numpy(np.flatnonzero(flags))
+    rows = torch.from_numpy(np.flatnonzero(flags & 1))
     n = z.shape[-1]
     z64, g64 = (torch_.matrix(t)[rows].to(torch.float64) for t in (z, dy))
     gh = (g64 * w.to(torch.float64)).numpy()  # exact: 24-bit by 24-bit

@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import torch
 
+from . import _weight_terms
+
 CHUNK = 4096  # a reduction of <= 32768 elements is never split by torch's CPU reducer
-ROW_BLOCK = 1024  # fixed row partition for dweight/dbias partial sums
 
 
 #: the dtypes ``forward``'s ``y`` may have apart from ``x``'s (``out_dtype``), when no
@@ -93,12 +94,33 @@ def row_sum(t: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
 
 
 def column_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sums the rows of ``t`` (M, N) over a fixed partition into blocks of ROW_BLOCK rows."""
+    """The column sums of ``t`` (M, N) in the order of :mod:`._weight_terms`: blocks of
+    ``ROWS`` rows, each added row by row from ``0.0``, then :func:`block_totals`. The
+    same bits as the numba and triton backends' sums of the same terms. (Zero rows pad
+    the last block: adding ``+0.0`` changes no partial sum, none of which is ``-0.0``.)"""
     m, n = t.shape
-    k = m // ROW_BLOCK
-    partial = t[: k * ROW_BLOCK].reshape(k, ROW_BLOCK, n).sum(1)
-    rest = t[k * ROW_BLOCK :].sum(0)
-    return torch.cat([partial, rest[None]]).sum(0)
+    rows = _weight_terms.ROWS
+    blocks = -(-m // rows)
+    if blocks * rows != m:
+        t = torch.cat([t, t.new_zeros(blocks * rows - m, n)])
+    t = t.reshape(blocks, rows, n)
+    partial = t.new_zeros(blocks, n)
+    for j in range(rows):
+        partial = partial + t[:, j]
+    return block_totals(partial)
+
+
+def block_totals(partial: torch.Tensor) -> torch.Tensor:
+    """The column sums of the blocks' partial sums ``partial`` (k, N) by halving, as
+    :mod:`._weight_terms` adds them: while ``k > 1``, ``h = ceil(k/2)`` and row
+    ``j < k - h`` takes ``row_j + row_{j+h}``. Zeros for ``k = 0``."""
+    if partial.shape[0] == 0:
+        return partial.new_zeros(partial.shape[1])
+    while partial.shape[0] > 1:
+        k = partial.shape[0]
+        h = (k + 1) // 2
+        partial = torch.cat([partial[: k - h] + partial[h:], partial[k - h : h]])
+    return partial[0]
 
 
 def portable_forward(
@@ -391,8 +413,10 @@ def backward(
     t4 = t2 - t3
     y = (t4 + rho) + 0.0
     dx = round_once(y, x.dtype)
-    u = c * r[:, None]
-    dweight = column_sum(g * u).to(acc) if need_dweight else None
+    dweight = None
+    if need_dweight:
+        scalars = _weight_scalars(z, m1, delta, e_mean, r, e_r, loose, eps, rms)
+        dweight = column_sum(g * weight_terms(z, *scalars)).to(acc)
     dbias = column_sum(g).to(acc) if need_dbias else None
     if x.dtype != torch.float64:
         bound = k_t1[:, None] * t1.abs() + k_c[:, None] * c.abs() + k_0[:, None]
@@ -403,6 +427,84 @@ def backward(
         if bool(flagged.any()):
             _fix_backward_rows(dx, z, gh, rho.expand(m, n), eps, rms, flagged)
     return dx.contiguous().reshape(shape), dweight, dbias
+
+
+def weight_gradient(
+    dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, eps: float, rms: bool
+) -> torch.Tensor:
+    """:func:`backward`'s ``dweight`` (with its ``dx``, unused): the numba and triton
+    backends' fallback when their kernel leaves a row's ``_weight_terms`` scalars open,
+    the same sums with the exact scalars of that row."""
+    dweight = backward(dy, x, None, mean, x.new_empty(0), None, rms, True, False, eps)[1]
+    assert dweight is not None
+    return dweight
+
+
+def _round_rstd(r: torch.Tensor) -> torch.Tensor:
+    """float64 ``r`` (positive, or not finite) rounded to nearest-even to
+    ``_weight_terms.RSTD_BITS`` significant bits, on its pattern."""
+    low = (1 << _weight_terms.RSTD_LOW) - 1
+    bits = r.view(torch.int64)
+    bits = (bits + (low >> 1) + ((bits >> _weight_terms.RSTD_LOW) & 1)) & ~low
+    return bits.view(torch.float64)
+
+
+def _on_grid(v: torch.Tensor) -> torch.Tensor:
+    """float64 ``v`` (``|v| < 2^19``) rounded to nearest-even to a multiple of
+    ``_weight_terms.SHIFT_QUANTUM`` (exact scalings, and the rounding of ``MAGIC``)."""
+    magic = _weight_terms.MAGIC
+    return ((v * (1.0 / _weight_terms.SHIFT_QUANTUM) + magic) - magic) * _weight_terms.SHIFT_QUANTUM
+
+
+def _weight_scalars(
+    z: torch.Tensor,
+    m1: torch.Tensor,
+    delta: torch.Tensor,
+    e_mean: torch.Tensor,
+    r: torch.Tensor,
+    e_r: torch.Tensor,
+    loose: torch.Tensor,
+    eps: float,
+    rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's ``(a, r, t)`` of :mod:`._weight_terms` from the backward's float64
+    statistics and their bounds (docs/contract.md §3): ``mean = m1 + delta`` within
+    ``e_mean``, ``rstd`` within ``e_r`` of itself; Ziv's test on each scalar, and
+    ``_exact.weight_scalars`` for the rows it leaves open (rare; on the host)."""
+    spread = r * (1.01 * e_r + 4 * _U)  # rounding r ± spread keeps the exact rstd inside
+    r_t = _round_rstd(r)
+    open_ = (_round_rstd(r - spread) != _round_rstd(r + spread)) | loose | ~r.isfinite()
+    if rms:
+        a = t = torch.zeros_like(r)
+    else:
+        a = z[:, 0]
+        head = m1 - a
+        w = head + delta  # mean - a within e_mean + u(|head| + |w|)
+        v = w * r
+        e_v = 1.02 * (
+            (e_mean + _U * (head.abs() + w.abs())) * (r + spread)
+            + v.abs() * (1.01 * e_r + 3 * _U)
+        )  # fmt: skip
+        t = _on_grid(v)
+        limit = v.abs() + e_v >= _weight_terms.SHIFT_LIMIT
+        open_ |= (_on_grid(v - e_v) != _on_grid(v + e_v)) | limit
+    if bool(open_.any()):
+        from . import _exact
+
+        rows = open_.nonzero()[:, 0]
+        fixed = [_exact.weight_scalars(row, eps, rms) for row in z[rows].cpu().numpy()]
+        values = torch.tensor(fixed, dtype=torch.float64, device=z.device).reshape(-1, 3)
+        r_t = r_t.index_put((rows,), values[:, 1])
+        t = t.index_put((rows,), values[:, 2])
+    return a, r_t, t
+
+
+def weight_terms(
+    z: torch.Tensor, a: torch.Tensor, r: torch.Tensor, t: torch.Tensor
+) -> torch.Tensor:
+    """``u = ((z - a)·r) - t`` of :mod:`._weight_terms`, per row of the float64 ``z``
+    (M, N): three IEEE operations, each rounded once."""
+    return (z - a[:, None]) * r[:, None] - t[:, None]
 
 
 def _fix_backward_rows(

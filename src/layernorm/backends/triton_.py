@@ -45,7 +45,7 @@ from typing import overload
 import numpy as np
 import torch
 
-from . import torch_
+from . import _weight_terms, torch_
 from .torch_ import contiguous_rows, matrix
 
 #: rows of at most this many elements are held whole in one program's registers (forward;
@@ -215,15 +215,13 @@ def _launch(num_warps: int) -> dict:
     return {"num_warps": num_warps, "enable_fp_fusion": False}
 
 
-def _column_block(n: int) -> int:
-    """Columns per program of the final dweight/dbias sum (tiles of 4096 values)."""
-    return max(32, min(1024, _next_power_of_2(n) // 32))
-
-
 def _row_blocks(m: int, n: int, num_chunks: int) -> tuple[int, int]:
-    """(programs, rows per program) of the backward: a fixed partition of the M rows."""
+    """(programs, rows per program) of the backward: a fixed partition of the M rows, in
+    whole blocks of ``_weight_terms.ROWS`` (each program adds its blocks' terms)."""
     target = max(MIN_PROGRAMS // num_chunks, PARTIAL_ELEMENTS // max(n, 1), 1)
+    rows = _weight_terms.ROWS
     rows_per_program = -(-m // min(target, MAX_PROGRAMS))
+    rows_per_program = max(rows, -(-rows_per_program // rows) * rows)
     return -(-m // rows_per_program), rows_per_program
 
 
@@ -405,9 +403,8 @@ def backward(
     backends' bits. The statistics come again from ``x`` and ``eps`` in float64;
     ``mean`` only shifts the sums and ``rstd`` is not read. A row the kernel's bound
     leaves open is rewritten on the host by the shared exact fallback
-    (:func:`_settle_backward`: one read per call). ``dweight`` and ``dbias`` are float64
-    sums of ``dy·u`` and ``dy`` over a fixed partition of the rows (:func:`_row_blocks`),
-    rounded once to float32: reproducible, not the other backends' bits."""
+    (:func:`_settle_backward`: one read per call). ``dweight`` and ``dbias`` are the
+    sums of ``_weight_terms``, the numba and torch backends' bits."""
     kernels = _kernels()
     shape = x.shape
     dy, x, weight = _unit_stride(matrix(dy)), _unit_stride(matrix(x)), _unit_stride(weight)
@@ -416,7 +413,7 @@ def backward(
         dx, dweight, dbias, flags = _backward(
             kernels, dy, x, weight, mean, dresidual_out, rms, need_dweight, need_dbias, eps
         )
-        _settle_backward(dx, dy, x, weight, dresidual_out, eps, rms, flags)
+        _settle_backward(dx, dweight, dy, x, weight, mean, dresidual_out, eps, rms, flags)
     return dx.view(shape), dweight, dbias
 
 
@@ -433,8 +430,9 @@ def _backward(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """The backward's launches, no host work: ``(dx, dweight, dbias, flags)``, with
-    ``flags[i]`` 0 where stage 1 settled row ``i``, 2 where stage 2 did and 1 where
-    the row is open (its ``dx`` is then not final)."""
+    ``flags[i] & 3`` 0 where stage 1 settled row ``i``, 2 where stage 2 did and 1 where
+    the row is open (its ``dx`` is then not final), and 4 added where its
+    ``_weight_terms`` scalars are open (``dweight`` is then not final)."""
     m, n = x.shape
     device = x.device
     need_dweight = need_dweight and weight is not None
@@ -444,10 +442,13 @@ def _backward(
     rows, cols = _tile_shape(chunk)
     num_chunks = 1 if fused else -(-n // chunk)
     programs, rows_per_program = _row_blocks(m, n, num_chunks)
+    blocks = -(-m // _weight_terms.ROWS)
     sums = int(need_dweight) + int(need_dbias)
-    shape = (sums, programs, n) if sums else (1, 1, 1)  # a placeholder when nothing is summed
+    shape = (sums, blocks, n) if sums else (1, 1, 1)  # a placeholder when nothing is summed
     partial = torch.empty(shape, dtype=torch.float64, device=device)
     chunk_flags = torch.zeros((m, num_chunks), dtype=torch.int32, device=device)
+    weight_flags = torch.zeros(m, dtype=torch.int32, device=device)
+    scalars = partial  # (2, M) float64 for chunked rows with a dweight; else unread
     w = x if weight is None else weight
     shift = x if mean is None or rms else mean.contiguous()
     tile = {"ROWS": rows, "COLS": cols, **_launch(_num_warps_backward(chunk))}
@@ -460,10 +461,20 @@ def _backward(
             m, n, num_chunks,
             HAS_WEIGHT=weight is not None, RMS=rms, **tile,
         )  # fmt: skip
+        if need_dweight and m > 0:
+            scalars = torch.empty((2, m), dtype=torch.float64, device=device)
+            kernels.backward_scalars_kernel[(m,)](
+                dy, x, w, shift, part, scalars, weight_flags,
+                dy.stride(0), x.stride(0),
+                m, n, _float64_bits(eps), rows + cols - 2 + num_chunks - 1, num_chunks,
+                HAS_WEIGHT=weight is not None, RMS=rms,
+                CHUNKS_P2=_next_power_of_2(num_chunks), **tile,
+            )  # fmt: skip
     dres = dy if dresidual_out is None else dresidual_out
     if m > 0:
         kernels.backward_kernel[(programs, num_chunks)](
             dy, x, w, shift, dres, dx, partial[0], partial[sums - 1], part, chunk_flags,
+            scalars, weight_flags,
             dy.stride(0), x.stride(0), dres.stride(0), dx.stride(0),
             m, n, _float64_bits(eps), rows + cols - 2 + num_chunks - 1,
             rows_per_program, num_chunks,
@@ -481,39 +492,39 @@ def _backward(
             HAS_WEIGHT=weight is not None, HAS_DRES=dresidual_out is not None, RMS=rms,
             CHUNKS_P2=_next_power_of_2(num_chunks), **tile,
         )  # fmt: skip
-    block_n = _column_block(n)
-    totals = []
-    for k in range(sums):  # separate tensors: dweight and dbias must not alias
-        total = torch.empty(n, dtype=torch.float32, device=device)
-        if m == 0:
-            total.zero_()
-        else:
-            kernels.column_sum_kernel[(-(-n // block_n),)](
-                partial[k], total, programs, n,
-                BLOCK_P=4096 // block_n, BLOCK_N=block_n, **_launch(4),
-            )  # fmt: skip
-        totals.append(total)
+    # separate tensors: dweight and dbias must not alias
+    totals = [torch_.block_totals(partial[k]).to(torch.float32) for k in range(sums)]
     dweight = totals[0] if need_dweight else None
     dbias = totals[-1] if need_dbias else None
+    if need_dweight:
+        flags = flags + 4 * weight_flags
     return dx, dweight, dbias, flags
 
 
 def _settle_backward(
     dx: torch.Tensor,
+    dweight: torch.Tensor | None,
     dy: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor | None,
+    mean: torch.Tensor | None,
     dresidual_out: torch.Tensor | None,
     eps: float,
     rms: bool,
     flags: torch.Tensor,
 ) -> None:
     """Rewrites the rows the kernel left open with the exact fallback on the host
-    (``torch_._fix_backward_rows``, the torch backend's; ``_exact`` is shared), as the
-    forward's :func:`_settle` does: one read per call, none during a graph capture."""
+    (``torch_._fix_backward_rows``, the torch backend's; ``_exact`` is shared), and
+    ``dweight`` when a row's scalars are open (the torch backend's sums, whose exact
+    fallback ``_exact.weight_scalars`` settles them: the same bits), as the forward's
+    :func:`_settle` does: one read per call, none during a graph capture."""
     if _capturing():
         return
-    flagged = flags == 1
+    flagged = (flags & 3) == 1
+    if not bool((flagged | (flags >= 4)).any()):
+        return
+    if dweight is not None and bool((flags >= 4).any()):
+        dweight.copy_(torch_.weight_gradient(dy, x, mean, eps, rms))
     if not bool(flagged.any()):
         return
     index = flagged.nonzero()[:, 0]
