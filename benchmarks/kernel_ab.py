@@ -38,6 +38,8 @@ from layernorm.backends import numba_
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = "src/layernorm/backends"
 STREAM_BYTES = numba_.STREAM_BYTES
+#: the modules besides ``_numba_*.py`` that the kernels import (where a revision has them)
+SHARED = ("_kernel_abi.py", "_weight_terms.py")
 CLOCKS = {"wall": time.perf_counter_ns, "cpu": time.process_time_ns}
 
 
@@ -49,7 +51,8 @@ def load(revision: str | None, where: Path) -> ModuleType:
     package.mkdir()
     (package / "__init__.py").write_text("")
     if revision is None:
-        files = [*sorted((ROOT / MODULES).glob("_numba_*.py")), ROOT / MODULES / "_kernel_abi.py"]
+        files = [*sorted((ROOT / MODULES).glob("_numba_*.py"))]
+        files += [ROOT / MODULES / name for name in SHARED]
         sources = {f.name: f.read_text() for f in files}
     else:
         listing = subprocess.run(
@@ -68,7 +71,7 @@ def load(revision: str | None, where: Path) -> ModuleType:
                 check=True,
             ).stdout
             for p in listing
-            if Path(p).name.startswith("_numba_") or Path(p).name == "_kernel_abi.py"
+            if Path(p).name.startswith("_numba_") or Path(p).name in SHARED
         }
     for filename, text in sources.items():
         (package / filename).write_text(text)

@@ -69,8 +69,8 @@ def variants():
             ("MEAN", "RSTD"),
             "*fp32",
         ))  # fmt: skip
-        p["FLAGS"] = p["CHUNK_FLAGS"] = "*i32"
-        for name in ("PART_A", "PART_B", "PART_C", "PART", "DW_PART", "DB_PART"):
+        p["FLAGS"] = p["CHUNK_FLAGS"] = p["WEIGHT_FLAGS"] = "*i32"
+        for name in ("PART_A", "PART_B", "PART_C", "PART", "DW_PART", "DB_PART", "SCALARS"):
             p[name] = "*fp64"
         for rms in (False, True):
             flags = {"HAS_WEIGHT": True, "HAS_BIAS": not rms, "RMS": rms}
@@ -120,6 +120,12 @@ def variants():
                 "RMS": rms,
             }
             yield (
+                k.backward_scalars_kernel,
+                p,
+                {"HAS_WEIGHT": True, "RMS": rms, "CHUNKS_P2": 256, "ROWS": rows, "COLS": cols},
+                triton_._num_warps_backward(triton_.BACKWARD_CHUNK_N),
+            )
+            yield (
                 k.backward_precise_kernel,
                 p,
                 {"HAS_WEIGHT": True, "HAS_DRES": True, "RMS": rms, "CHUNKS_P2": 256,
@@ -135,12 +141,16 @@ def variants():
                 yield (
                     k.backward_kernel,
                     p,
-                    {**bwd, "FUSED": fused, "CHUNKS_P2": chunks, "ROWS": rows, "COLS": cols},
+                    {
+                        **bwd,
+                        "FUSED": fused,
+                        "WEIGHT_TERMS": True,
+                        "CHUNKS_P2": chunks,
+                        "ROWS": rows,
+                        "COLS": cols,
+                    },
                     triton_._num_warps_backward(block),
                 )
-    for block_n in (32, 1024):
-        yield (k.column_sum_kernel, {"PART": "*fp64", "OUT": "*fp32"},
-               {"BLOCK_P": 4096 // block_n, "BLOCK_N": block_n}, 4)  # fmt: skip
 
 
 def main() -> int:

@@ -124,7 +124,9 @@ def test_report_section_inline_plot_and_tables(tmp_path, monkeypatch):
     page = same_bits.report_section(tmp_path, quick=True, names=["torch", "numba"])
     assert page.startswith("<h2>The same bits everywhere</h2>")
     assert page.count("data:image/png;base64,") == 1 and (tmp_path / "scale_correct.png").exists()
-    assert page.count("<table>") == 1 + 3 + 1 + 1  # shares, a matrix per dtype, layouts, scale
+    # shares, a matrix per dtype, layouts, a gradient matrix per dtype, scale
+    assert page.count("<table>") == 1 + 3 + 1 + 3 + 1
+    assert "<h3>Parameter gradients</h3>" in page
     assert "layernorm (triton):" in page  # absent, with its reason
 
 
@@ -171,3 +173,14 @@ def test_our_backends_give_the_same_bits_whatever_the_batch_and_layout(found):
     for label in OURS:
         assert layouts[label] == dict.fromkeys(same_bits.VARIANTS, 1.0)
     assert all(0 <= v <= 1 for row in layouts.values() for v in row.values())
+
+
+def test_our_backends_give_the_same_parameter_gradients(found):
+    # docs/contract.md §3, "dweight and dbias": the same bits on every backend
+    some = [same_bits.Case(op, d, 40, 96, 10.0) for op in same_bits.OPS for d in same_bits.DTYPES]
+    counts = same_bits.gradient_agreement(found, some)
+    assert set(counts) == set(same_bits.DTYPES)
+    for total, agree in counts.values():
+        assert total == 3 * 96  # layer_norm's dweight and dbias, rms_norm's dweight
+        assert agree[OURS] == agree[OURS[::-1]] == total
+        assert all(agree[(label, label)] == total for label in found)

@@ -242,8 +242,9 @@ def test_launch_configuration_depends_only_on_width_and_dtype():
     assert triton_._tile_shape(1) == (1, 1)
     assert triton_.uses_fused_backward(1024, torch.bfloat16)
     assert not triton_.uses_fused_backward(1025, torch.float32)
-    assert triton_._row_blocks(10, 1024, 1) == (10, 1)
-    assert triton_._row_blocks(100_000, 1024, 1) == (4000, 25)
+    # whole blocks of _weight_terms.ROWS (32) rows a program
+    assert triton_._row_blocks(10, 1024, 1) == (1, 32)
+    assert triton_._row_blocks(100_000, 1024, 1) == (3125, 32)
 
 
 # ---------------------------------------------------------------------------------------

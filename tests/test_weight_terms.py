@@ -233,7 +233,7 @@ def test_the_sums_are_within_the_stated_bound_of_the_exact_sums(rms):
     n=st.sampled_from([1, 3, 64, 100, 257]),
     offset=st.sampled_from([0.0, 1.0, -50.0, 1e4, 1e6]),
     log_scale=st.integers(-6, 6),
-    dtype=st.sampled_from([*DTYPES, torch.float64]),
+    dtype=st.sampled_from(DTYPES),
     rms=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )

@@ -1441,7 +1441,10 @@ def _dx_codegen(context, builder: ir.IRBuilder, arg_types, args, count: int) -> 
         # (no "+ 0.0" but for float64: with c2 never +0.0, t4 is never -0.0, and neither
         # is y, for rows of float32 and narrower: docs/contract.md §3)
         y = t4 if dres is None else builder.fadd(t4, dres.load(index, lanes, double))
-        u = builder.fsub(builder.fmul(builder.fsub(zv, a), r_t), t)  # (no fast-math flags)
+        if check:  # _weight_terms' u (no fast-math flags: each operation rounded once)
+            u = builder.fsub(builder.fmul(builder.fsub(zv, a), r_t), t)
+        else:  # float64: float64's accuracy, each backend's own bits
+            u = builder.fmul(c, rstd)
         if not check:
             y = builder.fadd(y, ir.Constant(y.type, None))
             dx.store_raw(narrow_once(builder, y, dx.dtype), index, lanes)
@@ -1856,7 +1859,7 @@ def _backward_block(
             )
         _batch_constants(scratch, b, factors, n, eps, rms, plain)
         for j in range(b):  # (rare) dweight's scalars are settled before the terms
-            if scratch[_W_OPEN, j] != 0.0:
+            if scratch[_W_OPEN, j] != 0.0 and not _is_float64(dx):
                 _weight_scalars_again(
                     first + j, dy, dy_stride, x, x_stride, weight, scratch, j, n, eps, rms
                 )
@@ -1917,7 +1920,7 @@ def _backward_block(
                         i + r, dy, dy_stride, x, x_stride, dresidual_out,
                         dresidual_out_stride, weight, dx, scratch[0, j + r], n, eps, rms,
                     )  # fmt: skip
-                if scratch[_W_OPEN, j + r] != 0.0:  # the host recomputes dweight
+                if scratch[_W_OPEN, j + r] != 0.0 and not _is_float64(dx):  # host: dweight
                     flags[i + r] |= np.uint8(2)
 
 

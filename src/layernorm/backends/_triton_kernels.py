@@ -869,7 +869,7 @@ def backward_kernel(
     stride_dy, stride_z, stride_dres, stride_dx,
     M, N, eps_bits, depth, rows_per_program, num_chunks,
     HAS_WEIGHT: tl.constexpr, HAS_DRES: tl.constexpr, NEED_DW: tl.constexpr,
-    NEED_DB: tl.constexpr, RMS: tl.constexpr, FUSED: tl.constexpr,
+    NEED_DB: tl.constexpr, RMS: tl.constexpr, FUSED: tl.constexpr, WEIGHT_TERMS: tl.constexpr,
     CHUNKS_P2: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
 ):  # fmt: skip
     """The correctly rounded ``dx`` (``+ dresidual_out``) for a fixed block of rows and
@@ -888,7 +888,8 @@ def backward_kernel(
     ``block`` of DW_PART / DB_PART. The row's ``(r, t)``: FUSED, from its constants (and
     stage 2's when their test leaves them open), ``WEIGHT_FLAGS[row]`` 1 where they are
     still open (the host's exact fallback); chunked, from ``SCALARS`` (2, M), which
-    :func:`backward_scalars_kernel` wrote."""
+    :func:`backward_scalars_kernel` wrote. Not WEIGHT_TERMS (float64 input): ``u =
+    c·rstd``, float64's accuracy and this backend's own bits."""
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * (ROWS * COLS) + _tile(ROWS, COLS)
@@ -923,13 +924,13 @@ def backward_kernel(
         rho = tl.full([ROWS, COLS], -0.0, tl.float64)
         if HAS_DRES:
             rho = _load_row(DRES, row, stride_dres, cols, mask)
-        dx, open_, _ = _backward_output(
+        dx, open_, c = _backward_output(
             z, gh, rho, mask, m1, delta, c2, rstd, k, k_t1, k_c, k_0, DX.dtype.element_ty
         )
         flag = open_ | loose
         if FUSED:
             r_t, t, w_open = _weight_scalars(m1, z0, delta, e_mean, rstd, e_r, loose, RMS)
-            if not NEED_DW:
+            if not (NEED_DW and WEIGHT_TERMS):
                 w_open = w_open * 0
             if (flag | w_open) != 0:  # rare: stage 2, the sums again by extraction
                 d = tl.where(mask, z - m1, 0.0)
@@ -942,7 +943,7 @@ def backward_kernel(
                     s_d, s_dd, s_g, s_gg, s_gd, e_d, e_dd, e_g, e_gd, n, eps, RMS
                 )
                 if flag != 0:
-                    dx, open_, _ = _backward_output(
+                    dx, open_, c = _backward_output(
                         z, gh, rho, mask, m1, delta, c2, rstd, k, k_t1, k_c, k_0,
                         DX.dtype.element_ty,
                     )  # fmt: skip
@@ -953,13 +954,15 @@ def backward_kernel(
         else:
             r_t = tl.full([], 0.0, tl.float64)
             t = r_t
-            if NEED_DW:
+            if NEED_DW and WEIGHT_TERMS:
                 r_t = tl.load(SCALARS + row)
                 t = tl.load(SCALARS + M + row)
         tl.store(DX + row * stride_dx + cols, dx, mask=mask)
         tl.store(CHUNK_FLAGS + row * num_chunks + chunk, flag)
-        if NEED_DW:
+        if NEED_DW and WEIGHT_TERMS:
             dw += tl.where(mask, dy * (((z - z0) * r_t) - t), 0.0)
+        elif NEED_DW:
+            dw += tl.where(mask, dy * (c * rstd), 0.0)
         if NEED_DB:
             db += dy
         if ((row + 1) % _WEIGHT_ROWS == 0) | (row + 1 == end):  # a block's last row
@@ -1063,7 +1066,7 @@ def backward_scalars_kernel(
     m1 = _shift(MEAN, row, RMS)
     z0 = _weight_shift(Z, row, stride_z, RMS)
     e_d, e_dd, e_g, e_gd = _plain_errors(s_dd, s_gg, n, g)
-    delta, _, rstd, _, _, _, _, loose, e_mean, e_r = _backward_constants(
+    delta, _c2, rstd, _k, _k_t1, _k_c, _k_0, loose, e_mean, e_r = _backward_constants(
         s_d, s_dd, s_g, s_gg, s_gd, e_d, e_dd, e_g, e_gd, n, eps, RMS
     )
     r_t, t, w_open = _weight_scalars(m1, z0, delta, e_mean, rstd, e_r, loose, RMS)
@@ -1072,7 +1075,7 @@ def backward_scalars_kernel(
             DY, Z, W, row, m1, stride_dy, stride_z, N, n, g, num_chunks,
             HAS_WEIGHT, RMS, ROWS, COLS,
         )  # fmt: skip
-        delta, _, rstd, _, _, _, _, loose, e_mean, e_r = _backward_constants(
+        delta, _c2, rstd, _k, _k_t1, _k_c, _k_0, loose, e_mean, e_r = _backward_constants(
             s_d, s_dd, s_g, s_gg, s_gd, e_d, e_dd, e_g, e_gd, n, eps, RMS
         )
         r_t, t, w_open = _weight_scalars(m1, z0, delta, e_mean, rstd, e_r, loose, RMS)
@@ -1109,7 +1112,7 @@ def backward_precise_kernel(
             DY, Z, W, row, m1, stride_dy, stride_z, N, n, g, num_chunks,
             HAS_WEIGHT, RMS, ROWS, COLS,
         )  # fmt: skip
-        delta, c2, rstd, k, k_t1, k_c, k_0, loose, _, _ = _backward_constants(
+        delta, c2, rstd, k, k_t1, k_c, k_0, loose, _e_mean, _e_r = _backward_constants(
             s_d, s_dd, s_g, s_gg, s_gd, e_d, e_dd, e_g, e_gd, n, _eps(eps_bits), RMS
         )
         flag = loose

@@ -414,7 +414,9 @@ def backward(
     y = (t4 + rho) + 0.0
     dx = round_once(y, x.dtype)
     dweight = None
-    if need_dweight:
+    if need_dweight and x.dtype == torch.float64:  # float64's accuracy, not shared bits
+        dweight = column_sum(g * (c * r[:, None]))
+    elif need_dweight:
         scalars = _weight_scalars(z, m1, delta, e_mean, r, e_r, loose, eps, rms)
         dweight = column_sum(g * weight_terms(z, *scalars)).to(acc)
     dbias = column_sum(g).to(acc) if need_dbias else None

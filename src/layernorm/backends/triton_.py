@@ -16,7 +16,7 @@ bitwise the same alone or in any batch. The forward holds rows of at most
 :data:`FUSED_FORWARD_N` elements in one program and spreads wider rows (any width, tested
 past 1M elements) over chunks of :data:`CHUNK_N` columns. The backward holds rows of at
 most :data:`FUSED_BACKWARD_N` elements and chunks wider ones (:data:`BACKWARD_CHUNK_N`
-columns). These limits keep every kernel free of register spills on sm_90 (but 24 bytes
+columns). These limits keep every kernel free of register spills on sm_90 (but 32 bytes
 of stack in the fused RMSNorm backward), as ``tests/_triton_compile_check.py`` checks on
 the compiled cubins without a GPU. They are module constants so that tests can shrink them, and untuned: the GPU
 benchmark (``benchmarks/gpu_bench.py --set NAME=INT``) is the judge. No autotuning.
@@ -449,6 +449,7 @@ def _backward(
     chunk_flags = torch.zeros((m, num_chunks), dtype=torch.int32, device=device)
     weight_flags = torch.zeros(m, dtype=torch.int32, device=device)
     scalars = partial  # (2, M) float64 for chunked rows with a dweight; else unread
+    terms = x.dtype != torch.float64  # _weight_terms (float64: u = c·rstd, its accuracy)
     w = x if weight is None else weight
     shift = x if mean is None or rms else mean.contiguous()
     tile = {"ROWS": rows, "COLS": cols, **_launch(_num_warps_backward(chunk))}
@@ -461,7 +462,7 @@ def _backward(
             m, n, num_chunks,
             HAS_WEIGHT=weight is not None, RMS=rms, **tile,
         )  # fmt: skip
-        if need_dweight and m > 0:
+        if need_dweight and terms and m > 0:
             scalars = torch.empty((2, m), dtype=torch.float64, device=device)
             kernels.backward_scalars_kernel[(m,)](
                 dy, x, w, shift, part, scalars, weight_flags,
@@ -479,7 +480,7 @@ def _backward(
             m, n, _float64_bits(eps), rows + cols - 2 + num_chunks - 1,
             rows_per_program, num_chunks,
             HAS_WEIGHT=weight is not None, HAS_DRES=dresidual_out is not None,
-            NEED_DW=need_dweight, NEED_DB=need_dbias, RMS=rms, FUSED=fused,
+            NEED_DW=need_dweight, NEED_DB=need_dbias, RMS=rms, FUSED=fused, WEIGHT_TERMS=terms,
             CHUNKS_P2=_next_power_of_2(num_chunks), **tile,
         )  # fmt: skip
     flags = chunk_flags[:, 0]

@@ -309,6 +309,33 @@ def invariance(found: dict[str, Norm], some: list[Case]) -> dict[str, dict[str, 
     return {label: {v: k / total for v, k in row.items()} for label, row in equal.items()}
 
 
+def gradient_agreement(
+    found: dict[str, Norm], some: list[Case]
+) -> dict[torch.dtype, tuple[int, dict[tuple[str, str], int]]]:
+    """Per dtype: the number of ``dweight`` and ``dbias`` elements over ``some`` cases
+    (``dy`` N(0, 1), drawn with seed 1000 + i) and, for each pair of implementations,
+    on how many of them the two give the same bits."""
+    counts: dict[torch.dtype, tuple[int, dict[tuple[str, str], int]]] = {}
+    for i, case in enumerate(some):
+        x, w, b = case.inputs(i)
+        g = torch.Generator().manual_seed(1000 + i)
+        dy = torch.randn(x.shape, generator=g).to(case.dtype)
+        bits = {}
+        for label, norm in found.items():
+            params = [w.clone().requires_grad_()]
+            if b is not None:
+                params.append(b.clone().requires_grad_())
+            y = norm(x, params[0], params[1] if b is not None else None, case.eps, b is None)
+            grads = torch.autograd.grad(y, params, dy)
+            bits[label] = np.concatenate([_bits(grad) for grad in grads])
+        total, agree = counts.get(case.dtype, (0, {}))
+        for a in found:
+            for c in found:
+                agree[(a, c)] = agree.get((a, c), 0) + int((bits[a] == bits[c]).sum())
+        counts[case.dtype] = (total + len(bits[next(iter(found))]), agree)
+    return counts
+
+
 def _exponent_mask(dtype: torch.dtype) -> int:
     return {torch.float32: 0x7F800000, torch.bfloat16: 0x7F80, torch.float16: 0x7C00}[dtype]
 
@@ -420,6 +447,15 @@ def _section(out: Path, quick: bool, names: list[str]) -> str:
     first = measured[0]
     same_shape = [c for c in measured if (c.rows, c.n, c.offset) == (first.rows, first.n, 0.0)]
     layouts = invariance(found, same_shape)
+    gradients = gradient_agreement(found, same_shape)
+    gradient_matrices = "".join(
+        f"<p>{FORMATS[d]}, {total} elements:</p>"
+        + table(
+            ["", *labels],
+            [[a] + [_percent(agree[(a, c)] / total) for c in labels] for a in labels],
+        )
+        for d, (total, agree) in gradients.items()
+    )
     absent = absent_backends(names)
     missing = "".join(
         f"<li>layernorm ({html.escape(n)}): {html.escape(why)}</li>" for n, why in absent.items()
@@ -452,6 +488,14 @@ def _section(out: Path, quick: bool, names: list[str]) -> str:
             ["implementation", *VARIANTS],
             [[label] + [_percent(layouts[label][v]) for v in VARIANTS] for label in labels],
         )
+        + "<h3>Parameter gradients</h3><p>The share of <code>dweight</code> and "
+        "<code>dbias</code> elements on which two implementations give the same bits "
+        "(the inputs of the layouts table, dy N(0, 1), parameters in the input's dtype). "
+        "Not correctly rounded: each is a sum over rows of terms that layernorm defines "
+        'once (docs/contract.md §3, "dweight and dbias": per-row scalars decided '
+        "exactly, float64 sums in one order), so every layernorm backend gives the same "
+        "bits.</p>"
+        + gradient_matrices
         + "<h3>Correct over the whole float32 range</h3><p>float32 rows whose largest |x| is "
         "the magnitude, eps = 0 (so the statistics alone decide), layer_norm and rms_norm "
         "pooled, random weight and bias; in brackets the worst error in ulps of the "
