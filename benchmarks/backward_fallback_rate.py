@@ -53,9 +53,13 @@ def _open_scalars(dy, z, w, mean, eps, rms):  # pragma: no cover - compiled
         m1 = 0.0 if rms else mean[i]
         s_d, s_dd, s_g, s_gg, s_gd = _numba_kernels._chunked_backward_sums(dy[i], z[i], w, m1, n)
         constants = _numba_kernels._backward_constants(
-            s_d, s_dd, s_g, s_gg, s_gd, m1, z[i, 0], factors, n, eps, rms, True, False
+            s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms, True, False
         )
-        count += constants[11]
+        scalars = _numba_kernels._weight_scalars(
+            m1, z[i, 0], constants[0], constants[9], constants[1], constants[10],
+            np.float64(constants[8]), rms,
+        )  # fmt: skip
+        count += int(scalars[2])
     return count
 
 

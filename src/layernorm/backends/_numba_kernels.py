@@ -233,28 +233,27 @@ def _on_grid(v):
 
 
 @_jit(inline="always")
-def _weight_scalars(m1, a, delta, e_mean, rstd, e_r, loose, rms):
+def _weight_scalars(m1, z0, delta, e_mean, rstd, e_r, loose, rms):
     """A row's ``(r, t, open)`` of :mod:`._weight_terms` from its float64 statistics:
     ``mean = m1 + delta`` within ``e_mean``, ``rstd`` within ``e_r`` of itself (unless
-    ``loose``); ``open`` is 1 where Ziv's test on either scalar leaves its rounding open
-    (the torch backend's ``_weight_scalars``, the same tests)."""
+    ``loose`` is nonzero); ``open`` is 1.0 where Ziv's test on either scalar leaves its
+    rounding open (the torch backend's ``_weight_scalars``, the same tests). Without a
+    branch, so that :func:`_batch_rows`' loop over rows vectorizes."""
     spread = rstd * (1.01 * e_r + 4.0 * _U)
     r_t = _round_rstd(rstd)
-    open_ = (loose != 0) | (not np.isfinite(rstd))
-    open_ |= _round_rstd(rstd - spread) != _round_rstd(rstd + spread)
-    t = 0.0
-    if not rms:
-        head = m1 - a
-        w = head + delta
-        v = w * rstd
-        e_v = 1.02 * (
-            (e_mean + _U * (abs(head) + abs(w))) * (rstd + spread)
-            + abs(v) * (1.01 * e_r + 3.0 * _U)
-        )  # fmt: skip
-        t = _on_grid(v)
-        open_ |= not abs(v) + e_v < _weight_terms.SHIFT_LIMIT
-        open_ |= _on_grid(v - e_v) != _on_grid(v + e_v)
-    return r_t, t, 1 if open_ else 0
+    open_r = (loose != 0.0) | (rstd - rstd != 0.0)  # (NaN unless rstd is finite)
+    open_r |= _round_rstd(rstd - spread) != _round_rstd(rstd + spread)
+    head = m1 - z0
+    w = head + delta
+    v = w * rstd
+    e_v = 1.02 * (
+        (e_mean + _U * (abs(head) + abs(w))) * (rstd + spread)
+        + abs(v) * (1.01 * e_r + 3.0 * _U)
+    )  # fmt: skip
+    open_t = (abs(v) + e_v >= _weight_terms.SHIFT_LIMIT) | (v - v != 0.0)
+    open_t |= _on_grid(v - e_v) != _on_grid(v + e_v)
+    t = 0.0 if rms else _on_grid(v)
+    return r_t, t, 1.0 if open_r | (open_t & (not rms)) else 0.0
 
 
 @_jit(inline="always")
@@ -1627,16 +1626,16 @@ def _over_n(total, n_float, binary):
 
 
 @_jit(inline="always")
-def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, m1, z0, factors, n, eps, rms, plain, binary):
+def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, factors, n, eps, rms, plain, binary):
     """A row's constants for :func:`_dx_row_checked` from its five sums
     (:func:`_backward_sums`) and the call's :func:`_backward_factors`, and the row's flag
-    (docs/contract.md §3): ``(delta, rstd, c2, k, k_t1, k_c, k_0, a_0, flag, r, t,
-    open)``, the
+    (docs/contract.md §3): ``(delta, rstd, c2, k, k_t1, k_c, k_0, a_0, flag, e_mean,
+    e_r)``, the
     three ``k_*`` times the slack ``1 + 2^-30``; ``c2`` as the dx pass takes it (-0.0
     for +0.0); ``a_0`` bounds the row's ``E`` at ``y = 0`` (every element's ``E <= a_0
     + k_y|y|``: the dx pass's row test); ``flag`` is 1 when the bound on ``rstd`` is too
-    loose to use; ``r``, ``t`` and ``open`` are :func:`_weight_scalars`' for the row
-    whose saved mean is ``m1`` and first element ``z0``. ``binary``: ``N`` is a power of two (:func:`_over_n`). ``plain`` (no
+    loose to use; ``e_mean`` and ``e_r`` bound the errors of the mean and of ``rstd``
+    (relative), for :func:`_weight_scalars`. ``binary``: ``N`` is a power of two (:func:`_over_n`). ``plain`` (no
     residual gradient: ``y = t4``, and ``|y| <= (1 + u)²(rstd|t1| + |k||c|)``): ``E``'s
     ``3.1u|y|`` term is folded into ``k_t1`` and ``k_c`` (as ``3.11u·rstd`` and
     ``3.11u|k|``), and the dx pass leaves it out. The values that ``dx`` and ``dweight``
@@ -1707,16 +1706,15 @@ def _backward_constants(s_d, s_dd, s_g, s_gg, s_gd, m1, z0, factors, n, eps, rms
     # dresidual_out, so the dx pass needs no "+ 0.0" (the same bits: only zeros' signs
     # move, and y's zeros were +0.0 already)
     c2_dx = c2 if c2 != zero else -zero
-    r_t, t, open_ = _weight_scalars(m1, z0, delta, e_mean, rstd, e_r, flag, rms)
-    return delta, rstd, c2_dx, k, k_t1, k_c, k_0, a_0, flag, r_t, t, open_
+    return delta, rstd, c2_dx, k, k_t1, k_c, k_0, a_0, flag, e_mean, e_r
 
 
 #: Rows whose constants :func:`_backward_block` computes together (one vector of doubles)
 _BATCH = 8
 #: What a batch's scratch holds per row (``_BATCH`` columns each), in this order
 _SUMS, _CONSTANTS = 6, 9  # m1, the five sums; delta, rstd, c2, k, k_t1, k_c, k_0, a_0, flag
-_SCALARS = 4  # then dweight's: a (the row's first element), r, t, open (_weight_scalars)
-_W_A, _W_R, _W_T, _W_OPEN = 15, 16, 17, 18  # (the forward has _A, _R)
+_SCALARS = 6  # then dweight's: a (the row's first element), r, t, open (_weight_scalars),
+_W_A, _W_R, _W_T, _W_OPEN, _W_EMEAN, _W_ER = 15, 16, 17, 18, 19, 20  # and e_mean, e_r
 
 
 @_jit()
@@ -1740,14 +1738,18 @@ def _batch_rows(scratch, b, factors, n, eps, rms, plain, binary):
     k_t1, k_c, k_0, a_0 = scratch[10], scratch[11], scratch[12], scratch[13]
     flag, m1, a = scratch[14], scratch[0], scratch[_W_A]
     r_t, t, open_ = scratch[_W_R], scratch[_W_T], scratch[_W_OPEN]
+    e_mean, e_r = scratch[_W_EMEAN], scratch[_W_ER]
     for j in range(b):
         row = _backward_constants(
-            s_d[j], s_dd[j], s_g[j], s_gg[j], s_gd[j], m1[j], a[j], factors, n, eps, rms,
-            plain, binary,
-        )  # fmt: skip
+            s_d[j], s_dd[j], s_g[j], s_gg[j], s_gd[j], factors, n, eps, rms, plain, binary
+        )
         delta[j], rstd[j], c2[j], k[j], k_t1[j], k_c[j], k_0[j], a_0[j] = row[:8]
         flag[j] = np.float64(row[8])
-        r_t[j], t[j], open_[j] = row[9], row[10], np.float64(row[11])
+        e_mean[j], e_r[j] = row[9], row[10]
+    for j in range(b):  # (a loop of its own, which vectorizes too)
+        r_t[j], t[j], open_[j] = _weight_scalars(
+            m1[j], a[j], delta[j], e_mean[j], rstd[j], e_r[j], flag[j], rms
+        )
 
 
 @_jit()
@@ -1782,7 +1784,7 @@ def _backward_row_again(
     dx_i = dx[i * n : (i + 1) * n]
     s_d, s_dd, s_g, s_gg, s_gd, gamma = _precise_backward_sums(dy_i, x_i, weight, m1, n)
     constants = _backward_constants(
-        s_d, s_dd, s_g, s_gg, s_gd, m1, 0.0, _backward_factors(n, gamma), n, eps, rms, False,
+        s_d, s_dd, s_g, s_gg, s_gd, _backward_factors(n, gamma), n, eps, rms, False,
         n & (n - 1) == 0,
     )  # fmt: skip
     delta, rstd_i, c2, k, k_t1, k_c, k_0, a_0, flag = constants[:9]
@@ -1805,14 +1807,13 @@ def _weight_scalars_again(i, dy, dy_stride, x, x_stride, weight, scratch, j, n, 
     m1 = scratch[0, j]
     s_d, s_dd, s_g, s_gg, s_gd, gamma = _precise_backward_sums(dy_i, x_i, weight, m1, n)
     constants = _backward_constants(
-        s_d, s_dd, s_g, s_gg, s_gd, m1, scratch[_W_A, j], _backward_factors(n, gamma), n, eps,
-        rms, False, n & (n - 1) == 0,
+        s_d, s_dd, s_g, s_gg, s_gd, _backward_factors(n, gamma), n, eps, rms, False,
+        n & (n - 1) == 0,
     )  # fmt: skip
-    scratch[_W_R, j], scratch[_W_T, j], scratch[_W_OPEN, j] = (
-        constants[9],
-        constants[10],
-        np.float64(constants[11]),
-    )
+    scratch[_W_R, j], scratch[_W_T, j], scratch[_W_OPEN, j] = _weight_scalars(
+        m1, scratch[_W_A, j], constants[0], constants[9], constants[1], constants[10],
+        np.float64(constants[8]), rms,
+    )  # fmt: skip
 
 
 @_jit()
