@@ -977,6 +977,19 @@ def backward_kernel(
 
 
 @triton.jit
+def _chunk_terms(
+    DY, Z, W, row, m1, stride_dy, stride_z, N, chunk,
+    HAS_WEIGHT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+):  # fmt: skip
+    # one chunk of a row: (gh, d) = (dy·gamma, z - m1), 0 past the row's end
+    cols = chunk * (ROWS * COLS) + _tile(ROWS, COLS)
+    mask = cols < N
+    z, dy = _load_gradient_row(DY, Z, row, stride_dy, stride_z, cols, mask)
+    gamma, _ = _load_params(W, W, cols, mask, HAS_WEIGHT, False)
+    return dy * gamma, tl.where(mask, z - m1, 0.0)
+
+
+@triton.jit
 def _precise_sums(
     DY, Z, W, row, m1, stride_dy, stride_z, N, n, g, num_chunks,
     HAS_WEIGHT: tl.constexpr, RMS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
@@ -984,19 +997,15 @@ def _precise_sums(
     """Stage 2's sums of a chunked row by extraction, with their bounds: two passes over
     the row (the largest terms, then the sums): ``(s_d, e_d, s_dd, e_dd, s_g, e_g,
     s_gd, e_gd)``."""
-    tile = _tile(ROWS, COLS)
     zero = tl.full([], 0.0, tl.float64)
     big_d = zero
     big_dd = zero
     big_g = zero
     big_gd = zero
     for chunk in range(0, num_chunks):  # the largest terms of each sum
-        cols = chunk * (ROWS * COLS) + tile
-        mask = cols < N
-        z, dy = _load_gradient_row(DY, Z, row, stride_dy, stride_z, cols, mask)
-        gamma, _ = _load_params(W, W, cols, mask, HAS_WEIGHT, False)
-        gh = dy * gamma
-        d = tl.where(mask, z - m1, 0.0)
+        gh, d = _chunk_terms(
+            DY, Z, W, row, m1, stride_dy, stride_z, N, chunk, HAS_WEIGHT, ROWS, COLS
+        )
         big_d = tl.maximum(big_d, _max2d(tl.abs(d)))
         big_dd = tl.maximum(big_dd, _max2d(d * d))
         big_g = tl.maximum(big_g, _max2d(tl.abs(gh)))
@@ -1014,12 +1023,9 @@ def _precise_sums(
     q_gd = zero
     r_gd = zero
     for chunk in range(0, num_chunks):  # the sums by extraction (_accurate_sum's)
-        cols = chunk * (ROWS * COLS) + tile
-        mask = cols < N
-        z, dy = _load_gradient_row(DY, Z, row, stride_dy, stride_z, cols, mask)
-        gamma, _ = _load_params(W, W, cols, mask, HAS_WEIGHT, False)
-        gh = dy * gamma
-        d = tl.where(mask, z - m1, 0.0)
+        gh, d = _chunk_terms(
+            DY, Z, W, row, m1, stride_dy, stride_z, N, chunk, HAS_WEIGHT, ROWS, COLS
+        )
         q, r = _split(d * d, sigma_dd)
         q_dd += _sum2d(q)
         r_dd += _sum2d(r)
