@@ -72,6 +72,13 @@ types each copy again: most of a forward's compile time. So a function called on
 call, such as :func:`_forward_batches`, is a plain call (numba compiles it once per
 argument types), not a nested inline: the float32 forward compiles in about half the
 time, the same code per row (benchmarks/RESULTS.md, "Compiling the kernels").
+
+Reference counts. numba increments and decrements an array's reference count at every
+copy of it (a slice, an inlined function's argument), an atomic operation where the array
+owns its memory (``np.empty``, the widened parameters, the scratch): some 20 ns a row of
+the backward at N = 64. The per-row code therefore works on borrowed views
+(:func:`_borrowed`, :func:`_scratch_row`), whose counts are null pointers, of arrays that
+the caller keeps alive (a parameter, or :func:`_alive` after the last use).
 """
 
 from __future__ import annotations
@@ -624,6 +631,34 @@ def _scratch_row(typingctx, rows, j):
     return row_type(rows, j), codegen
 
 
+@intrinsic
+def _borrowed(typingctx, array):
+    """``array`` as a view that borrows its memory: the same data, shape and strides, no
+    reference count. Every copy numba makes of an array variable (an inlined function's
+    argument, a slice) increments and decrements its count, an atomic operation each
+    where the array owns its memory (``np.empty``); borrowed, they test a null pointer.
+    Only for a function's parameters, which its caller keeps alive for the call."""
+
+    def codegen(context, builder, sig, args):
+        view = context.make_array(sig.args[0])(context, builder, value=args[0])
+        view.meminfo = cgutils.get_null_value(view.meminfo.type)
+        view.parent = cgutils.get_null_value(view.parent.type)
+        return view._getvalue()
+
+    return array(array), codegen
+
+
+@intrinsic
+def _alive(typingctx, value):
+    """Nothing: a use of ``value`` that keeps it alive up to here, for the
+    :func:`_borrowed` views of it used before."""
+
+    def codegen(context, builder, sig, args):
+        return context.get_dummy_value()
+
+    return types.none(value), codegen
+
+
 @_jit(inline="always")
 def _keeps(out32, n, stream):
     """Whether a float32 output's software-pipelined rows keep ``d`` from their
@@ -703,7 +738,8 @@ def _forward_rows(
     single = _is_half(y, weight, bias)
     out32 = _is_float32(y)
     wide = _widens(m, n, stream)
-    cheap = (_float64_for(y, weight, wide), _float64_for(y, bias, wide))
+    owners = (_float64_for(y, weight, wide), _float64_for(y, bias, wide))
+    cheap = (_borrowed(owners[0]), _borrowed(owners[1]))
     if n <= BATCHED_N or (n <= 4 * BATCHED_N and m * n <= BATCHED_NUMEL):
         if _is_copy(cheap[0], weight) and wide:  # (a constant False but for float32 y)
             _forward_batches(
@@ -717,6 +753,7 @@ def _forward_rows(
                 bias, (weight, bias), y, mean, rstd, m, n, eps, rms, stream, store_stats,
                 flags, weight_max, bias_max, single, out32,
             )  # fmt: skip
+        _alive(owners)
         return
     keep = _keeps(out32, n, stream)
     kept = np.empty((2, n if keep else 0), np.float64)  # rows i % 2: row i's d
@@ -738,6 +775,7 @@ def _forward_rows(
             stream, keep, _scratch_row(kept, i % 2),
         )  # fmt: skip
         row = following
+    _alive(owners)  # (cheap borrows them)
 
 
 #: Rows of at most this many elements take the forward in batches (:func:`_forward_batches`),
@@ -808,6 +846,11 @@ def _forward_batches(
     call per kernel call costs nothing, and inlining it (with its inlined
     :func:`_forward_row`) into both call sites of :func:`_forward_rows` doubled the
     forward's compile time (module docstring, "Inlining")."""
+    weight, bias, cheap = (
+        _borrowed(weight),
+        _borrowed(bias),
+        (_borrowed(cheap[0]), _borrowed(cheap[1])),
+    )
     scratch = np.empty((_SCRATCH, _FORWARD_BATCH), np.float64)
     unkept = np.empty((1, 0), np.float64)
     k_y = _K_Y
@@ -1835,6 +1878,8 @@ def _backward_block(
     (:func:`_batch_constants`), then each row's :func:`_dx_row_checked`. The rows'
     arithmetic is unchanged (the same bits); only the constants' scalar work is shared.
     """
+    weight, scratch = _borrowed(weight), _borrowed(scratch)
+    dweight_partial, dbias_partial = _borrowed(dweight_partial), _borrowed(dbias_partial)
     for k in range(block * n, (block + 1) * n):
         dweight_partial[k] = 0.0
         dbias_partial[k] = 0.0
