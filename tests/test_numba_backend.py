@@ -261,6 +261,38 @@ def test_results_do_not_depend_on_the_thread_count():
     assert namespace["digest"] == one[1]
 
 
+_OWNERS_CODE = textwrap.dedent(
+    """
+    import hashlib, torch
+    from layernorm.backends import numba_
+    g = torch.Generator().manual_seed(2)
+    h = hashlib.sha256()
+    # the kernels' own arrays that per-row code borrows (_numba_kernels._borrowed): the
+    # float64 copies of weight and bias (batched rows of 1024, pipelined rows), the
+    # widened 16-bit parameters (short rows), the backward's weight, partials, scratch
+    for m, n, dtype in ((64, 1024, torch.float32), (300, 1024, torch.float32),
+                        (1024, 64, torch.bfloat16), (40, 640, torch.float32)):
+        x = (torch.randn(m, n, generator=g) + 3).to(dtype)
+        dy = torch.randn(m, n, generator=g).to(dtype)
+        w, b = (torch.randn(n, generator=g).to(dtype) for _ in range(2))
+        y, _, mean, rstd = numba_.forward(x, None, w, b, 1e-5, False)
+        dx, dw, db = numba_.backward(dy, x, w, mean, rstd, None, False, True, True, 1e-5)
+        for t in (y, mean, rstd, dx, dw, db):
+            h.update(t.view(torch.uint8).numpy().tobytes())
+    digest = h.hexdigest()
+    """
+)
+
+
+def test_borrowed_arrays_outlive_their_views():
+    # glibc fills freed memory with MALLOC_PERTURB_'s byte: a view read after its owner
+    # was freed would read that instead of the values, and change the bits
+    namespace: dict = {}
+    exec(_OWNERS_CODE, namespace)
+    scribbled = _run(_OWNERS_CODE + "print(digest)\n", {"MALLOC_PERTURB_": "165"}).split()
+    assert scribbled == [namespace["digest"]]
+
+
 # ---------------------------------------------------------------------------------------
 # Registry, laziness, cache
 
