@@ -589,15 +589,16 @@ def _is_float32_impl(y):
 
 #: Widening weight and bias to float64 costs two allocations and a pass over each; the
 #: float32 cheap pass gains about 70 ps an element from it (benchmarks/RESULTS.md)
-_WIDE_M, _WIDE_N = 4, 512
+_WIDE_M, _WIDE_NUMEL = 4, 2048
 
 
 @_jit(inline="always")
 def _widens(m, n, stream):
     """Whether a float32 output's cheap pass gets float64 copies of weight and bias
-    (:func:`_float64_for`): for at least ``_WIDE_M`` rows of at least ``_WIDE_N``
-    elements, without streaming stores (with them the copies measured slower)."""
-    return m >= _WIDE_M and n >= _WIDE_N and not stream
+    (:func:`_float64_for`): for at least ``_WIDE_M`` rows and ``_WIDE_NUMEL`` elements
+    (the copies' allocation then costs less than the conversions they save), without
+    streaming stores (with them the copies measured slower)."""
+    return m >= _WIDE_M and m * n >= _WIDE_NUMEL and not stream
 
 
 #: Rows of at most this many elements keep their ``d = z - m1`` (two float64 rows of
