@@ -1881,11 +1881,11 @@ def _backward_block(
     """
     weight, scratch = _borrowed(weight), _borrowed(scratch)
     dweight_partial, dbias_partial = _borrowed(dweight_partial), _borrowed(dbias_partial)
-    for k in range(block * n, (block + 1) * n):
-        dweight_partial[k] = 0.0
-        dbias_partial[k] = 0.0
     dweight_block = dweight_partial[block * n : (block + 1) * n]
     dbias_block = dbias_partial[block * n : (block + 1) * n]
+    for k in range(n):  # (indices from 0: contiguous stores; from block * n, LLVM's
+        dweight_block[k] = 0.0  # vectorized loop scattered them, for negative indices)
+        dbias_block[k] = 0.0
     factors = _backward_factors(n, _fast_gamma(n))
     last = min(m, (block + 1) * ROW_BLOCK)
     for first in range(block * ROW_BLOCK, last, _BATCH):
