@@ -329,6 +329,7 @@ def backward(
     need_dweight: bool,
     need_dbias: bool,
     eps: float,
+    need_dx: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The backend's backward: every element of ``dx`` (``+ dresidual_out``) of a
     float32, float16 or bfloat16 input is the exact result rounded once
@@ -338,7 +339,8 @@ def backward(
     statistics are computed again from ``x`` (the normalized input) and ``eps``; ``mean``
     only shifts the sums and ``rstd`` is not read. ``dweight`` and ``dbias`` are the
     float64 sums of ``dy * u`` and ``dy`` over a fixed partition of the rows
-    (:func:`column_sum`), rounded to the accumulation dtype."""
+    (:func:`column_sum`), rounded to the accumulation dtype. Without ``need_dx``, ``dx``
+    is an empty tensor and costs nothing (neither its pass nor its exact fallback)."""
     acc = accumulation_dtype(x.dtype)
     shape = x.shape
     z = matrix(x).to(torch.float64)
@@ -412,7 +414,6 @@ def backward(
     t3 = k[:, None] * c
     t4 = t2 - t3
     y = (t4 + rho) + 0.0
-    dx = round_once(y, x.dtype)
     dweight = None
     if need_dweight and x.dtype == torch.float64:  # float64's accuracy, not shared bits
         dweight = column_sum(g * (c * r[:, None]))
@@ -420,6 +421,9 @@ def backward(
         scalars = _weight_scalars(z, m1, delta, e_mean, r, e_r, loose, eps, rms)
         dweight = column_sum(g * weight_terms(z, *scalars)).to(acc)
     dbias = column_sum(g).to(acc) if need_dbias else None
+    if not need_dx:
+        return x.new_empty(0), dweight, dbias
+    dx = round_once(y, x.dtype)
     if x.dtype != torch.float64:
         bound = k_t1[:, None] * t1.abs() + k_c[:, None] * c.abs() + k_0[:, None]
         bound = bound * _SLACK + y.abs() * (3.1 * _U * _SLACK)
@@ -434,10 +438,11 @@ def backward(
 def weight_gradient(
     dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, eps: float, rms: bool
 ) -> torch.Tensor:
-    """:func:`backward`'s ``dweight`` (with its ``dx``, unused): the numba and triton
+    """:func:`backward`'s ``dweight`` alone (no ``dx``: with ``weight`` absent, its rows
+    could all be left open, each costing the exact fallback): the numba and triton
     backends' fallback when their kernel leaves a row's ``_weight_terms`` scalars open,
     the same sums with the exact scalars of that row."""
-    dweight = backward(dy, x, None, mean, x.new_empty(0), None, rms, True, False, eps)[1]
+    dweight = backward(dy, x, None, mean, x.new_empty(0), None, rms, True, False, eps, False)[1]
     assert dweight is not None
     return dweight
 
