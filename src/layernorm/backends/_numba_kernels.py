@@ -638,7 +638,8 @@ def _borrowed(typingctx, array):
     reference count. Every copy numba makes of an array variable (an inlined function's
     argument, a slice) increments and decrements its count, an atomic operation each
     where the array owns its memory (``np.empty``); borrowed, they test a null pointer.
-    Only for a function's parameters, which its caller keeps alive for the call."""
+    Only of a function's parameters (its caller keeps them alive for the call) or of a
+    local that :func:`_alive` keeps alive past the view's last use."""
 
     def codegen(context, builder, sig, args):
         view = context.make_array(sig.args[0])(context, builder, value=args[0])

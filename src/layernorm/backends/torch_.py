@@ -409,11 +409,6 @@ def backward(
     k_c = k.abs() * (alpha + 2.02 * _U) + e_k * (1.0 + alpha)
     k_0 = r_hi * e_c2 + beta * (k.abs() + e_k)
     c = d - delta[:, None]
-    t1 = gh - c2[:, None]
-    t2 = r[:, None] * t1
-    t3 = k[:, None] * c
-    t4 = t2 - t3
-    y = (t4 + rho) + 0.0
     dweight = None
     if need_dweight and x.dtype == torch.float64:  # float64's accuracy, not shared bits
         dweight = column_sum(g * (c * r[:, None]))
@@ -423,6 +418,11 @@ def backward(
     dbias = column_sum(g).to(acc) if need_dbias else None
     if not need_dx:
         return x.new_empty(0), dweight, dbias
+    t1 = gh - c2[:, None]
+    t2 = r[:, None] * t1
+    t3 = k[:, None] * c
+    t4 = t2 - t3
+    y = (t4 + rho) + 0.0
     dx = round_once(y, x.dtype)
     if x.dtype != torch.float64:
         bound = k_t1[:, None] * t1.abs() + k_c[:, None] * c.abs() + k_0[:, None]
