@@ -7,9 +7,10 @@ counts the rows the numba kernel flags for the host's exact fallback (docs/contr
 §3, "Correct rounding of the backward"), and times the exact fallback of one row
 (``_exact.fix_backward_row``) at a few widths. For dweight's per-row scalars
 (``_weight_terms``): the rows whose float64 test the numba kernel's fast sums leave
-open (those take the compensated sums before their terms are added), the rows the torch
-backend sends to ``_exact.weight_scalars`` (it has no compensated step), and the time of
-``_exact.weight_scalars`` for one row.
+open (those are settled in double-double before their terms are added), the rows that
+leaves open too (the host's fallback: the call's dweight again), the rows the torch
+backend sends to ``_exact.weight_scalars`` (it has no double-double step), and the time
+of ``_exact.weight_scalars`` for one row.
 """
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ def flagged_rows(dtype: torch.dtype, m: int, n: int, offset: float, rms: bool) -
 
 @njit
 def _open_scalars(dy, z, w, mean, eps, rms):  # pragma: no cover - compiled
-    """Rows of (M, N) float64 arrays whose scalars the kernel's first test leaves open."""
+    """Rows of (M, N) float64 arrays whose scalars the kernel's first test leaves open,
+    and of those, the rows its double-double step leaves open too."""
     m, n = z.shape
     factors = _numba_kernels._backward_factors(n, _numba_kernels._fast_gamma(n))
-    count = 0
+    count = still = 0
     for i in range(m):
         m1 = 0.0 if rms else mean[i]
         s_d, s_dd, s_g, s_gg, s_gd = _numba_kernels._chunked_backward_sums(dy[i], z[i], w, m1, n)
@@ -59,18 +61,26 @@ def _open_scalars(dy, z, w, mean, eps, rms):  # pragma: no cover - compiled
             m1, z[i, 0], constants[0], constants[9], constants[1], constants[10],
             np.float64(constants[8]), rms,
         )  # fmt: skip
-        count += int(scalars[2])
-    return count
+        if scalars[2] != 0.0:
+            count += 1
+            a = 0.0 if rms else z[i, 0]
+            still += int(_numba_kernels._settled_weight_scalars(z[i], n, eps, rms, a)[2])
+    return count, still
 
 
-def open_scalars(dtype: torch.dtype, m: int, n: int, offset: float, rms: bool) -> tuple[int, int]:
-    """(numba rows retried, torch backend rows sent to _exact) for one random batch."""
+def open_scalars(
+    dtype: torch.dtype, m: int, n: int, offset: float, rms: bool
+) -> tuple[int, int, int]:
+    """(numba rows settled in double-double, of those left open, torch backend rows sent
+    to _exact) for one random batch."""
     z = (torch.randn(m, n) * 3 + offset).to(dtype)
     dy = torch.randn(m, n).to(dtype)
     w = torch.rand(n, dtype=torch.float64) + 0.5
     _, _, mean, _ = numba_.forward(z, None, None, None, 1e-5, rms)
     mean64 = np.zeros(m) if mean is None else mean.double().numpy()
-    retried = _open_scalars(dy.double().numpy(), z.double().numpy(), w.numpy(), mean64, 1e-5, rms)
+    retried, still = _open_scalars(
+        dy.double().numpy(), z.double().numpy(), w.numpy(), mean64, 1e-5, rms
+    )
     calls = []
     exact = _exact.weight_scalars
 
@@ -83,7 +93,7 @@ def open_scalars(dtype: torch.dtype, m: int, n: int, offset: float, rms: bool) -
         torch_.weight_gradient(dy, z, mean, 1e-5, rms)
     finally:
         _exact.weight_scalars = exact
-    return int(retried), len(calls)
+    return int(retried), int(still), len(calls)
 
 
 def main() -> None:
@@ -105,15 +115,19 @@ def main() -> None:
                     name = str(dtype).removeprefix("torch.")
                     print(f"| {name} | {op} | {m}x{n} | {offset:g} | {rows} | {m * n:,} |")
     print()
-    print("| dweight's scalars | op | M x N | offset | numba rows retried | torch rows to _exact |")
-    print("|---|---|---|---:|---:|---:|")
+    print(
+        "| dweight's scalars | op | M x N | offset | numba rows settled in double-double "
+        "| of those to the host | torch rows to _exact |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|")
     for rms in (False, True):
         for n in (768, 4096):
             for offset in (0.0, 1e2, 1e4):
                 m = options.rows
-                retried, exact = open_scalars(torch.float32, m, n, offset, rms)
+                retried, still, exact = open_scalars(torch.float32, m, n, offset, rms)
                 op = "rms_norm" if rms else "layer_norm"
-                print(f"| float32 | {op} | {m}x{n} | {offset:g} | {retried} | {exact} |")
+                row = f"| float32 | {op} | {m}x{n} | {offset:g} | {retried} | {still} | {exact} |"
+                print(row)
     print()
     for n in (768, 4096, 32768):
         z = (np.random.randn(n) * 3 + 100).astype(np.float32).astype(np.float64)

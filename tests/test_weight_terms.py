@@ -263,6 +263,117 @@ def test_large_calls_over_threads_give_the_torch_backends_bits(dtype):
 
 
 # ---------------------------------------------------------------------------------------
+# The numba kernel settles the rows its float64 test leaves open, in double-double
+
+
+def _near_ties() -> list[tuple[np.ndarray, float, bool]]:
+    """(row, eps, rms) whose exact ``r`` or ``t`` lies within 2^-50 (relative) of a
+    rounding midpoint: beyond any float64 test (``test_near_ties_are_beyond_float64``).
+
+    - ``t``: z = (0, x) repeated, x = (2k + 1)·2^-32, eps = 1: ``mean - a = x/2`` is a
+      midpoint of the 2^-32 grid and ``rstd = 1/sqrt(1 + x²/4)`` moves ``v`` below it by
+      ``x²/8`` of itself; (x, 0) repeated: the same, negative.
+    - ``r``: q = 1/4 (z = (0, 1) repeated, or 1/2 everywhere for RMSNorm) and eps =
+      fl(1/m²) - 1/4, m = 1 + (2j + 1)·2^-32 a midpoint of r's 32-bit grid: ``rstd`` is
+      within 2^-52 of m, and layer_norm's ``t = rstd/2`` within 2^-53 of a midpoint too.
+    """
+    rows = []
+    for n in (2, 64, 4096):
+        for k in (0, 5, 150):
+            x = (2 * k + 1) * 2.0**-32
+            rows.append((np.tile([0.0, x], n // 2), 1.0, False))
+            rows.append((np.tile([x, 0.0], n // 2), 1.0, False))
+        for j in (0, 77, 2**30 + 1):
+            m = 1.0 + (2 * j + 1) * 2.0**-32
+            eps = 1.0 / (m * m) - 0.25
+            rows.append((np.tile([0.0, 1.0], n // 2), eps, False))
+            rows.append((np.full(n, 0.5), eps, True))
+    return rows
+
+
+def test_near_ties_are_beyond_float64(monkeypatch):
+    # the torch backend's float64 test (the numba kernel's first test, the same bound)
+    # sends every one of them to _exact
+    sent = []
+    exact = _exact.weight_scalars
+
+    def counting(row, eps, rms):
+        sent.append(1)
+        return exact(row, eps, rms)
+
+    monkeypatch.setattr(_exact, "weight_scalars", counting)
+    for row, eps, rms in _near_ties():
+        z = torch.from_numpy(row).float()[None]
+        dy = torch.ones_like(z)
+        _, _, mean, _ = torch_.forward(z, None, None, None, eps, rms)
+        before = len(sent)
+        torch_.weight_gradient(dy, z, mean, eps, rms)
+        assert len(sent) == before + 1, (row[:2], eps, rms)
+
+
+def test_the_settled_scalars_of_near_ties_are_the_oracles():
+    from layernorm.backends._numba_kernels import _settled_weight_scalars
+
+    for row, eps, rms in _near_ties():
+        a, r, t = _oracle_scalars(row, eps, rms)
+        assert _settled_weight_scalars(row, len(row), eps, rms, a) == (r, t, 0.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(2, 300),
+    offset=st.sampled_from([0.0, 1.0, -7.0, 1e2, 1e4, 1e6]),
+    log_scale=st.floats(-30, 30),
+    eps=st.sampled_from([1e-5, 0.0, 1e-12, 0.75]),
+    rms=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_settled_scalars_are_the_oracles(n, offset, log_scale, eps, rms, seed):
+    # every float32 row: settled (open = 0), with the exact scalars' bits
+    from layernorm.backends._numba_kernels import _settled_weight_scalars
+
+    rng = np.random.default_rng(seed)
+    row = (rng.standard_normal(n) * 3 + offset) * 10.0**log_scale
+    row = row.astype(np.float32).astype(np.float64)
+    a, r, t = _oracle_scalars(row, eps, rms)
+    if not np.isfinite(r):
+        return  # (a row of one repeated value with eps = 0: s = 0)
+    assert _settled_weight_scalars(row, n, eps, rms, a) == (r, t, 0.0)
+
+
+def test_the_settled_scalars_of_representable_and_unsettled_rows():
+    # z = (0, 1), eps = 0.75: rstd = 1 and t = 1/2 exactly, on their grids; a row of
+    # zeros with eps = 0 (s = 0) and a row holding an infinity or a NaN stay open
+    from layernorm.backends._numba_kernels import _settled_weight_scalars
+
+    assert _settled_weight_scalars(np.array([0.0, 1.0]), 2, 0.75, False, 0.0) == (1.0, 0.5, 0.0)
+    assert _settled_weight_scalars(np.array([2.0, 2.0]), 2, 0.0, True, 0.0) == (0.5, 0.0, 0.0)
+    for row, eps in (([0.0, 0.0], 0.0), ([1.0, np.inf], 1e-5), ([np.nan, 1.0], 1e-5)):
+        for rms in (False, True):
+            assert _settled_weight_scalars(np.array(row), 2, eps, rms, row[0])[2] == 1.0
+
+
+def test_rows_near_a_midpoint_need_no_host(monkeypatch):
+    # the numba backward's dweight for rows of near ties: the oracle's bits, and the
+    # host's fallback (torch_.weight_gradient) never runs
+    def no_host(*args):
+        raise AssertionError("dweight went to the host")
+
+    monkeypatch.setattr(torch_, "weight_gradient", no_host)
+    for n in (2, 64, 4096):
+        for rms in (False, True):
+            cases = [(row, eps) for row, eps, r in _near_ties() if len(row) == n and r == rms]
+            for eps in {eps for _, eps in cases}:
+                rows = [row for row, e in cases if e == eps]
+                x = torch.from_numpy(np.stack(rows)).float()
+                dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(n))
+                w, b = torch.ones(n), torch.zeros(n)
+                dweight, _ = _grads("numba", None, x, dy, n, w, b, rms, eps)
+                expected, _, _, _ = _oracle(dy, x, n, eps, rms)
+                assert torch.equal(dweight, torch.from_numpy(expected).float())
+
+
+# ---------------------------------------------------------------------------------------
 # The exact fallback of the scalars
 
 

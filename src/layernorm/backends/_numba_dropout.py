@@ -74,20 +74,19 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, types
-from numba.core import cgutils
 from numba.core.typing import signature
 from numba.extending import intrinsic
 
 from . import _numba_cache, _numba_philox, _numba_vectors, _philox, _threads
 from ._dropout_add import FLOAT_DTYPES, check_args
 from ._numba_philox import keep_from_bits, random_bits, random_bits_pair
-from ._numba_vectors import narrow, narrow_once, widen
+from ._numba_vectors import narrow, narrow_once, two_prod, two_sum, widen
 from .torch_ import contiguous_rows
 
 __all__ = ["DEPENDS_SHA256", "depends_digest", "dropout_add", "dropout_add_backward"]
 
 #: the digest of the inlined code this file's cached kernels were compiled with
-DEPENDS_SHA256 = "e83f498d0419979e"
+DEPENDS_SHA256 = "ec1087a6c77f9c55"
 
 
 def depends_digest() -> str:
@@ -104,6 +103,10 @@ def depends_digest() -> str:
                 _numba_vectors._fabs,
                 _numba_vectors._shaped,
                 _numba_vectors._constant,
+                _numba_vectors._fma,
+                _numba_vectors.fma,
+                _numba_vectors.two_sum,
+                _numba_vectors.two_prod,
             )
         ),
     ]
@@ -125,20 +128,6 @@ def _jit(**options):
 
 
 # --- scalar intrinsics --------------------------------------------------------------------
-
-
-@intrinsic
-def _fma(typingctx, a, b, c):
-    """``a·b + c`` rounded once (``llvm.fma.f64``)."""
-
-    def codegen(context, builder, sig, args):
-        double = ir.DoubleType()
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(double, [double] * 3), "llvm.fma.f64"
-        )
-        return builder.call(fn, args)
-
-    return signature(types.float64, types.float64, types.float64, types.float64), codegen
 
 
 @intrinsic
@@ -222,21 +211,6 @@ def _stored(typingctx, value, like):
 
 
 @_jit(inline="always")
-def _two_sum(a, b):  # pragma: no cover - compiled
-    """Knuth's TwoSum: ``(RN(a + b), e)`` with ``RN(a + b) + e == a + b`` exactly."""
-    t = a + b
-    bb = t - a
-    return t, (a - (t - bb)) + (b - bb)
-
-
-@_jit(inline="always")
-def _two_prod(a, b):  # pragma: no cover - compiled
-    """``(RN(a·b), e)`` with ``RN(a·b) + e == a·b`` exactly (no underflow)."""
-    p = a * b
-    return p, _fma(a, b, -p)
-
-
-@_jit(inline="always")
 def _scan(c0, c1, c2, c3, c4, c5, c6):  # pragma: no cover - compiled
     """The exact sum of seven float64 as ``(t, u, rest)``: ``t`` its float64 value when
     ``u == 0`` (exact); else the sum lies strictly between ``t`` (the nearest float64
@@ -251,32 +225,32 @@ def _scan(c0, c1, c2, c3, c4, c5, c6):  # pragma: no cover - compiled
     is a multiple of the next piece's last bit and the pieces below sum to less than it,
     so ``|u + rest| < 2|u|`` <= the spacing of float64 on ``u``'s side of ``t``."""
     e0 = c0
-    q, e0 = _two_sum(c1, e0)
+    q, e0 = two_sum(c1, e0)
     e1 = q
-    q, e0 = _two_sum(c2, e0)
-    q, e1 = _two_sum(q, e1)
+    q, e0 = two_sum(c2, e0)
+    q, e1 = two_sum(q, e1)
     e2 = q
-    q, e0 = _two_sum(c3, e0)
-    q, e1 = _two_sum(q, e1)
-    q, e2 = _two_sum(q, e2)
+    q, e0 = two_sum(c3, e0)
+    q, e1 = two_sum(q, e1)
+    q, e2 = two_sum(q, e2)
     e3 = q
-    q, e0 = _two_sum(c4, e0)
-    q, e1 = _two_sum(q, e1)
-    q, e2 = _two_sum(q, e2)
-    q, e3 = _two_sum(q, e3)
+    q, e0 = two_sum(c4, e0)
+    q, e1 = two_sum(q, e1)
+    q, e2 = two_sum(q, e2)
+    q, e3 = two_sum(q, e3)
     e4 = q
-    q, e0 = _two_sum(c5, e0)
-    q, e1 = _two_sum(q, e1)
-    q, e2 = _two_sum(q, e2)
-    q, e3 = _two_sum(q, e3)
-    q, e4 = _two_sum(q, e4)
+    q, e0 = two_sum(c5, e0)
+    q, e1 = two_sum(q, e1)
+    q, e2 = two_sum(q, e2)
+    q, e3 = two_sum(q, e3)
+    q, e4 = two_sum(q, e4)
     e5 = q
-    q, e0 = _two_sum(c6, e0)
-    q, e1 = _two_sum(q, e1)
-    q, e2 = _two_sum(q, e2)
-    q, e3 = _two_sum(q, e3)
-    q, e4 = _two_sum(q, e4)
-    q, e5 = _two_sum(q, e5)
+    q, e0 = two_sum(c6, e0)
+    q, e1 = two_sum(q, e1)
+    q, e2 = two_sum(q, e2)
+    q, e3 = two_sum(q, e3)
+    q, e4 = two_sum(q, e4)
+    q, e5 = two_sum(q, e5)
     t = q
     u = 0.0
     rest = 0.0
@@ -290,7 +264,7 @@ def _scan_step(t, u, rest, e):  # pragma: no cover - compiled
     """One step of :func:`_scan`'s walk down the expansion, without branches (selects,
     so that LLVM vectorizes the element loops): while ``u == 0``, ``(t, u) = TwoSum(t,
     e)``; after, the first nonzero ``e`` becomes ``rest``."""
-    t2, u2 = _two_sum(t, e)
+    t2, u2 = two_sum(t, e)
     still = u == 0.0
     rest = e if (not still and rest == 0.0) else rest
     return (t2 if still else t), (u2 if still else u), rest
@@ -301,10 +275,10 @@ def _scan3(c0, c1, c2):  # pragma: no cover - compiled
     """:func:`_scan` of three float64 (Grow-Expansion of three, then the same walk): the
     same ``(t, u, rest)`` contract, so the same rounded sum as :func:`_scan` of these
     three and four zeros (the rounding of an exact sum is unique)."""
-    q, e0 = _two_sum(c1, c0)
+    q, e0 = two_sum(c1, c0)
     e1 = q
-    q, e0 = _two_sum(c2, e0)
-    q, e1 = _two_sum(q, e1)
+    q, e0 = two_sum(c2, e0)
+    q, e1 = two_sum(q, e1)
     t, u, rest = _scan_step(q, 0.0, 0.0, e1)
     return _scan_step(t, u, rest, e0)
 
@@ -346,16 +320,16 @@ def _finish(t, u, rest, naive, all_zero, nearest):  # pragma: no cover - compile
 def _exact_h(x0v, keep0, scale, x1v, keep1, has_x1, r, s, nearest):  # pragma: no cover
     """One element of ``h`` (float64: rounded to nearest when ``nearest``, else to odd),
     exactly as the module's docstring says. ``r``: the residual, -0.0 when absent."""
-    a, b = _two_prod(x0v, scale)
-    c0, c1 = _two_prod(a, s)
-    c2, c3 = _two_prod(b, s)
+    a, b = two_prod(x0v, scale)
+    c0, c1 = two_prod(a, s)
+    c2, c3 = two_prod(b, s)
     n0 = a * s
     if not keep0:
         c0 = c1 = c2 = c3 = n0 = 0.0
     c4 = c5 = 0.0
     n1 = -0.0  # no term: IEEE's neutral zero
     if has_x1:
-        c4, c5 = _two_prod(x1v, s)
+        c4, c5 = two_prod(x1v, s)
         n1 = c4
         if not keep1:
             c4 = c5 = n1 = 0.0
@@ -378,8 +352,8 @@ def _sum3_double_row(h_i, x0_i, x1_i, r_i, n_cols):  # pragma: no cover - compil
     vectorizes (a float one it may not reorder)."""
     open_ = 0
     for c in range(n_cols):
-        a, e1 = _two_sum(_wide(x0_i[c]), _wide(x1_i[c]))
-        t, e2 = _two_sum(a, _wide(r_i[c]))
+        a, e1 = two_sum(_wide(x0_i[c]), _wide(x1_i[c]))
+        t, e2 = two_sum(a, _wide(r_i[c]))
         open_ |= (_bits(e1) | _bits(e2)) << 1
         h_i[c] = _stored(t, h_i)
     return open_ == 0
@@ -393,8 +367,8 @@ def _sum3_single_row(h_i, w0, w1, wr, sums, n_cols):  # pragma: no cover - compi
     4-lane vectors: 1.2x slower). Whether every element's float32 sum was exact."""
     open_ = np.int32(0)
     for c in range(n_cols):
-        a, e1 = _two_sum(w0[c], w1[c])
-        t, e2 = _two_sum(a, wr[c])
+        a, e1 = two_sum(w0[c], w1[c])
+        t, e2 = two_sum(a, wr[c])
         open_ |= (_bits(e1) | _bits(e2)) << np.int32(1)
         sums[c] = t
     if open_ != 0:
@@ -410,7 +384,7 @@ def _exact_h1(x0v, keep0, r, s, nearest):  # pragma: no cover - compiled
     ``TwoProd(x0, s)`` and ``r`` summed by :func:`_scan3`, the same bits (the other four
     pieces are zeros there, and the rounding of an exact sum is unique; the special
     values use the same ``naive`` and ``all_zero``)."""
-    c0, c1 = _two_prod(x0v, s)
+    c0, c1 = two_prod(x0v, s)
     n0 = c0
     if not keep0:
         c0 = c1 = n0 = 0.0
@@ -438,7 +412,7 @@ def _exact_prod(xv, keep, s, nearest):  # pragma: no cover - compiled
     exact sum is ``c0 + c1`` of ``TwoProd(x, s)``, already the top two of the scan
     (``c0 = RN(c0 + c1)``: ``TwoSum`` gives them back), nothing below: the same
     ``(t, u, rest) = (c0, c1, 0)``, ``naive = c0`` and ``all_zero = c0 == 0``."""
-    c0, c1 = _two_prod(xv, s)
+    c0, c1 = two_prod(xv, s)
     if not keep:
         c0 = c1 = 0.0
     return _finish(c0, c1, 0.0, c0, c0 == 0.0, nearest)

@@ -108,6 +108,7 @@ from ._numba_vectors import (
     _splat_all,
     add_rows,
     element_f64,
+    fma,
     narrow,
     narrow_once,
     normalize_row_checked,
@@ -121,6 +122,8 @@ from ._numba_vectors import (
     row_sum_sq_kept,
     row_sums_centered,
     row_sums_centered_kept,
+    two_prod,
+    two_sum,
     widen,
 )
 from ._numba_vectors import lanes as vector_lanes
@@ -135,9 +138,9 @@ SEGMENT = 1024
 #: these kernels. numba keys its on-disk cache on this file alone, so a change to that one
 #: must change this line, or a stale cached kernel would keep running the old code;
 #: ``tests/test_numba_vectors.py`` fails until it does.
-VECTORS_SHA256 = "d0576e4a6b9bdbc7"
+VECTORS_SHA256 = "6f074d6759b49547"
 #: The same for ``_weight_terms.py``, whose constants the backward compiles in
-WEIGHT_TERMS_SHA256 = "ab2d592cd4c8c1f6"
+WEIGHT_TERMS_SHA256 = "24c25c5ad03281b4"
 
 
 def _jit(*signature, **options):
@@ -388,14 +391,6 @@ def _statistics(m1, s1, s2, n, eps, rms):
     return delta, rstd_i, e_mean, k_c, k_p, k_w, w_rel, k_y, flag
 
 
-@_jit(inline="always")
-def _two_sum(a, b):
-    """``(s, e)`` with ``s = fl(a + b)`` and ``s + e == a + b`` exactly (Knuth)."""
-    s = a + b
-    t = s - a
-    return s, (a - (s - t)) + (b - t)
-
-
 _LANES = 8  # independent Sum2 chains of _precise_statistics (their latencies overlap)
 
 
@@ -407,7 +402,7 @@ def _lane_total(total, compensation):
     s = 0.0
     c = 0.0
     for j in range(_LANES):
-        s, e = _two_sum(s, total[j])
+        s, e = two_sum(s, total[j])
         c += e + compensation[j]
     return s, c
 
@@ -435,7 +430,7 @@ def _precise_statistics(z, n, eps, rms):
         for start in range(0, n, _LANES):
             for j in range(min(_LANES, n - start)):
                 v = element_f64(z, start + j)
-                total[j], e = _two_sum(total[j], v * v)  # exact v * v: v has <= 24 bits
+                total[j], e = two_sum(total[j], v * v)  # exact v * v: v has <= 24 bits
                 compensation[j] += e
         sum_, error = _lane_total(total, compensation)
         s2 = sum_ + error
@@ -449,8 +444,8 @@ def _precise_statistics(z, n, eps, rms):
         absolute = np.zeros(_LANES)
         for start in range(0, n, _LANES):
             for j in range(min(_LANES, n - start)):
-                d, r = _two_sum(element_f64(z, start + j), -m1)
-                total[j], e = _two_sum(total[j], d)
+                d, r = two_sum(element_f64(z, start + j), -m1)
+                total[j], e = two_sum(total[j], d)
                 compensation[j] += e
                 rounding[j] += r
                 absolute[j] += abs(d)
@@ -468,7 +463,7 @@ def _precise_statistics(z, n, eps, rms):
                 c = d - delta
                 e_c = 1.01 * _U * (abs(c) + abs(d)) + e_mean
                 spread[j] += 2.0 * abs(c) * e_c + e_c * e_c + _U * c * c
-                total[j], e = _two_sum(total[j], c * c)
+                total[j], e = two_sum(total[j], c * c)
                 compensation[j] += e
         sum_, error = _lane_total(total, compensation)
         s2 = sum_ + error
@@ -1585,15 +1580,15 @@ def _precise_backward_sums(dy, z, w, m1, n):
     for k in range(n):
         gh = element_f64(dy, k) * element_f64(w, k)
         d = element_f64(z, k) - m1
-        s0, e = _two_sum(s0, d)
+        s0, e = two_sum(s0, d)
         c0 += e
-        s1, e = _two_sum(s1, d * d)
+        s1, e = two_sum(s1, d * d)
         c1 += e
-        s2, e = _two_sum(s2, gh)
+        s2, e = two_sum(s2, gh)
         c2 += e
-        s3, e = _two_sum(s3, gh * gh)
+        s3, e = two_sum(s3, gh * gh)
         c3 += e
-        s4, e = _two_sum(s4, gh * d)
+        s4, e = two_sum(s4, gh * d)
         c4 += e
     return s0 + c0, s1 + c1, s2 + c2, s3 + c3, s4 + c4, 1.01 * (_U + g * g)
 
@@ -1841,24 +1836,137 @@ def _backward_row_again(
     return np.uint8(flag | checked)
 
 
+@_jit(inline="always")
+def _product_minus(x1, x2, y1, y2, z1, z2):
+    """``(x1 + x2)·(y1 + y2) - (z1 + z2)`` in float64, and a bound on the rounding
+    errors of evaluating it (not on the inputs' own errors): the product of the high
+    parts by TwoProd, exactly; ``z1`` taken from its high part (exact where they are
+    within a factor 2, Sterbenz); the rest, each term rounded at most three times."""
+    c1, c2 = two_prod(x1, y1)
+    head = c1 - z1
+    p, q, w = x1 * y2, x2 * y1, x2 * y2
+    tail = ((c2 - z2) + p) + (q + w)
+    value = head + tail
+    small = abs(c2) + abs(z2) + abs(p) + abs(q) + abs(w)
+    return value, 1.01 * (_U * (abs(head) + abs(value)) + 3.01 * _U * small)
+
+
 @_jit()
-def _weight_scalars_again(i, dy, dy_stride, x, x_stride, weight, scratch, j, n, eps, rms):
-    """Row ``i``'s :func:`_weight_scalars` once more, before its terms are added, for a
-    row whose test left them open (rare): from compensated sums, whose bound is some
-    100 times tighter, into ``scratch[_W_R:, j]`` (``open`` stays 1 where these leave
-    them open too: the host's exact fallback, ``_exact.weight_scalars``)."""
-    dy_i = dy[i * dy_stride : i * dy_stride + n]
-    x_i = x[i * x_stride : i * x_stride + n]
-    m1 = scratch[0, j]
-    s_d, s_dd, s_g, s_gg, s_gd, gamma = _precise_backward_sums(dy_i, x_i, weight, m1, n)
-    constants = _backward_constants(
-        s_d, s_dd, s_g, s_gg, s_gd, _backward_factors(n, gamma), n, eps, rms, False,
-        n & (n - 1) == 0,
-    )  # fmt: skip
-    scratch[_W_R, j], scratch[_W_T, j], scratch[_W_OPEN, j] = _weight_scalars(
-        m1, scratch[_W_A, j], constants[0], constants[9], constants[1], constants[10],
-        np.float64(constants[8]), rms,
-    )  # fmt: skip
+def _settled_weight_scalars(z, n, eps, rms, a):
+    """A row's ``(r, t, open)`` of :mod:`._weight_terms` in double-double, for a row
+    whose float64 test left them open (rare; docs/contract.md §3, "dweight and dbias"):
+    ``open`` is 1.0 only where the exact value lies within about ``2^-60`` (relative) of
+    a rounding midpoint, or on one (then ``_exact.weight_scalars``, on the host).
+
+    With ``S = N·(q + eps)`` (``q`` the exact biased variance) and ``V = Σ(z - a) =
+    N·(mean - a)``: ``rstd = sqrt(N/S)`` and ``v = (mean - a)·rstd = V/sqrt(N·S)``.
+    ``V`` is Sum2 (Ogita, Rump and Oishi) of the exact differences ``z - a`` (TwoSum),
+    kept as a pair: within ``e_V = γ_2N(γ_N + u)·Σ|z - a|``. ``S`` sums the squares of
+    ``d = z - M'``, ``M' = a + V/N`` in double-double (``Σ(z - M')² = N·q + N·(M' -
+    mean)²``: an inexact ``M'`` only adds a square), each ``d`` a pair within
+    ``2.01u·τ`` of ``z - M'``, each square by TwoProd into Sum2; ``e_S`` bounds every
+    rounding (the terms are written out below). Neither value is rounded: the scalars are
+    decided against the midpoint ``m`` of the grid interval of a float64 estimate (an
+    exact float64, and ``m²`` an exact pair): ``rstd > m`` iff ``m²·S < N``, and ``|v|
+    > m`` iff ``m²·N·S < V²``. Each side is evaluated by :func:`_product_minus`, and the
+    verdict is kept only where ``|difference|`` exceeds the evaluation's bound plus what
+    ``e_V`` and ``e_S`` move it: IEEE operations with bounds, no rounding of the scalars
+    themselves: the estimates need only lie within a quarter of a grid step (a bound
+    on their error says so; ``|v| < 2^14``, ``e_S <= 2^-60·S``; else the row stays
+    open)."""
+    n_float = np.float64(n)
+    gamma_n = n_float * _U / (1.0 - n_float * _U)
+    gamma_2n = 2.0 * n_float * _U / (1.0 - 2.0 * n_float * _U)
+    # V = Σ (z - a): the exact differences' high parts into TwoSum, everything else into c
+    v_s = v_c = h_abs = 0.0
+    if not rms:
+        for k in range(n):
+            h, l = two_sum(element_f64(z, k), -a)
+            v_s, e = two_sum(v_s, h)
+            v_c += e + l
+            h_abs += abs(h)
+    v_h, v_l = two_sum(v_s, v_c)  # (exactly v_s + v_c)
+    e_v = 1.02 * gamma_2n * (gamma_n + _U) * h_abs
+    # M' - a = (w_h + w_l): V/N in double-double; its distance to mean - a, mu, matters
+    # only squared (N·mu²)
+    w_h = v_h / n_float
+    w_l = (fma(-w_h, n_float, v_h) + v_l) / n_float  # (the remainder is exact)
+    mu = 1.02 * (e_v / n_float + 2.02 * _U * abs(w_l))
+    # S' = Σ d², d = (z - a) - (w_h + w_l) = p1 + e1 + l - w_l as the pair (d_h, d_l)
+    q_s = q_c = p_sum = tau_d = tau_sq = 0.0
+    for k in range(n):
+        x = element_f64(z, k)
+        if rms:
+            d_h, d_l = x, 0.0
+        else:
+            h, l = two_sum(x, -a)
+            p1, e1 = two_sum(h, -w_h)
+            d_h, d_l = two_sum(p1, e1 + (l - w_l))  # within 2.01u·tau of z - M'
+            tau = abs(e1) + abs(l) + abs(w_l)
+            tau_d += abs(d_h) * tau
+            tau_sq += tau * tau
+        p, p_e = two_prod(d_h, d_h)
+        q_s, e = two_sum(q_s, p)
+        q_c += e + (p_e + 2.0 * d_h * d_l)  # (d_l², at most u²·p, left out)
+        p_sum += p
+    # the Sum2 of the p's and of (e + p_e + 2·d_h·d_l) (at most (γ_N + 3u)·Σp), with
+    # 2·d_h·d_l rounded and d_l² dropped; then the d's own errors: |d² - d'²| <=
+    # 2.01u·tau·(2.01|d_h| + 2.01u·tau)
+    e_sum = ((3.01 * _U + gamma_n) * (gamma_n + 3.01 * _U) + 3.01 * _U * _U) * p_sum
+    e_d = 4.05 * _U * tau_d + 4.05 * _U * _U * tau_sq
+    # S = S' - N·mu'² + N·eps, N·eps exactly by TwoProd, as the pair (s_h, s_l)
+    ne_h, ne_l = two_prod(n_float, eps)
+    s_h, s_2 = two_sum(q_s, ne_h)
+    s_l = (s_2 + q_c) + ne_l
+    e_s = (
+        1.02 * (e_sum + e_d + n_float * mu * mu + 2.01 * _U * (abs(s_2) + abs(q_c) + abs(ne_l)))
+        + 2.0**-1000
+    )  # (an underflow in ne_l's TwoProd)
+    if not (s_h > 0.0 and e_s <= 2.0**-60 * s_h and e_v < np.inf):  # NaN rows included
+        return np.nan, np.nan, 1.0
+    # rstd: the midpoint of the 32-bit grid interval holding its estimate r_a, which is
+    # within a relative rel_r < 2^-35 of it (a step is more than 2^-32 of rstd): rstd
+    # then lies within 3/4 of a step of the midpoint, between its neighbours
+    r_a = 1.0 / np.sqrt(s_h / n_float)
+    rel_r = 0.51 * (abs(s_l) + e_s) / s_h + 2.6 * _U
+    if not rel_r < 2.0**-35:
+        return np.nan, np.nan, 1.0
+    step = math.ldexp(1.0, math.frexp(r_a)[1] - _weight_terms.RSTD_BITS)
+    m_r = (math.floor(r_a / step) + 0.5) * step
+    m2_h, m2_l = two_prod(m_r, m_r)  # exact: m_r has 33 bits
+    below, error = _product_minus(m2_h, m2_l, s_h, s_l, n_float, 0.0)  # m²S - N
+    if abs(below) <= 1.01 * (error + 1.01 * m2_h * e_s):
+        return np.nan, np.nan, 1.0
+    r = m_r + 0.5 * step if below < 0.0 else m_r - 0.5 * step
+    if rms:
+        return r, 0.0, 0.0
+    # t: the midpoint of the 2^-32 grid interval holding |v|'s estimate v_a, which is
+    # within a quarter step of |v|, likewise
+    v_a = abs(w_h) * r_a
+    quantum = _weight_terms.SHIFT_QUANTUM
+    e_va = 1.02 * (v_a * (rel_r + 2.01 * _U) + r_a * (abs(v_l) + e_v) / n_float)
+    if not (v_a < 2.0**14 and e_va < 0.25 * quantum):
+        return np.nan, np.nan, 1.0
+    m_t = (math.floor(v_a * _GRID) + 0.5) * quantum
+    t2_h, t2_l = two_prod(m_t, m_t)  # exact: m_t < 2^14 has at most 47 bits
+    x_h, x_e = two_prod(t2_h, n_float)
+    x_p = t2_l * n_float
+    x_l = x_e + x_p  # m²·N = x_h + x_l within e_x
+    e_x = 2.01 * _U * (abs(x_e) + abs(x_p))
+    y_h, y_e = two_prod(v_h, v_h)
+    y_c = 2.0 * v_h * v_l
+    y_l = y_e + y_c  # V² = y_h + y_l within e_y (V's own error included)
+    e_y = 2.01 * _U * (abs(y_e) + abs(y_c)) + 1.01 * _U * _U * y_h + e_v * (2.01 * abs(v_h) + e_v)
+    above, error = _product_minus(x_h, x_l, s_h, s_l, y_h, y_l)  # m²NS - V²
+    moved = 1.01 * (abs(x_h) * e_s + e_x * abs(s_h)) + e_y
+    if abs(above) <= 1.01 * (error + moved):
+        return np.nan, np.nan, 1.0
+    t = m_t + 0.5 * quantum if above < 0.0 else m_t - 0.5 * quantum
+    if t == 0.0:
+        return r, 0.0, 0.0
+    if abs(v_h) <= 2.0 * e_v:  # V's sign unknown
+        return np.nan, np.nan, 1.0
+    return r, math.copysign(t, v_h), 0.0
 
 
 @_jit()
@@ -1908,9 +2016,12 @@ def _backward_block(
         _batch_constants(scratch, b, factors, n, eps, rms, plain)
         for j in range(b):  # (rare) dweight's scalars are settled before the terms
             if scratch[_W_OPEN, j] != 0.0 and not _is_float64(dx):
-                _weight_scalars_again(
-                    first + j, dy, dy_stride, x, x_stride, weight, scratch, j, n, eps, rms
+                i = first + j
+                scalars = _settled_weight_scalars(
+                    x[i * x_stride : i * x_stride + n], n, eps, rms, scratch[_W_A, j]
                 )
+                if scalars[2] == 0.0:
+                    scratch[_W_R, j], scratch[_W_T, j], scratch[_W_OPEN, j] = scalars
         for j in range(0, b, 2):  # two rows a pass (the partial sums loaded once)
             i = first + j
             pair = j + 1 < b

@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.core.typing import signature
 from numba.extending import intrinsic
@@ -835,6 +835,31 @@ def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Val
         builder.module, ir.FunctionType(a.type, [a.type] * 3), f"llvm.fma.{kind}"
     )
     return builder.call(function, [a, b, c])
+
+
+@intrinsic
+def fma(typingctx, a, b, c):
+    """``a·b + c`` of doubles rounded once (``llvm.fma.f64``)."""
+
+    def codegen(context, builder, sig, args):
+        return _fma(builder, *args)
+
+    return signature(types.float64, types.float64, types.float64, types.float64), codegen
+
+
+@njit(inline="always")
+def two_sum(a, b):  # pragma: no cover - compiled
+    """Knuth's TwoSum: ``(RN(a + b), e)`` with ``RN(a + b) + e == a + b`` exactly."""
+    t = a + b
+    bb = t - a
+    return t, (a - (t - bb)) + (b - bb)
+
+
+@njit(inline="always")
+def two_prod(a, b):  # pragma: no cover - compiled
+    """``(RN(a·b), e)`` with ``RN(a·b) + e == a·b`` exactly (no underflow)."""
+    p = a * b
+    return p, fma(a, b, -p)
 
 
 def _near_boundary(builder: ir.IRBuilder, single: ir.Value, dtype: types.Type) -> ir.Value:

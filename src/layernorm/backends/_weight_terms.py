@@ -4,7 +4,8 @@
 normalized value ``x̂ = (z - mean)/sqrt(q + eps)`` is irrational, and each backend
 computes its statistics in its own order, so ``u`` is defined from three per-row scalars
 that depend on the row alone, each a correctly rounded value (Ziv's test on the
-backend's float64 statistics; the rare row it leaves open gets them from
+backend's float64 statistics; the rare row it leaves open is settled in double-double
+by the numba kernel, ``_numba_kernels._settled_weight_scalars``, or gets them from
 ``_exact.weight_scalars``):
 
 - ``a``: the row's first element (layer norm), 0 for RMSNorm;
