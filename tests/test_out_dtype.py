@@ -262,6 +262,61 @@ def test_gradients_are_the_plain_calls_with_dy_widened(xdtype, ydtype, op, backe
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize(
+    ("shape", "ns"), [lay[1:] for lay in LAYOUTS], ids=[lay[0] for lay in LAYOUTS]
+)
+def test_eager_training_is_the_ops_gradients(monkeypatch, shape, ns, op):
+    """An eager call with grad that no mechanism sees runs :class:`layernorm._op.EagerNorm`
+    (the kernels without the custom op); with the fast paths off, ``layernorm::forward_to``.
+    The same outputs and gradients, bit for bit, and the same second derivatives
+    (``create_graph``: both run the differentiable composite backward)."""
+    from layernorm import ops
+
+    g = torch.Generator().manual_seed(21)
+    x, r, w, b = (torch.randn(s, generator=g) for s in (shape, shape, ns, ns))
+    dy = torch.randn(shape, generator=g).to(torch.bfloat16)
+
+    def run(fast: bool):
+        monkeypatch.setattr(ops, "FAST_PATHS", fast)
+        leaves = [t.clone().requires_grad_() for t in (x, r, w, b)]
+        y, _ = _call(op, *leaves[:2], ns, *leaves[2:], out_dtype=torch.bfloat16)
+        first = torch.autograd.grad(y, leaves, dy, create_graph=True, allow_unused=True)
+        used = [(leaf, d) for leaf, d in zip(leaves, first, strict=True) if d is not None]
+        total = sum((d.double() ** 2).sum() for _, d in used)
+        second = torch.autograd.grad(total, [leaf for leaf, _ in used], allow_unused=True)
+        fn = y.grad_fn
+        while "View" in type(fn).__name__:  # y is a view of the op's rows
+            fn = fn.next_functions[0][0]
+        return type(fn).__name__, y, first, second
+
+    fast, slow = run(True), run(False)
+    assert "EagerNorm" in fast[0] and "EagerNorm" not in slow[0], (fast[0], slow[0])
+    assert torch.equal(fast[1], slow[1])
+    for a, c in zip((*fast[2], *fast[3]), (*slow[2], *slow[3]), strict=True):
+        assert (a is None) == (c is None)
+        if a is not None:
+            assert torch.equal(a, c)
+
+
+def test_eager_training_under_a_mode_goes_through_the_op():
+    # a TorchDispatchMode sees the call: layernorm::forward_to, not EagerNorm
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(4, 8, requires_grad=True)
+    with Recording():
+        y = layernorm.layer_norm(x, 8, out_dtype=torch.bfloat16)
+    assert "EagerNorm" not in type(y.grad_fn).__name__
+    assert any("layernorm.forward_to" in name for name in seen), seen
+
+
 # ---------------------------------------------------------------------------------------
 # mechanisms (docs/contract.md §6)
 

@@ -514,6 +514,29 @@ class TransformNorm(torch.autograd.Function):
         return _vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct, out_dtype)
 
 
+class EagerNorm(torch.autograd.Function):
+    """The op's autograd without the op, for eager training calls that no mechanism sees
+    and that the C++ part does not take (``y`` in another dtype: ``layernorm::forward_to``
+    has a Python autograd only; ``ops._enter``): the kernels called directly each way,
+    the op's backward formula (:func:`_backward`: with ``create_graph``, its
+    differentiable composite). ``forward`` takes the context itself (a ``setup_context``
+    costs an ``inspect.signature`` a call); the custom op's Python autograd and dispatch
+    cost some 50 µs a forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, rms, backend, out_dtype):  # type: ignore[override]
+        inputs = (x, residual, weight, bias, eps, rms, backend)
+        output = forward(*inputs, True, out_dtype)
+        _setup_context(ctx, inputs, output)
+        ctx.direct = True
+        ctx.mark_non_differentiable(*(t for t in output[2:] if t is not None))
+        return output
+
+    @staticmethod
+    def backward(ctx, dy, dresidual_out, _dmean, _drstd):  # type: ignore[override]
+        return (*_backward(ctx, dy, dresidual_out), None)
+
+
 def _vmap(info, in_dims, x, residual, weight, bias, eps, rms, backend, direct, out_dtype):
     """The vmap rule of :class:`TransformNorm`: :func:`_vmap_rows` around it."""
 

@@ -309,7 +309,10 @@ def _enter(
     - forward-mode AD (a dual level, a torch.func transform, which may hold a jvp):
       :class:`layernorm._op.TransformNorm`, since a custom op cannot carry a JVP;
     - plain inference with the fast paths on: the kernel directly, which skips the
-      custom op's Python cost (tens of µs where the C++ part is not built).
+      custom op's Python cost (tens of µs where the C++ part is not built);
+    - ``y`` in another dtype with a gradient recorded, the fast paths on, no mechanism
+      that would see it: :class:`layernorm._op.EagerNorm` (the C++ part takes only
+      same-dtype calls).
 
     ``out_dtype`` (not None): ``y`` in that dtype, through ``layernorm::forward_to``.
     """
@@ -341,6 +344,12 @@ def _enter(
     ):
         y, residual_out, _, _ = _op.forward(
             x, residual, weight, bias, eps, rms, backend, False, out_dtype
+        )
+        return y, residual_out
+    if fast and out_dtype is not None and _op.direct_call(x, residual, weight, bias):
+        # recorded by autograd; layernorm::forward_to has no C++ autograd
+        y, residual_out, _, _ = _op.EagerNorm.apply(
+            x, residual, weight, bias, eps, rms, backend, out_dtype
         )
         return y, residual_out
     return _custom_op(x, residual, weight, bias, eps, rms, backend, out_dtype)
