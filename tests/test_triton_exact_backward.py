@@ -359,3 +359,110 @@ def test_zero_size_inputs():
         w = torch.ones(16, requires_grad=True)
         layernorm.layer_norm(x, 16, w, backend="triton").sum().backward()
         assert x.grad.shape == x.shape and torch.equal(w.grad, torch.zeros(16))
+
+
+def test_near_ties_of_dweights_scalars_settle_on_the_device(path, monkeypatch):
+    # rows whose exact r or t lies within 2^-50 of a midpoint (beyond float64's tests:
+    # tests/test_weight_terms.py::_near_ties): the double-double step settles them in the
+    # kernel, the host's dweight fallback never runs, and dweight is the numba backend's
+    # (the oracle's bits: tests/test_weight_terms.py)
+    from test_weight_terms import _near_ties
+
+    def no_host(*args):
+        raise AssertionError("dweight went to the host")
+
+    n = path
+    cases = {}
+    for row, eps, rms in _near_ties():
+        if len(row) == 64:  # stretched to the path's width: the same statistics
+            cases.setdefault((eps, rms), []).append(torch.from_numpy(row).float().repeat(5)[:n])
+    got = {}
+    for (eps, rms), rows in cases.items():
+        z = torch.stack(rows)
+        dy = torch.randn(z.shape, generator=torch.Generator().manual_seed(len(rows)))
+        w = torch.ones(n)
+        _, _, mean, rstd = numba_.forward(z, None, w, None, eps, rms)
+        expected = numba_.backward(dy, z, w, mean, rstd, None, rms, True, False, eps)[1]
+        with monkeypatch.context() as patched:
+            patched.setattr(torch_, "weight_gradient", no_host)
+            _, _, mean, rstd = triton_.forward(z, None, w, None, eps, rms)
+            got = triton_.backward(dy, z, w, mean, rstd, None, rms, True, False, eps)[1]
+        assert torch.equal(got, expected), (eps, rms)
+
+
+_KERNELS = None
+
+
+def _interpreted(fn):
+    """``triton.jit(fn)`` for the interpreter (decided as it is decorated)."""
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = True
+        return triton.jit(fn)
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @_interpreted
+    def _settle_kernel(
+        Z, OUT, N, eps_bits, depth, num_chunks, RMS: tl.constexpr, CHUNKED: tl.constexpr,
+        ROWS: tl.constexpr, COLS: tl.constexpr,
+    ):  # fmt: skip
+        # (r, t, open) of each row by the kernels' double-double step alone (_KERNELS:
+        # the interpreted kernel module, set by _settled_rows; the interpreter runs this
+        # body as Python)
+        row = tl.program_id(0).to(tl.int64)
+        n = N.to(tl.float64)
+        eps = _KERNELS._eps(eps_bits)
+        g = _KERNELS._gamma(depth)
+        a = _KERNELS._weight_shift(Z, row, N, RMS)
+        if CHUNKED:
+            r, t, open_ = _KERNELS._dd_scalars_chunked(
+                Z, row, N, N, n, a, eps, g, num_chunks, RMS, ROWS, COLS
+            )
+        else:
+            cols = _KERNELS._tile(ROWS, COLS)
+            mask = cols < N
+            z = _KERNELS._load_row(Z, row, N, cols, mask)
+            r, t, open_ = _KERNELS._dd_scalars_tile(z, mask, a, n, eps, g, RMS)
+        tl.store(OUT + 3 * row, r)
+        tl.store(OUT + 3 * row + 1, t)
+        tl.store(OUT + 3 * row + 2, open_.to(tl.float64))
+
+
+def _settled_rows(rows: torch.Tensor, eps: float, rms: bool, chunked: bool) -> torch.Tensor:
+    """(r, t, open) per row from the kernels' double-double step alone
+    (``_dd_scalars_tile``, or ``_dd_scalars_chunked`` over 16-column chunks)."""
+    import struct
+
+    global _KERNELS
+    _KERNELS = triton_._kernels()
+    m, n = rows.shape
+    out = torch.empty(m, 3, dtype=torch.float64)
+    cols = 16 if chunked else triton_._next_power_of_2(n)
+    bits = struct.unpack("<q", struct.pack("<d", eps))[0]
+    _settle_kernel[(m,)](rows, out, n, bits, cols + 2 * m, -(-n // cols), rms, chunked, 1, cols)
+    return out
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["tile", "chunked"])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_the_double_double_step_gives_the_exact_scalars(chunked, rms):
+    # random float32 rows at offsets to 1e6 and scales 1e-30 to 1e30, and the near ties:
+    # settled, each the oracle's (r, t) (mpmath; tests/test_weight_terms.py)
+    import numpy as np
+
+    from test_weight_terms import _near_ties, _oracle_scalars
+
+    rng = np.random.default_rng(5 + rms + 2 * chunked)
+    cases = [(row, eps) for row, eps, r in _near_ties() if r == rms and len(row) == 64]
+    for k in range(24):
+        offset = (0.0, 1.0, -7.0, 1e2, 1e4, 1e6)[k % 6]
+        scale = 10.0 ** rng.uniform(-30, 30)
+        row = ((rng.standard_normal(48) * 3 + offset) * scale).astype(np.float32)
+        cases.append((row.astype(np.float64), (1e-5, 0.0, 0.75)[k % 3]))
+    for row, eps in cases:
+        got = _settled_rows(torch.from_numpy(row).float()[None], eps, rms, chunked)[0]
+        _, r, t = _oracle_scalars(row, eps, rms)
+        assert got.tolist() == [r, t, 0.0], (row[:3], eps)

@@ -63,27 +63,14 @@ _tkernels = _copy("layernorm.backends._triton_kernels")
 _keep_pair = _tphilox.keep_pair
 _dropout_offsets = _tphilox.dropout_offsets
 _round_once = _tkernels._round_once
+_two_sum = _tkernels._two_sum
+_two_prod = _tkernels._two_prod
 
 
 @triton.jit
 def _wide(x):
     # a loaded element as float64, exactly (16-bit floats through float32)
     return x if x.dtype == tl.float64 else x.to(tl.float32).to(tl.float64)
-
-
-@triton.jit
-def _two_sum(a, b):
-    # Knuth's TwoSum: t + e == a + b exactly
-    t = a + b
-    bb = t - a
-    return t, (a - (t - bb)) + (b - bb)
-
-
-@triton.jit
-def _two_prod(a, b):
-    # p + e == a·b exactly (no underflow): the error by an explicit fma
-    p = a * b
-    return p, tl.fma(a, b, -p)
 
 
 @triton.jit

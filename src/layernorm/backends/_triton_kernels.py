@@ -52,7 +52,9 @@ a row still open is flagged 1 for the host's exact fallback
 (``triton_._settle_backward``). Each program owns a
 fixed block of rows (a multiple of ``_weight_terms.ROWS``; and one chunk of columns when
 chunked), loops over them in order and adds the terms of ``_weight_terms`` (``dy·u`` and
-``dy``) in float64 registers, one block of rows at a time, into a ``(blocks, N)``
+``dy``; a row's scalars ``r``, ``t`` that stages 1 and 2 leave open are settled in
+double-double on the device, :func:`_dd_scalars_tile` / :func:`_dd_scalars_chunked`,
+and only a row on a midpoint, or within about 2^-60 of one, goes to the host) in float64 registers, one block of rows at a time, into a ``(blocks, N)``
 float64 buffer, whose blocks the host adds by halving (``torch_.block_totals``): the
 numba and torch backends' sums, bit for bit. No atomics anywhere, so every result is bitwise
 reproducible, and a row's output never depends on the other rows.
@@ -712,6 +714,248 @@ def _weight_shift(Z, row, stride_z, RMS: tl.constexpr):
     return z0
 
 
+# ---------------------------------------------------------------------------------------
+# dweight's scalars in double-double, for a row that stages 1 and 2 leave open: the numba
+# kernel's _settled_weight_scalars (docs/contract.md §3, "dweight and dbias"), the same
+# quantities, bounds and verdicts, with the sums over tiles by extraction (each sum of
+# high parts exact, as stage 2's) instead of Sum2 chains.
+
+
+_TINY = tl.constexpr(0x0170000000000000)  # 2^-1000's float64 pattern
+
+
+@triton.jit
+def _two_sum(a, b):
+    # Knuth's TwoSum: t + e == a + b exactly
+    t = a + b
+    bb = t - a
+    return t, (a - (t - bb)) + (b - bb)
+
+
+@triton.jit
+def _two_prod(a, b):
+    # p + e == a·b exactly (no underflow): the error by an explicit fma
+    p = a * b
+    return p, tl.fma(a, b, -p)
+
+
+@triton.jit
+def _dd_difference(z, mask, a):
+    # (h, l), h = fl(z - a) and h + l == z - a exactly, 0 past the row
+    h, l = _two_sum(z, -a)
+    return tl.where(mask, h, 0.0), tl.where(mask, l, 0.0)
+
+
+@triton.jit
+def _dd_mean_parts(z, mask, a, sigma):
+    # a tile's part of V = Σ(z - a): (Σq, Σr, Σl) of the differences, h split at sigma
+    h, l = _dd_difference(z, mask, a)
+    q, r = _split(h, sigma)
+    return _sum2d(q), _sum2d(r), _sum2d(l)
+
+
+@triton.jit
+def _dd_square_parts(z, mask, a, w_h, w_l, sigma, RMS: tl.constexpr):
+    """A tile's part of ``S' = Σd²``, ``d = z - a - (w_h + w_l)`` as the pair ``(d_h,
+    d_l)`` (within ``2.01u·tau`` of it), ``d_h² = p + p_e`` by TwoProd: ``(Σq, Σr)`` of
+    the ``p`` split at ``sigma``, ``Σ(p_e + 2·d_h·d_l)``, ``Σp``, ``Σ|d_h|·tau`` and
+    ``Σtau²`` (RMSNorm: ``d = z``, exactly)."""
+    if RMS:
+        d_h = tl.where(mask, z, 0.0)
+        d_l = tl.zeros_like(z)
+        tau = tl.zeros_like(z)
+    else:
+        h, l = _dd_difference(z, mask, a)
+        p1, e1 = _two_sum(h, -w_h)
+        d_h, d_l = _two_sum(p1, e1 + (l - w_l))
+        d_h = tl.where(mask, d_h, 0.0)
+        d_l = tl.where(mask, d_l, 0.0)
+        tau = tl.where(mask, tl.abs(e1) + tl.abs(l) + tl.abs(w_l), 0.0)
+    p, p_e = _two_prod(d_h, d_h)
+    q, r = _split(p, sigma)
+    low = p_e + 2.0 * d_h * d_l
+    return (
+        _sum2d(q), _sum2d(r), _sum2d(low), _sum2d(p), _sum2d(tl.abs(d_h) * tau),
+        _sum2d(tau * tau),
+    )  # fmt: skip
+
+
+@triton.jit
+def _product_minus(x1, x2, y1, y2, z1, z2):
+    # (x1 + x2)·(y1 + y2) - (z1 + z2) and a bound on its evaluation's roundings (the
+    # numba kernel's _product_minus)
+    c1, c2 = _two_prod(x1, y1)
+    head = c1 - z1
+    p = x1 * y2
+    q = x2 * y1
+    w = x2 * y2
+    tail = ((c2 - z2) + p) + (q + w)
+    value = head + tail
+    small = tl.abs(c2) + tl.abs(z2) + tl.abs(p) + tl.abs(q) + tl.abs(w)
+    return value, _C1_01 * (_U * (tl.abs(head) + tl.abs(value)) + 3.015625 * _U * small)
+
+
+@triton.jit
+def _dd_sigma_of_squares(big, w_h, n):
+    # sigma >= 4·N·max d_h², from |d_h| <= (max|h| + |w_h|)(1 + 2^-40)
+    top = (big + tl.abs(w_h)) * (1.0 + 2.0**-40)
+    return _pow2_above(4.0 * n * top * top)
+
+
+@triton.jit
+def _dd_mean(q_v, r_v, l_v, sigma, big, n, g):
+    """From V's parts (Σq exact; Σr within g·N·u·sigma; Σl within g·u·N·big): ``V`` as
+    the pair ``(v_h, v_l)``, its bound ``e_v``, and ``mean - a = V/N`` as ``(w_h, w_l)``
+    with ``mu`` bounding how far ``a + w_h + w_l`` is from the mean."""
+    c = r_v + l_v
+    v_h, v_l = _two_sum(q_v, c)
+    e_v = _C1_02 * (g * n * _U * sigma + g * _U * n * big + _U * tl.abs(c))
+    w_h = v_h / n
+    w_l = (tl.fma(-w_h, n, v_h) + v_l) / n  # (the remainder is exact)
+    mu = _C1_02 * (e_v / n + _C2_01 * _U * tl.abs(w_l))
+    return v_h, v_l, e_v, w_h, w_l, mu
+
+
+@triton.jit
+def _dd_spread(q_s, r_s, low, p_sum, tau_d, tau_sq, sigma, mu, n, eps, g):
+    """``S = N·(q + eps)`` as the pair ``(s_h, s_l)`` within ``e_s``, from the parts of
+    :func:`_dd_square_parts` (``N·q = S' - N·mu'²``, ``|mu'| <= mu``; ``N·eps`` exactly
+    by TwoProd)."""
+    e_sum = g * n * _U * sigma + ((g + _C2_01 * _U) * 3.015625 + 1.015625 * _U) * _U * p_sum
+    e_d = 4.0625 * _U * tau_d + 4.0625 * _U * _U * tau_sq
+    c = r_s + low
+    ne_h, ne_l = _two_prod(n, eps)
+    s_h, s_2 = _two_sum(q_s, ne_h)
+    s_l = (s_2 + c) + ne_l
+    e_s = _C1_02 * (
+        e_sum + e_d + n * mu * mu + _U * tl.abs(c)
+        + _C2_01 * _U * (tl.abs(s_2) + tl.abs(c) + tl.abs(ne_l))
+    ) + tl.full([], _TINY, tl.int64).to(tl.float64, bitcast=True)  # fmt: skip
+    return s_h, s_l, e_s
+
+
+@triton.jit
+def _dd_verdict(v_h, v_l, e_v, w_h, s_h, s_l, e_s, n, RMS: tl.constexpr):
+    """``(r, t, open)`` decided at the midpoints of the estimates' grid intervals, as the
+    numba kernel's :func:`_settled_weight_scalars` (its docstring has the argument):
+    ``rstd > m`` iff ``m²·S < N``, ``|v| > m`` iff ``m²·N·S < V²``."""
+    ok = (s_h > 0.0) & (e_s <= 2.0**-60 * s_h) & (e_v - e_v == 0.0)  # (NaN rows too)
+    s_safe = tl.where(ok, s_h, 1.0)
+    r_a = 1.0 / tl.sqrt(s_safe / n)
+    rel_r = _C0_51 * (tl.abs(s_l) + e_s) / s_safe + 2.625 * _U
+    ok = ok & (rel_r < 2.0**-35)
+    power = (r_a.to(tl.int64, bitcast=True) & _EXPONENT).to(tl.float64, bitcast=True)
+    step = power * 2.0**-31  # the 32-bit grid's spacing in r_a's binade
+    m_r = (tl.floor(r_a / step) + 0.5) * step
+    m2_h, m2_l = _two_prod(m_r, m_r)  # exact: m_r has 33 bits
+    below, error = _product_minus(m2_h, m2_l, s_h, s_l, n, 0.0)  # m²S - N
+    ok = ok & (tl.abs(below) > _C1_01 * (error + _C1_01 * m2_h * e_s))
+    r = tl.where(below < 0.0, m_r + 0.5 * step, m_r - 0.5 * step)
+    t = tl.full([], 0.0, tl.float64)
+    if not RMS:
+        v_a = tl.abs(w_h) * r_a
+        e_va = _C1_02 * (v_a * (rel_r + _C2_01 * _U) + r_a * (tl.abs(v_l) + e_v) / n)
+        ok = ok & (v_a < 2.0**14) & (e_va < 0.25 * _QUANTUM)
+        m_t = (tl.floor(tl.minimum(v_a, 2.0**14) * _GRID) + 0.5) * _QUANTUM
+        t2_h, t2_l = _two_prod(m_t, m_t)  # exact: m_t < 2^14 has at most 47 bits
+        x_h, x_e = _two_prod(t2_h, n)
+        x_p = t2_l * n
+        x_l = x_e + x_p
+        e_x = _C2_01 * _U * (tl.abs(x_e) + tl.abs(x_p))
+        y_h, y_e = _two_prod(v_h, v_h)
+        y_c = 2.0 * v_h * v_l
+        y_l = y_e + y_c
+        e_y = _C2_01 * _U * (tl.abs(y_e) + tl.abs(y_c)) + _C1_01 * _U * _U * y_h
+        e_y = e_y + e_v * (_C2_01 * tl.abs(v_h) + e_v)
+        above, error = _product_minus(x_h, x_l, s_h, s_l, y_h, y_l)  # m²NS - V²
+        moved = _C1_01 * (tl.abs(x_h) * e_s + e_x * tl.abs(s_h)) + e_y
+        ok = ok & (tl.abs(above) > _C1_01 * (error + moved))
+        t = tl.where(above < 0.0, m_t + 0.5 * _QUANTUM, m_t - 0.5 * _QUANTUM)
+        ok = ok & ((t == 0.0) | (tl.abs(v_h) > 2.0 * e_v))  # V's sign known
+        t = tl.where(t == 0.0, 0.0, tl.where(v_h < 0.0, -t, t))
+    return r, t, 1 - ok.to(tl.int32)
+
+
+@triton.jit
+def _dd_scalars_tile(z, mask, a, n, eps, g, RMS: tl.constexpr):
+    # (r, t, open) of a row held in one tile (fused)
+    v_h = tl.full([], 0.0, tl.float64)
+    v_l = v_h
+    e_v = v_h
+    w_h = v_h
+    w_l = v_h
+    mu = v_h
+    big = v_h
+    if not RMS:
+        h, _ = _dd_difference(z, mask, a)
+        big = _max2d(tl.abs(h))
+        sigma = _pow2_above(4.0 * n * big)
+        q_v, r_v, l_v = _dd_mean_parts(z, mask, a, sigma)
+        v_h, v_l, e_v, w_h, w_l, mu = _dd_mean(q_v, r_v, l_v, sigma, big, n, g)
+    else:
+        big = _max2d(tl.abs(tl.where(mask, z, 0.0)))
+    sigma = _dd_sigma_of_squares(big, w_h, n)
+    q_s, r_s, low, p_sum, tau_d, tau_sq = _dd_square_parts(z, mask, a, w_h, w_l, sigma, RMS)
+    s_h, s_l, e_s = _dd_spread(q_s, r_s, low, p_sum, tau_d, tau_sq, sigma, mu, n, eps, g)
+    return _dd_verdict(v_h, v_l, e_v, w_h, s_h, s_l, e_s, n, RMS)
+
+
+@triton.jit
+def _dd_scalars_chunked(
+    Z, row, stride_z, N, n, a, eps, g, num_chunks,
+    RMS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+):  # fmt: skip
+    # (r, t, open) of a row read chunk by chunk: max|z - a|, then V, then S
+    zero = tl.full([], 0.0, tl.float64)
+    big = zero
+    for chunk in range(0, num_chunks):
+        cols = chunk * (ROWS * COLS) + _tile(ROWS, COLS)
+        mask = cols < N
+        z = _load_row(Z, row, stride_z, cols, mask)
+        h, _ = _dd_difference(z, mask, a)
+        big = tl.maximum(big, _max2d(tl.abs(h)))
+    v_h = zero
+    v_l = zero
+    e_v = zero
+    w_h = zero
+    w_l = zero
+    mu = zero
+    if not RMS:
+        sigma = _pow2_above(4.0 * n * big)
+        q_v = zero
+        r_v = zero
+        l_v = zero
+        for chunk in range(0, num_chunks):
+            cols = chunk * (ROWS * COLS) + _tile(ROWS, COLS)
+            mask = cols < N
+            z = _load_row(Z, row, stride_z, cols, mask)
+            q, r, l = _dd_mean_parts(z, mask, a, sigma)
+            q_v += q
+            r_v += r
+            l_v += l
+        v_h, v_l, e_v, w_h, w_l, mu = _dd_mean(q_v, r_v, l_v, sigma, big, n, g)
+    sigma = _dd_sigma_of_squares(big, w_h, n)
+    q_s = zero
+    r_s = zero
+    low = zero
+    p_sum = zero
+    tau_d = zero
+    tau_sq = zero
+    for chunk in range(0, num_chunks):
+        cols = chunk * (ROWS * COLS) + _tile(ROWS, COLS)
+        mask = cols < N
+        z = _load_row(Z, row, stride_z, cols, mask)
+        q, r, lo, p, td, ts = _dd_square_parts(z, mask, a, w_h, w_l, sigma, RMS)
+        q_s += q
+        r_s += r
+        low += lo
+        p_sum += p
+        tau_d += td
+        tau_sq += ts
+    s_h, s_l, e_s = _dd_spread(q_s, r_s, low, p_sum, tau_d, tau_sq, sigma, mu, n, eps, g)
+    return _dd_verdict(v_h, v_l, e_v, w_h, s_h, s_l, e_s, n, RMS)
+
+
 _C3_1 = tl.constexpr(3.125)  # >= 3.1
 
 
@@ -886,8 +1130,8 @@ def backward_kernel(
     t``, and ``dy``), added row by row in float64 from ``0.0`` over each block of
     ``_weight_terms.ROWS`` rows (``rows_per_program`` is a multiple of it) into row
     ``block`` of DW_PART / DB_PART. The row's ``(r, t)``: FUSED, from its constants (and
-    stage 2's when their test leaves them open), ``WEIGHT_FLAGS[row]`` 1 where they are
-    still open (the host's exact fallback); chunked, from ``SCALARS`` (2, M), which
+    stage 2's when their test leaves them open, then :func:`_dd_scalars_tile`'s),
+    ``WEIGHT_FLAGS[row]`` 1 where they are still open (the host's exact fallback); chunked, from ``SCALARS`` (2, M), which
     :func:`backward_scalars_kernel` wrote. Not WEIGHT_TERMS (float64 input): ``u =
     c·rstd``, float64's accuracy and this backend's own bits."""
     pid = tl.program_id(0)
@@ -950,6 +1194,11 @@ def backward_kernel(
                     flag = 2 - (open_ | loose)  # 2: settled by stage 2, 1: still open
                 if w_open != 0:
                     r_t, t, w_open = _weight_scalars(m1, z0, delta, e_mean, rstd, e_r, loose, RMS)
+                if w_open != 0:  # rarer: double-double
+                    r_dd, t_dd, w_open = _dd_scalars_tile(z, mask, z0, n, eps, g, RMS)
+                    if w_open == 0:
+                        r_t = r_dd
+                        t = t_dd
             tl.store(WEIGHT_FLAGS + row, w_open)
         else:
             r_t = tl.full([], 0.0, tl.float64)
@@ -1057,8 +1306,8 @@ def backward_scalars_kernel(
     """Chunked rows, grid (M,): each row's ``(r, t)`` of ``_weight_terms`` into
     ``SCALARS`` (2, M), from the chunk partials of :func:`backward_sums_kernel` (the
     constants :func:`backward_kernel` computes), and where their test leaves them open
-    (rare) from :func:`_precise_sums`; ``WEIGHT_FLAGS[row]`` is 1 where they are still
-    open (the host's exact fallback)."""
+    (rare) from :func:`_precise_sums`, then (rarer) :func:`_dd_scalars_chunked`;
+    ``WEIGHT_FLAGS[row]`` is 1 where they are still open (the host's exact fallback)."""
     row = tl.program_id(0).to(tl.int64)
     n = N.to(tl.float64)
     eps = _eps(eps_bits)
@@ -1085,6 +1334,13 @@ def backward_scalars_kernel(
             s_d, s_dd, s_g, s_gg, s_gd, e_d, e_dd, e_g, e_gd, n, eps, RMS
         )
         r_t, t, w_open = _weight_scalars(m1, z0, delta, e_mean, rstd, e_r, loose, RMS)
+    if w_open != 0:  # rarer: double-double
+        r_dd, t_dd, w_open = _dd_scalars_chunked(
+            Z, row, stride_z, N, n, z0, eps, g, num_chunks, RMS, ROWS, COLS
+        )
+        if w_open == 0:
+            r_t = r_dd
+            t = t_dd
     tl.store(SCALARS + row, r_t)
     tl.store(SCALARS + M + row, t)
     tl.store(WEIGHT_FLAGS + row, w_open)
