@@ -1,6 +1,6 @@
 """How often the correctly rounded backward needs its exact fallback, and what it costs.
 
-    PYTHONPATH=src python benchmarks/backward_fallback_rate.py [--rows 4096]
+    PYTHONPATH=src python benchmarks/backward_fallback_rate.py [--rows 4096] [--calls 90]
 
 For random rows (z N(offset, 3) at offsets 0, 1e2, 1e4; dy N(0, 1); gamma in [0.5, 1.5))
 counts the rows the numba kernel flags for the host's exact fallback (docs/contract.md
@@ -10,7 +10,10 @@ counts the rows the numba kernel flags for the host's exact fallback (docs/contr
 open (those are settled in double-double before their terms are added), the rows that
 leaves open too (the host's fallback: the call's dweight again), the rows the torch
 backend sends to ``_exact.weight_scalars`` (it has no double-double step), and the time
-of ``_exact.weight_scalars`` for one row.
+of ``_exact.weight_scalars`` for one row. Last, ``--calls`` random float32 layer_norm
+backward calls of 4096x1024 (offsets 0, 1e2, 1e4 in turn) through ``numba_.backward``:
+how many sent their dweight to the host (``torch_.weight_gradient``), and the time of the
+calls with and without those.
 """
 
 from __future__ import annotations
@@ -96,9 +99,38 @@ def open_scalars(
     return int(retried), int(still), len(calls)
 
 
+def host_fallback_calls(calls: int, m: int = 4096, n: int = 1024) -> tuple[int, float, float]:
+    """(calls whose dweight went to the host, seconds of all the backward calls, seconds
+    of the host's part) over ``calls`` random calls."""
+    spent: list[float] = []
+    weight_gradient = torch_.weight_gradient
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        result = weight_gradient(*args, **kwargs)
+        spent.append(time.perf_counter() - start)
+        return result
+
+    torch_.weight_gradient = timed
+    total = 0.0
+    try:
+        for k in range(calls):
+            z = torch.randn(m, n) * 3 + (0.0, 1e2, 1e4)[k % 3]
+            dy = torch.randn(m, n)
+            w = torch.rand(n) + 0.5
+            _, _, mean, rstd = numba_.forward(z, None, w, None, 1e-5, False)
+            start = time.perf_counter()
+            numba_.backward(dy, z, w, mean, rstd, None, False, True, True, 1e-5)
+            total += time.perf_counter() - start
+    finally:
+        torch_.weight_gradient = weight_gradient
+    return len(spent), total, sum(spent)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--calls", type=int, default=90, help="backward calls of 4096x1024")
     options = parser.parse_args()
     torch.manual_seed(0)
     print("| dtype | op | M x N | offset | rows to the host | elements |")
@@ -144,6 +176,14 @@ def main() -> None:
         start = time.perf_counter()
         _exact.fix_backward_row(z, gh, rho, 1e-5, False, torch.float32)
         print(f"| layer_norm | {n} | {time.perf_counter() - start:.4f} |")
+    print()
+    warm = torch.randn(8, 1024)  # the entry compiled or loaded before the timing
+    numba_.backward(warm, warm, None, None, torch.ones(8), None, False, True, True, 1e-5)
+    host, total, spent = host_fallback_calls(options.calls)
+    print(
+        f"{options.calls} random backward calls of 4096x1024 float32: {host} sent dweight "
+        f"to the host; {total:.2f} s in all, {spent:.2f} s of it the host's"
+    )
 
 
 if __name__ == "__main__":
