@@ -901,6 +901,14 @@ def _dd_scalars_tile(z, mask, a, n, eps, g, RMS: tl.constexpr):
 
 
 @triton.jit
+def _chunk_of_row(Z, row, stride_z, N, chunk, ROWS: tl.constexpr, COLS: tl.constexpr):
+    # (z, mask): chunk ``chunk`` of the row as float64 (0 past its end)
+    cols = chunk * (ROWS * COLS) + _tile(ROWS, COLS)
+    mask = cols < N
+    return _load_row(Z, row, stride_z, cols, mask), mask
+
+
+@triton.jit
 def _dd_scalars_chunked(
     Z, row, stride_z, N, n, a, eps, g, num_chunks,
     RMS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
@@ -909,9 +917,7 @@ def _dd_scalars_chunked(
     zero = tl.full([], 0.0, tl.float64)
     big = zero
     for chunk in range(0, num_chunks):
-        cols = chunk * (ROWS * COLS) + _tile(ROWS, COLS)
-        mask = cols < N
-        z = _load_row(Z, row, stride_z, cols, mask)
+        z, mask = _chunk_of_row(Z, row, stride_z, N, chunk, ROWS, COLS)
         h, _ = _dd_difference(z, mask, a)
         big = tl.maximum(big, _max2d(tl.abs(h)))
     v_h = zero
@@ -926,9 +932,7 @@ def _dd_scalars_chunked(
         r_v = zero
         l_v = zero
         for chunk in range(0, num_chunks):
-            cols = chunk * (ROWS * COLS) + _tile(ROWS, COLS)
-            mask = cols < N
-            z = _load_row(Z, row, stride_z, cols, mask)
+            z, mask = _chunk_of_row(Z, row, stride_z, N, chunk, ROWS, COLS)
             q, r, l = _dd_mean_parts(z, mask, a, sigma)
             q_v += q
             r_v += r
@@ -942,9 +946,7 @@ def _dd_scalars_chunked(
     tau_d = zero
     tau_sq = zero
     for chunk in range(0, num_chunks):
-        cols = chunk * (ROWS * COLS) + _tile(ROWS, COLS)
-        mask = cols < N
-        z = _load_row(Z, row, stride_z, cols, mask)
+        z, mask = _chunk_of_row(Z, row, stride_z, N, chunk, ROWS, COLS)
         q, r, lo, p, td, ts = _dd_square_parts(z, mask, a, w_h, w_l, sigma, RMS)
         q_s += q
         r_s += r
