@@ -198,10 +198,18 @@ def _accurate(q_total, r_total, sigma, n, g):
 
 
 @triton.jit
-def _two_sum_error(a, b, s):
-    # Knuth's TwoSum: the exact error of s = fl(a + b), so that s + e == a + b
-    t = s - a
-    return (a - (s - t)) + (b - t)
+def _two_sum(a, b):
+    # Knuth's TwoSum: t + e == a + b exactly
+    t = a + b
+    bb = t - a
+    return t, (a - (t - bb)) + (b - bb)
+
+
+@triton.jit
+def _two_prod(a, b):
+    # p + e == a·b exactly (no underflow): the error by an explicit fma
+    p = a * b
+    return p, tl.fma(a, b, -p)
 
 
 @triton.jit
@@ -392,8 +400,9 @@ def forward_fused_kernel(
         if RMS:
             delta, var, e_mean, e_var, k_c = _precise_rms(z, mask, n, g)
         else:
-            d = tl.where(mask, z - m1, 0.0)
-            rounding = tl.where(mask, _two_sum_error(z, -m1, d), 0.0)
+            d, rounding = _two_sum(z, -m1)
+            d = tl.where(mask, d, 0.0)
+            rounding = tl.where(mask, rounding, 0.0)
             big_d = _max2d(tl.abs(d))
             sigma = _pow2_above(4.0 * n * big_d)
             q, r = _split(d, sigma)
@@ -599,9 +608,10 @@ def forward_precise_kernel(
             if RMS:
                 q, r = _split(z * z, sigma)
             else:
-                d = tl.where(mask, z - m1, 0.0)
+                d, error = _two_sum(z, -m1)
+                d = tl.where(mask, d, 0.0)
                 q, r = _split(d, sigma)
-                rounding += _sum2d(tl.where(mask, _two_sum_error(z, -m1, d), 0.0))
+                rounding += _sum2d(tl.where(mask, error, 0.0))
                 absolute += _sum2d(tl.abs(d))
             q_total += _sum2d(q)
             r_total += _sum2d(r)
@@ -722,21 +732,6 @@ def _weight_shift(Z, row, stride_z, RMS: tl.constexpr):
 
 
 _TINY = tl.constexpr(0x0170000000000000)  # 2^-1000's float64 pattern
-
-
-@triton.jit
-def _two_sum(a, b):
-    # Knuth's TwoSum: t + e == a + b exactly
-    t = a + b
-    bb = t - a
-    return t, (a - (t - bb)) + (b - bb)
-
-
-@triton.jit
-def _two_prod(a, b):
-    # p + e == a·b exactly (no underflow): the error by an explicit fma
-    p = a * b
-    return p, tl.fma(a, b, -p)
 
 
 @triton.jit
