@@ -4,7 +4,8 @@
   ``multiprocessing`` pool, DataLoader workers) and spawned ones compute the parent's bits;
 - threads: torch's thread settings and the environment are left alone, the kernels follow
   ``torch.get_num_threads()`` at call time, concurrent callers never get more kernel
-  threads than CPUs, and results are the same bits under all of it;
+  threads than CPUs, the compiled dispatch's threaded calls run on torch's own OpenMP
+  workers, and results are the same bits under all of it;
 - the cache: eight processes starting together on a cold cache never crash or corrupt it,
   it goes somewhere writable when the package and the home directory are not, the first
   cold compile says so once, and after the set-up (``numba_.build``, which the test
@@ -213,6 +214,44 @@ def test_the_importing_process_keeps_its_threads_and_environment():
     assert done.returncode == 0, done.stderr
     # same torch threads (1) and environment; numba's threading layer never started
     assert done.stdout.split() == ["True", "1", "False"]
+
+
+_WORKERS_SCRIPT = textwrap.dedent(
+    """
+    import os, torch, layernorm
+    from layernorm import compiled
+    torch.set_num_threads(2)
+    x = torch.randn(256, 1024)
+    threads = lambda: len(os.listdir("/proc/self/task"))
+    with torch.no_grad():
+        layernorm.layer_norm(x, 1024)  # threaded, by the compiled dispatch
+        ours = threads()
+        (x * 2).sum()  # torch's own threaded kernel
+    print(compiled.unavailable_reason(), ours, threads())
+    """
+)
+
+
+@pytest.mark.skipif(_threads.cpus() < 2, reason="a threaded call needs two CPUs")
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="counts threads in /proc")
+def test_threaded_calls_run_on_torchs_own_workers():
+    """The compiled dispatch's threaded calls run on torch's OpenMP workers: after one, a
+    threaded torch kernel finds its workers started and starts no thread (threads of
+    layernorm's own would leave torch to start its workers then)."""
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler to build the compiled dispatch")
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    done = subprocess.run(
+        [sys.executable, "-c", _WORKERS_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    reason, ours, after_torch = done.stdout.split()
+    assert reason == "None"  # the compiled dispatch ran the call
+    assert after_torch == ours
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@
 // tensors, kernels that torch's dispatcher prefers to those:
 //
 //   CPU          forward_cpu / backward_cpu: the numba backend's compiled entries called
-//                through their C addresses, in spans of rows over C++ helper threads
+//                through their C addresses, in spans of rows over torch's OpenMP workers
 //                when _threads.lend grants them (a row flagged for the exact fallback is
 //                rewritten by Python, that row only); any call they were not built for
 //                (another backend, zero-size, large, strided) goes to the Python kernel
@@ -44,6 +44,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <dlfcn.h>
 #include <pthread.h>
 
 #include <algorithm>
@@ -292,14 +293,21 @@ int64_t entry_for(const Tensor& x, c10::string_view backend, Entry serial) {
 // Threaded calls. A call's rows split into spans of whole ROW_BLOCKs give the same bits
 // for any split (rows are independent; the backward's dweight/dbias partial sums belong
 // to fixed blocks of rows, added in a fixed order afterwards: layernorm.backends._threads).
-// The spans run on the calling thread and on as many helper threads as _threads.lend
+// The spans run on the calling thread and on as many more threads as _threads.lend
 // grants: it counts them with the Python pool's, so the process's kernel threads never
-// outnumber its CPUs, and it follows torch.get_num_threads() at call time. The helpers
-// are C++ threads (no Python, no OpenMP: torch's OpenMP pool hangs a forked child),
-// started on first need; after a task a helper spins for SPIN before it sleeps (a wake-up
-// from sleep costs a few microseconds; calls that follow each other closely, as a
-// layer's forward and backward can, find it awake), short so that it takes little CPU
-// from other work. A forked child starts without helpers (after_fork_in_child).
+// outnumber its CPUs, and it follows torch.get_num_threads() at call time.
+//
+// Those threads are torch's own OpenMP workers (torch_parallel_region), the team torch's
+// kernels run on: between torch's operations they spin, awake, so a call among torch's
+// finds them ready instead of sharing a core with one (threads of our own lost up to half
+// their speed so: benchmarks/RESULTS.md, "Threads: torch's own OpenMP workers").
+// libgomp's pool does not survive a fork (torch's own kernels hang in a child forked after
+// they ran), so a child forked after the library loaded, or a torch without OpenMP, runs
+// its spans on C++ helper threads of our own (no Python, no OpenMP), started on first
+// need; after a task a helper spins for SPIN before it sleeps (a wake-up from sleep costs
+// a few microseconds; calls that follow each other closely, as a layer's forward and
+// backward can, find it awake), short so that it takes little CPU from other work. A
+// forked child starts without helpers (after_fork_in_child).
 
 constexpr auto SPIN = std::chrono::microseconds(20);
 
@@ -372,7 +380,13 @@ class Helpers {
 // where the parent's helpers do not exist (and its lock may have been held).
 Helpers* helpers = new Helpers();
 
-void after_fork_in_child() { helpers = new Helpers(); }
+// Whether this process was forked after the library was loaded (see run_spans).
+bool forked = false;
+
+void after_fork_in_child() {
+    helpers = new Helpers();
+    forked = true;
+}
 
 using Ranges = std::vector<std::pair<int64_t, int64_t>>;
 
@@ -406,8 +420,56 @@ Ranges span_ranges(int64_t blocks, int64_t block_numel, int64_t* lent) {
     return ranges;
 }
 
-// Runs span over the ranges on the calling thread and `lent` helpers, without the GIL,
-// returns when every span has returned, and gives the helpers back.
+// Runs the job's spans on the calling thread and `lent` C++ helpers; returns when every
+// span has returned.
+void run_on_helpers(const std::shared_ptr<Job>& job, int64_t lent) {
+    Helpers* pool = helpers;
+    pool->ensure(lent);
+    for (int64_t k = 0; k < lent; ++k) pool->post([job] { job->work(); });
+    job->work();
+    // (a helper that wakes late finds no span left and touches nothing of this call;
+    // a helper descheduled mid-span gets the CPU back after SPIN)
+    const auto until = std::chrono::steady_clock::now() + SPIN;
+    while (job->done.load(std::memory_order_acquire) < job->ranges.size()) {
+        if (std::chrono::steady_clock::now() < until)
+            relax();
+        else
+            std::this_thread::yield();
+    }
+}
+
+// The entry of torch's OpenMP runtime that starts a parallel region: libgomp's
+// GOMP_parallel(fn, data, threads, flags), what GCC compiles `#pragma omp parallel` to
+// (Intel's and LLVM's runtimes export it too), found among libtorch_cpu's own
+// dependencies, so it is the runtime torch's kernels run on and never a second one;
+// null where torch has none. (Called, not compiled in: the build needs no OpenMP flags.)
+using ParallelRegion = void (*)(void (*)(void*), void*, unsigned, unsigned);
+
+ParallelRegion torch_parallel_region() {
+    static const ParallelRegion region = [] {
+        Dl_info torch_cpu{};
+        if (dladdr(reinterpret_cast<void*>(&at::get_num_threads), &torch_cpu) == 0)
+            return ParallelRegion{};
+        void* library = dlopen(torch_cpu.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+        if (library == nullptr) return ParallelRegion{};
+        return reinterpret_cast<ParallelRegion>(dlsym(library, "GOMP_parallel"));
+    }();
+    return region;
+}
+
+// Runs the job's spans on a team of the calling thread and `lent` of torch's OpenMP
+// workers, unless that pool is not there to use (see "Threaded calls"); returns whether
+// it ran them. (Inside another OpenMP region the team is the calling thread alone.)
+bool run_on_torch_pool(Job& job, int64_t lent) {
+    const ParallelRegion region = torch_parallel_region();
+    if (forked || region == nullptr) return false;
+    region([](void* data) { static_cast<Job*>(data)->work(); }, &job,
+           static_cast<unsigned>(lent + 1), 0);
+    return true;
+}
+
+// Runs span over the ranges on the calling thread and `lent` more threads, without the
+// GIL, returns when every span has returned, and gives the threads back.
 void run_spans(const Ranges& ranges, int64_t lent, std::function<void(int64_t, int64_t)> span) {
     auto job = std::make_shared<Job>();
     job->ranges = ranges;
@@ -415,19 +477,7 @@ void run_spans(const Ranges& ranges, int64_t lent, std::function<void(int64_t, i
     {
         std::optional<pybind11::gil_scoped_release> unlocked;
         if (PyGILState_Check()) unlocked.emplace();
-        Helpers* pool = helpers;
-        pool->ensure(lent);
-        for (int64_t k = 0; k < lent; ++k) pool->post([job] { job->work(); });
-        job->work();
-        // (a helper that wakes late finds no span left and touches nothing of this call;
-        // a helper descheduled mid-span gets the CPU back after SPIN)
-        const auto until = std::chrono::steady_clock::now() + SPIN;
-        while (job->done.load(std::memory_order_acquire) < job->ranges.size()) {
-            if (std::chrono::steady_clock::now() < until)
-                relax();
-            else
-                std::this_thread::yield();
-        }
+        if (!run_on_torch_pool(*job, lent)) run_on_helpers(job, lent);
     }
     call_python(state.give_back, lent);
 }

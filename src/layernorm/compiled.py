@@ -13,8 +13,9 @@ in torch's dispatcher for CPU tensors (``docs/contract.md`` §6):
   ``numba_.STREAM_BYTES`` or more) to the op's Python kernel; rows the kernel flags for
   the exact fallback are rewritten in Python, those rows only. A call that
   :func:`layernorm.backends._threads.lend` grants helpers to runs in spans of rows on
-  the calling thread and C++ helper threads (no Python, no OpenMP), counted with the
-  Python pool's threads, so the thread rules of :mod:`layernorm.backends._threads` hold;
+  the calling thread and torch's own OpenMP workers (C++ helper threads in a forked
+  child, where libgomp's pool is gone), counted with the Python pool's threads, so the
+  thread rules of :mod:`layernorm.backends._threads` hold;
 - an AutogradCPU kernel of the forward: a C++ autograd node with the Python autograd's
   saved tensors and backward, which calls ``layernorm::backward`` through the dispatcher,
   or its CPU kernel directly when no PyTorch mechanism would see the call (the same

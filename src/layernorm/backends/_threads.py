@@ -14,16 +14,18 @@ spans per thread, so a core that other work slows down does not hold up the call
   thread per CPU the process may use (``os.sched_getaffinity``): a call borrows helpers
   only while CPUs are free of kernel threads, so Python threads calling at once run one
   kernel thread each (plus what is left), not ``threads × torch.get_num_threads()``.
-- **Nothing global changes**: no OpenMP, no numba threading layer is started, and torch's
-  thread settings and the environment are left as they are.
-- **C++ helpers**: the compiled front door (``layernorm._compiled``) runs its threaded
-  calls on C++ helper threads of its own (a Python thread costs tens of microseconds to
-  hand work to), but asks this pool for them (:func:`lend`, :func:`give_back`), so the
-  two count as one pool and the rules above hold for both.
+- **Nothing global changes**: no OpenMP runtime or numba threading layer of our own is
+  started, and torch's thread settings and the environment are left as they are.
+- **torch's workers**: the compiled front door (``layernorm._compiled``) runs its threaded
+  calls on torch's own OpenMP workers, the threads torch's kernels run on (in a forked
+  child, on C++ helper threads of its own: libgomp's pool does not survive a fork; a
+  Python thread costs tens of microseconds to hand work to), but asks this pool for them
+  (:func:`lend`, :func:`give_back`), so the two count as one pool and the rules above
+  hold for both.
 - **Fork**: threads do not survive ``fork``. The child gets a fresh, empty pool
   (``os.register_at_fork``) and starts helpers on its first large call, so forked
   workers (``multiprocessing``, DataLoader workers, ``gunicorn --preload``) compute as the
-  parent does. The C++ helpers are replaced the same way (``pthread_atfork``).
+  parent does. The compiled front door turns to C++ helpers there (``pthread_atfork``).
 """
 
 from __future__ import annotations

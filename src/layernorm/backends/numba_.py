@@ -35,7 +35,8 @@ run, for a row alone or in any batch, and at any thread count (see
 
 Threads: ``torch.get_num_threads()`` at call time (``torch.set_num_threads``,
 ``OMP_NUM_THREADS``), at most one kernel thread per CPU for all concurrent calls together;
-no OpenMP or numba threading layer is started, so forked children compute normally and
+no OpenMP runtime or numba threading layer of our own is started (the compiled path's
+threaded calls run on torch's own OpenMP workers), forked children compute normally, and
 torch's settings are never changed (:mod:`layernorm.backends._threads`).
 
 JIT cost: nothing is compiled until the first call; each dtype then compiles its forward
@@ -372,8 +373,8 @@ def cache_location() -> str:
 #: inputs of fewer elements run in the calling thread on this Python path: below this,
 #: waking Python helper threads costs more than it saves (on the 2-core development
 #: machine one thread beat two up to about 256 rows of 1024: ``benchmarks/RESULTS.md``,
-#: "Small calls"). Same bits either way. (The compiled front door's C++ helpers cost far
-#: less to wake and follow :func:`._threads.lend` alone.)
+#: "Small calls"). Same bits either way. (The compiled front door's threads, torch's
+#: OpenMP workers, cost far less to wake and follow :func:`._threads.lend` alone.)
 SERIAL_NUMEL = 1 << 18
 
 
