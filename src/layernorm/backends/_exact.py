@@ -240,18 +240,102 @@ def _integers(z: np.ndarray) -> tuple[list[int], int]:
     return [k << shift for k, shift in zip(ints.tolist(), shifts, strict=True)], low
 
 
+def _dot(a: list[int], b: list[int]) -> int:
+    return sum(x * y for x, y in zip(a, b, strict=True))
+
+
+#: :func:`_sum` and :func:`_products` take nonzero values within ``2**±_SPAN``: there no
+#: product, part of one, or sum's ``sigma`` leaves float64's normal range
+_SPAN = 450
+
+
+def _spanned(*rows: np.ndarray) -> bool:
+    """Whether every nonzero value of ``rows`` (finite float64) lies within ``2**±_SPAN``."""
+    for row in rows:
+        magnitude = np.abs(row[row != 0])
+        if magnitude.size and (magnitude.min() < 2.0**-_SPAN or magnitude.max() > 2.0**_SPAN):
+            return False
+    return True
+
+
+def _sum(*parts: np.ndarray) -> Fraction:
+    """The exact sum of the values of ``parts`` (float64, nonzero ones within
+    ``2**±_SPAN``: :func:`_spanned`), by error-free extraction (Rump, Ogita and Oishi,
+    "Accurate floating-point summation", 2008, Algorithm 3.2): with ``sigma = 2**k``,
+    ``|x_i| <= 2**e`` and ``2**(k - e) >= 2(n + 1)``, each ``q_i = (sigma + x_i) - sigma``
+    is a multiple of ``2**(k - 53)``, ``x_i - q_i`` is exact, and the ``q_i`` add up
+    exactly in any order (every partial sum a multiple of ``2**(k - 53)`` below
+    ``2**k``). Repeated on the remainders until they are zero: each pass takes the top
+    ``52 - log2(2(n + 1))`` bits, so a row of ``n`` values within ``2**±_SPAN`` needs at
+    most ``(2 · _SPAN + 53) / (52 - log2(2(n + 1)))`` passes, usually two or three."""
+    x = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    x = x[x != 0]
+    total = Fraction(0)
+    while x.size:
+        headroom = (2 * (x.size + 1) - 1).bit_length()  # 2**headroom >= 2(n + 1)
+        sigma = 2.0 ** (int(np.frexp(np.abs(x).max())[1]) + headroom)
+        high = (sigma + x) - sigma
+        total += Fraction(float(high.sum()))
+        x = x - high
+        x = x[x != 0]
+    return total
+
+
+def _products(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(p, e)`` with ``a * b = p + e`` exactly for each pair (Dekker's product, with
+    Veltkamp's split: exact where the nonzero values lie within ``2**±_SPAN``)."""
+    p = a * b
+    a_high, a_low = _split(a)
+    b_high, b_low = _split(b)
+    e = ((a_high * b_high - p) + a_high * b_low + a_low * b_high) + a_low * b_low
+    return p, e
+
+
+def _split(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``a = high + low`` with each part of at most 26 significant bits (Veltkamp)."""
+    c = 134217729.0 * a  # 2**27 + 1
+    high = c - (c - a)
+    return high, a - high
+
+
+class _RowSums(NamedTuple):
+    """A row's exact sums: ``n``, ``Σz`` and ``Σz²``, rationals."""
+
+    n: int
+    total: Fraction
+    squares: Fraction
+
+
+def _row_sums(z: np.ndarray) -> _RowSums:
+    """:class:`_RowSums` of the row ``z`` (finite float64): NumPy's error-free sums where
+    the row lies within ``2**±_SPAN`` (every float32 row does), else Python's integers."""
+    if _spanned(z):
+        return _RowSums(len(z), _sum(z), _sum(*_products(z, z)))
+    ints, e = _integers(z)
+    unit = Fraction(2) ** e
+    return _RowSums(len(z), sum(ints) * unit, sum(k * k for k in ints) * unit * unit)
+
+
 def row_statistics(z: np.ndarray, eps: float, rms: bool) -> _RowStatistics:
     """The exact mean (0 for RMSNorm) and ``s = q + eps`` of the row ``z`` (docs/contract.md
     §1, eps at its float64 value)."""
-    ints, e = _integers(z)
-    n = len(ints)
-    total = sum(ints)
-    squares = sum(k * k for k in ints)
-    unit = Fraction(2) ** e
+    sums = _row_sums(z)
+    n = sums.n
     if rms:
-        return _RowStatistics(Fraction(0), Fraction(squares, n) * unit * unit + Fraction(eps))
-    q = Fraction(n * squares - total * total, n * n) * unit * unit
-    return _RowStatistics(Fraction(total, n) * unit, q + Fraction(eps))
+        return _RowStatistics(Fraction(0), sums.squares / n + Fraction(eps))
+    mean = sums.total / n
+    return _RowStatistics(mean, sums.squares / n - mean * mean + Fraction(eps))
+
+
+def _gradient_sums(gh: np.ndarray, z: np.ndarray) -> tuple[Fraction, Fraction]:
+    """``(Σgh, Σgh·z)`` exactly, for rows ``gh`` and ``z`` (finite float64): as
+    :func:`_row_sums`."""
+    if _spanned(gh, z):
+        return _sum(gh), _sum(*_products(gh, z))
+    g_ints, g_exp = _integers(gh)
+    z_ints, z_exp = _integers(z)
+    unit = Fraction(2) ** g_exp
+    return sum(g_ints) * unit, _dot(g_ints, z_ints) * unit * Fraction(2) ** z_exp
 
 
 _U = 2.0**-53
@@ -322,10 +406,6 @@ def fix_forward_rows(
 # Exact rows of the backward
 
 
-def _dot(a: list[int], b: list[int]) -> int:
-    return sum(x * y for x, y in zip(a, b, strict=True))
-
-
 def fix_backward_row(
     z: np.ndarray,
     gh: np.ndarray,
@@ -350,13 +430,10 @@ def fix_backward_row(
     stats = row_statistics(z, eps, rms)
     if stats.s == 0:  # a constant row with eps = 0: 0/0, as the formula says
         return round_once(np.full(z.shape, np.nan), dtype)
-    z_ints, z_exp = _integers(z)
-    g_ints, g_exp = _integers(gh)
-    unit = Fraction(2) ** (z_exp + g_exp)
-    g_total = sum(g_ints)
-    c2 = Fraction(0) if rms else Fraction(g_total, n) * Fraction(2) ** g_exp
+    g_total, g_dot_z = _gradient_sums(gh, z)
+    c2 = Fraction(0) if rms else g_total / n
     # mean(gh * v) = mean(gh * z) - mean * mean(gh)
-    a = Fraction(_dot(g_ints, z_ints), n) * unit - stats.mean * c2
+    a = g_dot_z / n - stats.mean * c2
     # float64 from the exact statistics: every quantity within a few units of float64
     mean_high = float(stats.mean)
     mean_low = float(stats.mean - Fraction(mean_high))
