@@ -202,18 +202,23 @@ _THREADS_SCRIPT = textwrap.dedent(
 )
 
 
-def test_the_importing_process_keeps_its_threads_and_environment():
-    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+def _printed(script: str, **env: str) -> list[str]:
+    """The words ``script`` prints, run in a new Python process with the library on its
+    path and ``env`` added to this environment (it must exit 0)."""
     done = subprocess.run(
-        [sys.executable, "-c", _THREADS_SCRIPT],
-        env=env,
+        [sys.executable, "-c", script],
+        env={**os.environ, "PYTHONPATH": str(SRC), **env},
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_the_importing_process_keeps_its_threads_and_environment():
     # same torch threads (1) and environment; numba's threading layer never started
-    assert done.stdout.split() == ["True", "1", "False"]
+    assert _printed(_THREADS_SCRIPT, OMP_NUM_THREADS="1") == ["True", "1", "False"]
 
 
 _WORKERS_SCRIPT = textwrap.dedent(
@@ -240,16 +245,7 @@ def test_threaded_calls_run_on_torchs_own_workers():
     layernorm's own would leave torch to start its workers then)."""
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler to build the compiled dispatch")
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
-    done = subprocess.run(
-        [sys.executable, "-c", _WORKERS_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr
-    reason, ours, after_torch = done.stdout.split()
+    reason, ours, after_torch = _printed(_WORKERS_SCRIPT)
     assert reason == "None"  # the compiled dispatch ran the call
     assert after_torch == ours
 
