@@ -126,9 +126,23 @@ def test_kernel_ab_script_compares_two_revisions(capsys):
     spec = importlib.util.spec_from_file_location("kernel_ab", ROOT / "benchmarks" / "kernel_ab.py")
     kernel_ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kernel_ab)
-    kernel_ab.main(["--base", "HEAD", "--shapes", "4x16", "--rounds", "2", "--threads", "1"])
+    # float64: its kernels compile in seconds (float32's forward takes a minute, twice here)
+    kernel_ab.main(
+        [
+            "--base",
+            "HEAD",
+            "--shapes",
+            "4x16",
+            "--rounds",
+            "2",
+            "--threads",
+            "1",
+            "--dtype",
+            "float64",
+        ]
+    )
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("base HEAD vs the working tree, float32, 1 threads")
+    assert lines[0].startswith("base HEAD vs the working tree, float64, 1 threads")
     assert [line.split(":")[0] for line in lines[1:]] == ["fwd 4x16", "bwd 4x16"]
     assert all("new/base" in line for line in lines[1:])
     unchanged = (
