@@ -298,6 +298,25 @@ def _split(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return high, a - high
 
 
+def _exact_sum(x: np.ndarray) -> Fraction:
+    """``Σx`` exactly, for finite float64 ``x``: :func:`_sum` where the values lie within
+    ``2**±_SPAN`` (every float32 row does), else Python's integers."""
+    if _spanned(x):
+        return _sum(x)
+    ints, e = _integers(x)
+    return sum(ints) * Fraction(2) ** e
+
+
+def _exact_dot(a: np.ndarray, b: np.ndarray) -> Fraction:
+    """``Σa·b`` exactly, for finite float64 ``a`` and ``b``: as :func:`_exact_sum`, with
+    :func:`_products`."""
+    if _spanned(a, b):
+        return _sum(*_products(a, b))
+    a_ints, a_exp = _integers(a)
+    b_ints, b_exp = _integers(b)
+    return _dot(a_ints, b_ints) * Fraction(2) ** (a_exp + b_exp)
+
+
 class _RowSums(NamedTuple):
     """A row's exact sums: ``n``, ``Σz`` and ``Σz²``, rationals."""
 
@@ -307,13 +326,8 @@ class _RowSums(NamedTuple):
 
 
 def _row_sums(z: np.ndarray) -> _RowSums:
-    """:class:`_RowSums` of the row ``z`` (finite float64): NumPy's error-free sums where
-    the row lies within ``2**±_SPAN`` (every float32 row does), else Python's integers."""
-    if _spanned(z):
-        return _RowSums(len(z), _sum(z), _sum(*_products(z, z)))
-    ints, e = _integers(z)
-    unit = Fraction(2) ** e
-    return _RowSums(len(z), sum(ints) * unit, sum(k * k for k in ints) * unit * unit)
+    """:class:`_RowSums` of the row ``z`` (finite float64)."""
+    return _RowSums(len(z), _exact_sum(z), _exact_dot(z, z))
 
 
 def row_statistics(z: np.ndarray, eps: float, rms: bool) -> _RowStatistics:
@@ -328,14 +342,8 @@ def row_statistics(z: np.ndarray, eps: float, rms: bool) -> _RowStatistics:
 
 
 def _gradient_sums(gh: np.ndarray, z: np.ndarray) -> tuple[Fraction, Fraction]:
-    """``(Σgh, Σgh·z)`` exactly, for rows ``gh`` and ``z`` (finite float64): as
-    :func:`_row_sums`."""
-    if _spanned(gh, z):
-        return _sum(gh), _sum(*_products(gh, z))
-    g_ints, g_exp = _integers(gh)
-    z_ints, z_exp = _integers(z)
-    unit = Fraction(2) ** g_exp
-    return sum(g_ints) * unit, _dot(g_ints, z_ints) * unit * Fraction(2) ** z_exp
+    """``(Σgh, Σgh·z)`` exactly, for rows ``gh`` and ``z`` (finite float64)."""
+    return _exact_sum(gh), _exact_dot(gh, z)
 
 
 _U = 2.0**-53
