@@ -96,17 +96,19 @@ def row_sum(t: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
 def column_sum(t: torch.Tensor) -> torch.Tensor:
     """The column sums of ``t`` (M, N) in the order of :mod:`._weight_terms`: blocks of
     ``ROWS`` rows, each added row by row from ``0.0``, then :func:`block_totals`. The
-    same bits as the numba and triton backends' sums of the same terms. (Zero rows pad
-    the last block: adding ``+0.0`` changes no partial sum, none of which is ``-0.0``.)"""
+    same bits as the numba and triton backends' sums of the same terms. (A short last
+    block takes no addition past its rows: adding ``+0.0`` would change no partial sum,
+    none of which is ``-0.0``. No padding, which for one wide row would be 31 copies.)"""
     m, n = t.shape
     rows = _weight_terms.ROWS
-    blocks = -(-m // rows)
-    if blocks * rows != m:
-        t = torch.cat([t, t.new_zeros(blocks * rows - m, n)])
-    t = t.reshape(blocks, rows, n)
-    partial = t.new_zeros(blocks, n)
+    full, short = divmod(m, rows)
+    whole = t[: full * rows].reshape(full, rows, n)
+    last = t[full * rows :]
+    partial = t.new_zeros(full + (short > 0), n)
     for j in range(rows):
-        partial = partial + t[:, j]
+        partial[:full] += whole[:, j]
+        if j < short:
+            partial[full] += last[j]
     return block_totals(partial)
 
 
