@@ -336,11 +336,14 @@ def test_dweight_and_dbias_are_the_other_backends_bits(path, rms):
     # the torch backend's bits (tests/test_weight_terms.py: the oracle's): 130 rows are 5
     # blocks of 32 over 3 programs (MAX_PROGRAMS), and a constant row with eps = 0, whose
     # scalars no float test settles (the host's exact fallback), makes every column NaN
+    # (on the first 40 rows: two blocks, over two programs). (The interpreter runs the
+    # programs one after the other, so a second call could not show an order effect.)
     g = torch.Generator().manual_seed(29)
     z, dy, w, _ = _random_batch(torch.bfloat16, g, 130, path)
     for eps in (1e-5, 0.0):
         if eps == 0.0:
-            z[40] = 0.0
+            z, dy = z[:40].clone(), dy[:40]
+            z[30] = 0.0
         _, _, mean, rstd = triton_.forward(z, None, w, None, eps, rms)
         got = triton_.backward(dy, z, w, mean, rstd, None, rms, True, True, eps)
         expected = torch_.backward(dy, z, w, mean, rstd, None, rms, True, True, eps)
@@ -349,8 +352,6 @@ def test_dweight_and_dbias_are_the_other_backends_bits(path, rms):
             assert got[1].isnan().all() and expected[1].isnan().all()
             continue
         assert torch.equal(got[1], expected[1])
-        again = triton_.backward(dy, z, w, mean, rstd, None, rms, True, True, eps)
-        assert torch.equal(again[1], got[1]) and torch.equal(again[2], got[2])
 
 
 def test_zero_size_inputs():
