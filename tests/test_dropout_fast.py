@@ -7,6 +7,7 @@ eager training, dresidual passed on) against the op's path (``ops.FAST_PATHS`` o
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -100,6 +101,157 @@ def test_three_piece_sum_float64_extremes():
     for p in (0.0, 0.3, 0.9):
         fast = nd.dropout_add(x, None, res, None, 0, p, f64, False)[0]
         same_bits(fast, nd.dropout_add(x, None, res, ones, 0, p, f64, False)[0])
+
+
+_DIGITS = {torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}
+
+
+def _oracle(value: Fraction, dtype: torch.dtype) -> float:
+    """The exact positive ``value`` rounded once to nearest-even in ``dtype`` (its normal
+    range): an oracle that shares nothing with the kernels."""
+    e = math.frexp(float(value))[1] - 1
+    if Fraction(2) ** e > value:  # float() rounded up to the next binade
+        e -= 1
+    unit = Fraction(2) ** (e - _DIGITS[dtype] + 1)
+    return float(round(value / unit) * unit)  # round(): ties to even
+
+
+def _low_parts(x: torch.Tensor, c0: torch.Tensor, s: float) -> list[Fraction]:
+    """``x·s - c0`` exactly, element by element (``c0 = RN64(x·s)``: the TwoProd error)."""
+    return [
+        Fraction(v) * Fraction(s) - Fraction(c)
+        for v, c in zip(x.view(-1).tolist(), c0.view(-1).tolist(), strict=True)
+    ]
+
+
+def _midpoint_residuals(h_dtype: torch.dtype, seed: int):
+    """float32 ``x`` and float64 residuals ``r`` such that, at ``p = 0.1``, ``t =
+    RN64(RN64(x·s) + r)`` lies on a midpoint between two neighbours in ``h_dtype`` or up
+    to two of ``r``'s float64 units from one, with ``t`` about a tenth of ``x·s``: the
+    low part ``x·s - RN64(x·s)`` decides the side of those on the midpoint. Also the
+    exact values ``x·s + r``, as Fractions."""
+    g = torch.Generator().manual_seed(seed)
+    s = philox.dropout_scale(0.1)
+    x = (torch.rand(8, 64, generator=g, dtype=torch.float64) + 0.5).float()
+    offsets = torch.randint(-2, 3, (x.numel(),), generator=g).tolist()
+    c0 = x.double() * s  # RN64 of the product, as the kernels' TwoProd
+    y = (c0 * 0.1).to(h_dtype).double()  # values of h's dtype (positive, normal)
+    half_unit = torch.ldexp(torch.ones_like(y), torch.frexp(y).exponent - 1 - _DIGITS[h_dtype])
+    res = torch.tensor([
+        r + k * math.ulp(r)  # (r rounded: its units are coarser than t's)
+        for r, k in zip((y + half_unit - c0).view(-1).tolist(), offsets, strict=True)
+    ], dtype=torch.float64).view(x.shape)  # fmt: skip
+    exact = [
+        Fraction(v) * Fraction(s) + Fraction(r)
+        for v, r in zip(x.view(-1).tolist(), res.view(-1).tolist(), strict=True)
+    ]
+    return x, res, exact
+
+
+@pytest.mark.parametrize("h_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_the_decided_pass_settles_sums_on_a_midpoint_by_the_low_part(h_dtype):
+    # _h1_row_decided (no x1, no rowscale, h narrower than float64): float64 sums t on or
+    # near a midpoint of h's dtype; on it, the low part says which side the exact sum
+    # lies on, and the decided pass takes it (the oracle's and the torch version's bits)
+    x, res, exact = _midpoint_residuals(h_dtype, 11)
+    h, mask, _ = nd.dropout_add(x, None, res, None, 5, 0.1, h_dtype, True)
+    reference = td.dropout_add(x, None, res, None, 5, 0.1, h_dtype, True)
+    same_bits(h, reference[0])
+    kept = mask.view(-1).tolist()
+    got = h.double().view(-1).tolist()
+    for v, k, out in zip(exact, kept, got, strict=True):
+        assert not k or out == _oracle(v, h_dtype)
+    assert _settled(x, mask, res, 0.1, h_dtype).all()
+
+
+def _settled(x, keep, res, p, h_dtype) -> torch.Tensor:
+    """Which elements the decided pass settles, each as a row of its own."""
+    wide0, keep, wide_r = x.double().view(-1).numpy(), keep.view(-1).numpy(), res.view(-1).numpy()
+    one = nd._flat(torch.empty(1, 1, dtype=h_dtype))[0]
+    s = philox.dropout_scale(p)
+    return torch.tensor([
+        nd._h1_row_decided(one, wide0[k : k + 1], keep[k : k + 1], wide_r[k : k + 1], s, 1)
+        for k in range(x.numel())
+    ])  # fmt: skip
+
+
+def _check_declined(x, res, p, want, h_dtype=torch.float32):
+    """Every kept element of the row ``x`` (float64 ``res``, seed 0) is declined by the
+    decided pass and rounded to ``want`` (the oracle's), as the torch version rounds it."""
+    h, mask, _ = nd.dropout_add(x, None, res, None, 0, p, h_dtype, True)
+    same_bits(h, td.dropout_add(x, None, res, None, 0, p, h_dtype, True)[0])
+    kept = mask.view(-1)
+    assert kept.sum() > 10 and torch.equal(h.view(-1)[kept].double(), want[kept])
+    assert not _settled(x, mask, res, p, h_dtype)[kept].any()
+
+
+def _half_unit_products(low: float, high: float, seed: int):
+    """float64 ``x`` in ``[low, high)`` whose product with ``s = 1.25`` (``p = 0.2``) has
+    a low part of exactly half a unit of ``c0 = RN64(x·s)``: ``(x, c0, c1)``."""
+    s = philox.dropout_scale(0.2)
+    assert s == 1.25
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(4096, generator=g, dtype=torch.float64) * (high - low) + low
+    c0 = x * s
+    c1 = torch.tensor([float(v) for v in _low_parts(x, c0, s)], dtype=torch.float64)
+    pick = c1.abs() == torch.tensor([math.ulp(c) / 2 for c in c0.tolist()], dtype=torch.float64)
+    return x[pick][:64], c0[pick][:64], c1[pick][:64]
+
+
+def test_the_decided_pass_declines_a_low_part_that_crosses_a_binade():
+    # t = 1 exactly from x·s near 2^29 and r = 1 - RN64(x·s) (float64), the low part of
+    # the product between -2^-24 and -2^-25: the exact sum lies below 1 - 2^-25, the
+    # midpoint under 1 in float32 (half of 1 - 2^-24's unit), so it rounds to 1 - 2^-24;
+    # t's own midpoint, 1 + 2^-24, is further away than the low part. Only the guard
+    # |lo| <= 2^-30·|t| sends these to the exact path.
+    s = philox.dropout_scale(0.1)
+    g = torch.Generator().manual_seed(13)
+    x = ((torch.rand(4096, generator=g, dtype=torch.float64) + 1) * 2.0**29 / s).float()
+    c0 = x.double() * s
+    pick = torch.tensor([-(2.0**-24) < float(v) < -(2.0**-25) for v in _low_parts(x, c0, s)])
+    x, c0 = x[pick][:64].view(1, -1), c0[pick][:64].view(1, -1)
+    want = torch.full(x.shape, 1 - 2.0**-24, dtype=torch.float64).view(-1)
+    _check_declined(x, 1 - c0, 0.1, want)
+
+
+def test_the_decided_pass_declines_a_low_part_that_reaches_the_midpoint():
+    # float64 x and s = 1.25 (p = 0.2): x·s = c0 + c1 with c1 = ±2^-52 (half of c0's
+    # unit, c0 in [2, 4)), and r = M - c0 - c1 for a float32 midpoint M in [1, 2): t is
+    # one float64 unit from M, on the side away from c1, and the exact sum is M itself, a
+    # tie (to even). |d| = |lo|: the decided pass must not take t's side.
+    x, c0, c1 = _half_unit_products(2.0, 2.8, 14)
+    midpoint = (c0 - 1.5).float().double() + 2.0**-24  # float32 values, plus half a unit
+    res = midpoint - c0 - c1  # exact: multiples of 2^-52 within (-2, -1)
+    want = torch.tensor([_oracle(Fraction(m), torch.float32) for m in midpoint.tolist()])
+    _check_declined(x.view(1, -1), res.view(1, -1), 0.2, want.double())
+
+
+def test_the_decided_pass_declines_sums_below_the_smallest_normal():
+    # float16's subnormals (below 2^-14) are spaced as its lowest binade, not as t's:
+    # the same ties as above at float16 midpoints k·2^-24 + 2^-25 near 2^-19, where the
+    # midpoint that t's bits would give is not one
+    x, c0, c1 = _half_unit_products(2.0**-19 / 1.25, 1.15 * 2.0**-19 / 1.25, 15)
+    midpoint = torch.randint(24, 40, c0.shape).double() * 2.0**-24 + 2.0**-25
+    res = midpoint - c0 - c1  # exact: |res| < 2^-19, multiples of half c0's unit
+    want = (midpoint / 2.0**-24).round() * 2.0**-24  # ties to even, exact
+    _check_declined(x.view(1, -1), res.view(1, -1), 0.2, want, torch.float16)
+
+
+@pytest.mark.parametrize("h_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_the_decided_pass_settles_random_rows(h_dtype):
+    # the point of the pass: random rows need no exact one (and give its bits)
+    g = torch.Generator().manual_seed(12)
+    x, res = torch.randn(2, 4096, generator=g), torch.randn(2, 4096, generator=g) * 3
+    s = philox.dropout_scale(0.1)
+    keep = torch.rand(2, 4096, generator=g) > 0.1
+    for i in range(2):
+        row = torch.empty(4096, dtype=h_dtype)
+        assert nd._h1_row_decided(
+            nd._flat(row.view(1, -1))[0], x[i].double().numpy(), keep[i].numpy(),
+            res[i].double().numpy(), s, 4096,
+        )  # fmt: skip
+    h = nd.dropout_add(x, None, res.to(h_dtype), None, 3, 0.1, h_dtype, False)[0]
+    same_bits(h, td.dropout_add(x, None, res.to(h_dtype), None, 3, 0.1, h_dtype, False)[0])
 
 
 @pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 1.0])

@@ -75,7 +75,7 @@ import torch
 from llvmlite import ir
 from numba import njit, types
 from numba.core.typing import signature
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from . import _numba_cache, _numba_philox, _numba_vectors, _philox, _threads
 from ._dropout_add import FLOAT_DTYPES, check_args
@@ -418,6 +418,79 @@ def _exact_prod(xv, keep, s, nearest):  # pragma: no cover - compiled
     return _finish(c0, c1, 0.0, c0, c0 == 0.0, nearest)
 
 
+# --- the decided-rounding passes -------------------------------------------------------------
+
+
+def _format(like):
+    """``(high, half, smallest)`` of the dtype that array ``like`` stores (a constant of
+    the compiled code): the float64 bits above that dtype's precision, the bit pattern
+    of half its unit in the last place (in float64's low bits) and its smallest normal;
+    float64: nothing is ever decided."""
+
+
+@overload(_format, inline="always")
+def _format_impl(like):
+    precision = {types.float32: 24, types.uint16: 8, types.int16: 11}.get(like.dtype)
+    if precision is None:  # float64 (the callers never ask)
+        return lambda like: (np.int64(0), np.int64(0), np.inf)
+    low = 53 - precision
+    smallest = 2.0**-14 if precision == 11 else 2.0**-126
+    constants = (np.int64(-(1 << low)), np.int64(1 << (low - 1)), smallest)
+    return lambda like: constants
+
+
+@_jit(inline="always")
+def _settled(t, lo, like):  # pragma: no cover - compiled
+    """``(v, decided)`` for a value ``t + lo + δ`` (``t``, ``lo`` float64, ``|δ| <=
+    2^-53·|lo|``): where ``decided``, ``RN(v)`` in the dtype of array ``like`` is that
+    value's rounding. ``M``, ``t``'s bits with those below the dtype's precision set to
+    half a unit, is the midpoint between ``t``'s two neighbours in the dtype, and ``d = t -
+    M`` is exact (same sign and binade). Decided: ``|t|`` at least the dtype's smallest
+    normal (below, its boundaries are not at those bits), ``|lo| <= 2^-30·|t|`` (the
+    next boundaries lie half a unit, ``2^-25·|t|`` or more, away), and either ``|d| >
+    |lo + δ|`` (the value lies on ``t``'s side of ``M``: ``v = t``), or ``t = M``: a tie
+    when ``lo = 0`` (``v = t``, whose rounding breaks it to even), else the value lies on
+    ``lo``'s side (``v`` is ``t``'s float64 neighbour there, which rounds to the dtype's
+    neighbour on that side). Past the dtype's largest finite value the same holds
+    (``M`` the overflow threshold, or nothing rounds but to infinity). A NaN or an
+    infinite ``t`` makes ``d`` a NaN: not decided."""
+    high, half, smallest = _format(like)
+    a = abs(t)
+    d = t - _from_bits((_bits(t) & high) | half)
+    on_midpoint = d == 0.0
+    v = _neighbour(t, lo) if (on_midpoint & (lo != 0.0)) else t
+    decided = (
+        ((abs(d) > abs(lo) * (1.0 + 2.0**-51)) | on_midpoint)
+        & (abs(lo) <= a * 2.0**-30)
+        & (a >= smallest)
+    )
+    return v, decided
+
+
+@_jit(inline="always")
+def _h1_row_decided(h_i, wide0, keep0, wide_r, s, n_cols):  # pragma: no cover - compiled
+    """:func:`_exact_h1`'s row for a ``h`` narrower than float64 where the rounding is
+    decided without the exact sum, in one vectorized loop: returns whether every element
+    was (else the caller redoes the row: ``h_i`` then holds nothing to keep).
+
+    ``(c0, c1) = TwoProd(x0, s)`` (zeros where dropped) and ``(t, e) = TwoSum(c0, r)``
+    are exact, so the sum is ``t + e + c1 = t + lo + δ`` with ``lo = RN(e + c1)``,
+    ``|δ| <= 2^-53·|lo|``: :func:`_settled`, stored rounded once (``_stored``), the exact
+    path's bits. What this does not decide (a zero or tiny sum, its signed zeros,
+    specials, cancellation, near-midpoints) the exact path settles. (For float64 ``x0``
+    whose ``c1`` underflows, both paths take the same rounded ``c1``, as the module's
+    docstring says.)"""
+    open_ = np.int64(0)
+    for c in range(n_cols):
+        c0, c1 = two_prod(wide0[c], s)
+        kept = keep0[c]
+        t, e = two_sum(c0 if kept else 0.0, wide_r[c])
+        v, decided = _settled(t, e + (c1 if kept else 0.0), h_i)
+        open_ |= np.int64(not decided)
+        h_i[c] = _stored(v, h_i)
+    return open_ == 0
+
+
 @_jit(inline="always")
 def _keep_masks(keep0, keep1, both, k0, k1, p32, base, n_cols):  # pragma: no cover
     """The keep masks of words 0 (``keep0``) and 1 (``keep1``, only when ``both``) of
@@ -476,7 +549,7 @@ def _forward_rows(
                     wide0[c], keep0[c], scale, wide1[c], keep1[c], has_x1, wide_r[c], s, nearest
                 )
                 h_i[c] = _stored(v, h)
-        else:
+        elif nearest or not _h1_row_decided(h_i, wide0, keep0, wide_r, s, n_cols):
             for c in range(n_cols):
                 h_i[c] = _stored(_exact_h1(wide0[c], keep0[c], wide_r[c], s, nearest), h)
         if want_masks:
