@@ -43,6 +43,12 @@ unless they span more than about 14; float16 terms span at most 40 binades, so t
 float32 sums may miss more often (a row then pays both). The fast sum is an
 optimization: the exact path below is the definition.
 
+**The decided pass.** Without ``x1`` or rowscale and with ``h`` narrower than float64,
+a row is first rounded from ``t + lo`` (``TwoProd(x0, s)``, then ``TwoSum`` with the
+residual: ``t`` and a low part within a float64 rounding of the rest) with a midpoint
+test per element (:func:`_settled`), in one vectorized loop; a row with an element that
+test leaves open runs the exact pass. The same bits, by the test's argument there.
+
 **Special values.** A dropped term is +0.0 whatever ``x`` is (NaN, Inf). When a kept
 term or the residual is Inf or NaN, ``h`` is the IEEE float64 sum
 ``(x0·rs·s + x1·s) + residual`` of the rounded terms, then rounded (Inf, -Inf or NaN).
