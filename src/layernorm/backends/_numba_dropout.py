@@ -85,6 +85,7 @@ from numba.extending import intrinsic, overload
 
 from . import _numba_cache, _numba_philox, _numba_vectors, _philox, _threads
 from ._dropout_add import FLOAT_DTYPES, check_args
+from ._exact import FORMATS
 from ._numba_philox import keep_from_bits, random_bits, random_bits_pair
 from ._numba_vectors import narrow, narrow_once, two_prod, two_sum, widen
 from .torch_ import contiguous_rows
@@ -427,21 +428,24 @@ def _exact_prod(xv, keep, s, nearest):  # pragma: no cover - compiled
 # --- the decided-rounding passes -------------------------------------------------------------
 
 
+#: the dtype each storage type of :func:`_flat` holds, narrower than float64
+_STORED = {types.float32: torch.float32, types.uint16: torch.bfloat16, types.int16: torch.float16}
+
+
 def _format(like):
-    """``(high, half, smallest)`` of the dtype that array ``like`` stores (a constant of
-    the compiled code): the float64 bits above that dtype's precision, the bit pattern
-    of half its unit in the last place (in float64's low bits) and its smallest normal;
-    float64: nothing is ever decided."""
+    """``(high, half, smallest)`` of the dtype that array ``like`` stores (constants of
+    the compiled code, from ``_exact.FORMATS``, IEEE's fixed formats): the float64 bits
+    above that dtype's precision, the bit pattern of half its unit in the last place (in
+    float64's low bits) and its smallest normal; float64: nothing is ever decided."""
 
 
 @overload(_format, inline="always")
 def _format_impl(like):
-    precision = {types.float32: 24, types.uint16: 8, types.int16: 11}.get(like.dtype)
-    if precision is None:  # float64 (the callers never ask)
+    if like.dtype not in _STORED:  # float64 (the callers never ask)
         return lambda like: (np.int64(0), np.int64(0), np.inf)
-    low = 53 - precision
-    smallest = 2.0**-14 if precision == 11 else 2.0**-126
-    constants = (np.int64(-(1 << low)), np.int64(1 << (low - 1)), smallest)
+    fmt = FORMATS[_STORED[like.dtype]]
+    low = 53 - fmt.precision
+    constants = (np.int64(-(1 << low)), np.int64(1 << (low - 1)), 2.0**fmt.emin)
     return lambda like: constants
 
 
