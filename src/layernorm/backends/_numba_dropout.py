@@ -93,7 +93,7 @@ from .torch_ import contiguous_rows
 __all__ = ["DEPENDS_SHA256", "depends_digest", "dropout_add", "dropout_add_backward"]
 
 #: the digest of the inlined code this file's cached kernels were compiled with
-DEPENDS_SHA256 = "ec1087a6c77f9c55"
+DEPENDS_SHA256 = "009a2eefa76b6adb"
 
 
 def depends_digest() -> str:
