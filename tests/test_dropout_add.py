@@ -1,7 +1,7 @@
 """The torch dropout-add (layernorm.backends._dropout_add), the definition the other
 implementations match bit for bit: every output against a ``fractions.Fraction`` oracle
 of ``RN(k0·s·x0·rs + k1·s·x1 + residual)``, rounded once; the signs of zeros, Inf and
-NaN; the masks (Philox words 0 and 1, batch invariant); the backward; every error."""
+NaN; the masks (Philox streams 0 and 1, batch invariant); the backward; every error."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def exact_round(q: Fraction, dtype: torch.dtype) -> float:
 
 def _masks(seed: int, p: float, m: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     offset = _philox.offsets(m, n)
-    return _philox.keep(seed, offset, p, word=0), _philox.keep(seed, offset, p, word=1)
+    return _philox.keep(seed, offset, p, stream=0), _philox.keep(seed, offset, p, stream=1)
 
 
 def oracle(x0, x1, residual, rowscale, seed, p, rdtype) -> torch.Tensor:
@@ -222,7 +222,7 @@ def test_overflow_rounds_to_inf():
     assert h.tolist() == [[math.inf, -math.inf]]
 
 
-def test_masks_are_philox_words_0_and_1_and_batch_invariant():
+def test_masks_are_philox_streams_0_and_1_and_batch_invariant():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(64, 48, generator=gen)
     seed, p = 77, 0.3
@@ -338,8 +338,8 @@ def test_errors_before_any_work():
         da.dropout_add(x, None, None, None, 1.0, 0.1, F32, False)
     with pytest.raises(TypeError, match="gradient dtypes must be float dtypes"):
         da.dropout_add_backward(x, None, 0, 0.1, F32, torch.int64, None)
-    with pytest.raises(ValueError, match="Philox words 0 and 1"):
-        _philox.random_bits(0, torch.zeros(1, dtype=torch.int64), word=2)
+    with pytest.raises(ValueError, match="Philox streams 0 and 1"):
+        _philox.random_bits(0, torch.zeros(1, dtype=torch.int64), stream=2)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.1])

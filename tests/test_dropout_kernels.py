@@ -61,7 +61,7 @@ def oracle(x0, x1, residual, rowscale, seed, p, rdtype):
     """h, mask0, mask1 of the definition, element by element in exact rationals."""
     m, n = x0.shape
     k0 = philox.keep_mask(seed, m, n, p)
-    k1 = philox.keep_mask(seed, m, n, p, word=1)
+    k1 = philox.keep_mask(seed, m, n, p, stream=1)
     s = philox.dropout_scale(p)
     out = torch.empty(m, n, dtype=torch.float64)
     for i in range(m):
@@ -101,7 +101,7 @@ def oracle(x0, x1, residual, rowscale, seed, p, rdtype):
 def oracle_backward(dh, rowscale, seed, p, x0_dtype, x1_dtype, residual_dtype):
     m, n = dh.shape
     k0 = philox.keep_mask(seed, m, n, p)
-    k1 = philox.keep_mask(seed, m, n, p, word=1)
+    k1 = philox.keep_mask(seed, m, n, p, stream=1)
     s = philox.dropout_scale(p)
     dx0 = torch.empty(m, n, dtype=torch.float64)
     dx1 = torch.empty(m, n, dtype=torch.float64)
@@ -633,7 +633,7 @@ def test_batch_and_thread_count_invariance():
     for a, b in zip(part, one, strict=True):
         assert_same_bits(a, b[:5])
     assert torch.equal(one[1], philox.keep_mask(77, 96, 1024, 0.2))
-    assert torch.equal(one[2], philox.keep_mask(77, 96, 1024, 0.2, word=1))
+    assert torch.equal(one[2], philox.keep_mask(77, 96, 1024, 0.2, stream=1))
 
 
 def test_strided_rows_and_zero_size():

@@ -277,8 +277,8 @@ def _masks_in_shape(shape, n, seed, p):
     m = math.prod(shape) // n
     off = _philox.offsets(m, n)
     return (
-        _philox.keep(seed, off, p, word=0).view(shape),
-        _philox.keep(seed, off, p, word=1).view(shape),
+        _philox.keep(seed, off, p, stream=0).view(shape),
+        _philox.keep(seed, off, p, stream=1).view(shape),
     )
 
 

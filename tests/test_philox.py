@@ -101,11 +101,21 @@ def test_seed_key_is_the_seed_modulo_2_64():
     assert philox.seed_key(np.int64(-(2**63))) == (0, 0x80000000)
 
 
-def test_first_word_at_offset_zero_is_the_known_answer():
-    # tl.randint(0, 0) is Philox of counter 0 under key 0: the first known answer.
-    assert philox.random_bits(0, torch.zeros(1, dtype=torch.int64)).item() == 0x6627E8D5
+def test_offsets_zero_to_three_are_the_known_answer():
+    # Offsets 0..3 take the four words of counter 0 (q = 0, stream 0): under key 0,
+    # Random123's first known answer; offset 4 starts the next counter.
+    off = torch.arange(8, dtype=torch.int64)
+    words = philox.random_bits(0, off).tolist()
+    assert words[:4] == list(KNOWN_ANSWERS[0][2])
     key = philox.seed_key(0)
-    assert nphilox.random_bits(*key, 0) == 0x6627E8D5
+    assert [int(nphilox.random_bits(*key, o)) for o in range(8)] == words
+    one = torch.ones((), dtype=torch.int64)
+    assert words[4:] == [int(w) for w in philox.philox4x32((one, one * 0, one * 0, one * 0), key)]
+    # stream 1 is counter word 2 = 1
+    zero = torch.zeros((), dtype=torch.int64)
+    stream1 = [int(w) for w in philox.philox4x32((zero, zero, one, zero), key)]
+    assert philox.random_bits(0, off[:4], stream=1).tolist() == stream1
+    assert [int(nphilox.random_bits_of(*key, o, 1)) for o in range(4)] == stream1
 
 
 def test_uniform_conversion_is_tl_rand():
@@ -144,37 +154,54 @@ def test_numba_matches_torch_bitwise(block):
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=str)
-def test_second_word_numba_matches_torch_bitwise(block):
-    # x1's mask of a dropout-add: Philox's second output word of the same counter
+def test_streams_numba_match_torch_bitwise(block):
+    # both mask streams (x0's and x1's of a dropout-add), per element and through
+    # keep_span's four-element loop, from every alignment of a row's first offset
     row_start, n_rows, n_cols = block
     for seed in SEEDS:
         k0, k1 = philox.seed_key(seed)
         off = philox.offsets(n_rows, n_cols, row_start)
-        first = philox.random_bits(seed, off)
-        second = philox.random_bits(seed, off, word=1)
-        pairs = [nphilox.random_bits_pair(k0, k1, int(o)) for o in off.reshape(-1)]
-        assert [int(a) for a, _ in pairs] == first.reshape(-1).tolist()
-        assert [int(b) for _, b in pairs] == second.reshape(-1).tolist()
-        for p in PROBABILITIES:
-            kept = [bool(nphilox.keep_from_bits(b, philox.threshold(p))) for _, b in pairs]
-            assert kept == philox.keep(seed, off, p, word=1).reshape(-1).tolist()
+        for stream in (0, 1):
+            expected = philox.random_bits(seed, off, stream=stream)
+            got = [int(nphilox.random_bits_of(k0, k1, int(o), stream)) for o in off.reshape(-1)]
+            assert got == expected.reshape(-1).tolist()
+            for p in PROBABILITIES:
+                kept = np.empty((n_rows, n_cols), np.bool_)
+                for i in range(n_rows):
+                    base = (row_start + i) * n_cols
+                    nphilox.keep_span(k0, k1, stream, base, philox.threshold(p), kept[i])
+                torch_kept = philox.keep(seed, off, p, stream=stream)
+                assert torch.equal(torch.from_numpy(kept), torch_kept)
 
 
-def test_second_word_is_the_known_answer_and_independent():
-    # counter 0, key 0: Random123's second word; the chunked CPU path gives the same bits
-    assert philox.random_bits(0, torch.zeros(1, dtype=torch.int64), word=1).item() == 0xE169C58D
+def test_keep_span_from_every_alignment_and_length():
+    # the head (offsets up to a multiple of 4), the four-element body, the tail
+    k0, k1 = philox.seed_key(11)
+    p32 = philox.threshold(0.5)
+    for base in range(8):
+        for n in range(14):
+            off = torch.arange(base, base + n, dtype=torch.int64)
+            for stream in (0, 1):
+                kept = np.empty(n, np.bool_)
+                nphilox.keep_span(k0, k1, stream, base, p32, kept)
+                expected = philox.keep(11, off, 0.5, stream=stream)
+                assert kept.tolist() == expected.tolist(), (base, n, stream)
+
+
+def test_stream_one_is_independent():
+    # the chunked CPU path gives the same bits; stream 1 uncorrelated with stream 0
     off = philox.offsets(40, 1000, row_start=7)
-    second = philox.random_bits(3, off, word=1)
+    second = philox.random_bits(3, off, stream=1)
     assert off.numel() > philox.CPU_CHUNK
-    assert torch.equal(second[:2], philox.random_bits(3, off[:2], word=1))
+    assert torch.equal(second[:2], philox.random_bits(3, off[:2], stream=1))
     u0 = philox.uniform(3, off).double().reshape(-1)
-    u1 = philox.uniform(3, off, word=1).double().reshape(-1)
+    u1 = philox.uniform(3, off, stream=1).double().reshape(-1)
     corr = torch.corrcoef(torch.stack([u0, u1]))[0, 1].item()
     assert abs(corr) < 5 / math.sqrt(u0.numel())
-    rate = philox.keep_mask(3, 40, 1000, 0.3, row_start=7, word=1).double().mean().item()
+    rate = philox.keep_mask(3, 40, 1000, 0.3, row_start=7, stream=1).double().mean().item()
     assert abs(rate - 0.7) < 5 * math.sqrt(0.3 * 0.7 / u0.numel())
-    with pytest.raises(ValueError, match="dropout uses Philox words 0 and 1, got word=2"):
-        philox.random_bits(3, off, word=2)
+    with pytest.raises(ValueError, match="dropout uses Philox streams 0 and 1, got stream=2"):
+        philox.random_bits(3, off, stream=2)
 
 
 @given(
@@ -366,9 +393,10 @@ def test_triton_matches_torch_bitwise(tphilox, block):
 
 
 def test_triton_known_answer_and_int32_offsets(tphilox):
-    # offset 0 under seed 0: the first known answer's first word, through tl.rand
-    _, u = _triton_mask(tphilox, 0, 0.5, 0, 1, 1)
-    assert _bits(u).item() == _bits(philox.uniform_from_bits(torch.tensor([0x6627E8D5]))).item()
+    # offsets 0..3 under seed 0: the first known answer's four words, through tl.philox
+    _, u = _triton_mask(tphilox, 0, 0.5, 0, 1, 4)
+    words = torch.tensor(KNOWN_ANSWERS[0][2]).reshape(1, 4)
+    assert torch.equal(_bits(u), _bits(philox.uniform_from_bits(words)))
     # int32 offsets give the int64 offsets' bits below 2^31 (up to the last one)
     for row_start, n_rows, n_cols in ((0, 5, 100), (2**31 // 100 - 4, 4, 100)):
         narrow = _triton_mask(tphilox, 77, 0.3, row_start, n_rows, n_cols, int32_offsets=True)

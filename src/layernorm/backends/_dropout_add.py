@@ -10,9 +10,9 @@ row views::
 the exact real number, rounded ONCE to nearest-even in ``rdtype``. ``x1``, ``residual``
 and ``rs`` (the rowscale, shape ``(M,)``) may be absent: their term is absent (``rs``:
 1). ``k0``, ``k1`` are the keep masks of §7 (:mod:`layernorm.backends._philox`: Philox
-keyed by ``seed``, offset ``r·N + c``, the keep rule of ``p``): ``k0`` from Philox's
-first output word, ``k1`` from the second word of the same counter, so ``x1``'s mask is
-independent of ``x0``'s and, like it, a pure function of ``(seed, r, c, N)``.
+keyed by ``seed``, offset ``r·N + c``, the keep rule of ``p``): ``k0`` from mask
+stream 0, ``k1`` from stream 1 (another counter), so ``x1``'s mask is independent of
+``x0``'s and, like it, a pure function of ``(seed, r, c, N)``.
 ``s = dropout_scale(p) = 1 / (1 - p)`` in float64 (``p = 0``: ``k = 1``, ``s = 1``;
 ``p = 1``: nothing kept). A dropped term is ``+0.0`` whatever ``x`` is (NaN, Inf too).
 
@@ -205,11 +205,11 @@ def round_sum(
     return round_once(torch.where(finite, total, ieee), dtype)
 
 
-def _keep(seed: int, offset: torch.Tensor, p: float, word: int) -> torch.Tensor:
+def _keep(seed: int, offset: torch.Tensor, p: float, stream: int) -> torch.Tensor:
     """``_philox.keep``, without drawing the Philox words where ``p32 == 0`` keeps all."""
     if _philox.threshold(p) == 0.0:
         return torch.ones(offset.shape, dtype=torch.bool, device=offset.device)
-    return _philox.keep(seed, offset, p, word=word)
+    return _philox.keep(seed, offset, p, stream=stream)
 
 
 def _is_negative_zero(t: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,9 @@ For row ``r`` and column ``c`` of ``(M, N)`` rows::
 
     h[r, c] = RN_rdtype(k0[r,c]·s·x0[r,c]·rs[r] + k1[r,c]·s·x1[r,c] + residual[r,c])
 
-``k0``/``k1``: the keep rule of §7 on Philox's first/second word of the counter of offset
-``r·N + c`` (one Philox call per element gives both); ``s = _philox.dropout_scale(p)``.
+``k0``/``k1``: the keep rule of §7 on mask streams 0 and 1 at offset ``r·N + c`` (one
+Philox call per four elements of a stream: ``_numba_philox.keep_span``);
+``s = _philox.dropout_scale(p)``.
 An absent ``x1`` or ``residual`` is no term, an absent ``rowscale`` is 1.
 
 **Exactness.** Every term is split into float64 pieces whose sum is the term exactly:
@@ -86,14 +87,14 @@ from numba.extending import intrinsic, overload
 from . import _numba_cache, _numba_philox, _numba_vectors, _philox, _threads
 from ._dropout_add import FLOAT_DTYPES, check_args
 from ._exact import FORMATS
-from ._numba_philox import keep_from_bits, random_bits, random_bits_pair
+from ._numba_philox import keep_span
 from ._numba_vectors import narrow, narrow_once, two_prod, two_sum, widen
 from .torch_ import contiguous_rows
 
 __all__ = ["DEPENDS_SHA256", "depends_digest", "dropout_add", "dropout_add_backward"]
 
 #: the digest of the inlined code this file's cached kernels were compiled with
-DEPENDS_SHA256 = "009a2eefa76b6adb"
+DEPENDS_SHA256 = "0cdbade44782b648"
 
 
 def depends_digest() -> str:
@@ -503,20 +504,16 @@ def _h1_row_decided(h_i, wide0, keep0, wide_r, s, n_cols):  # pragma: no cover -
 
 @_jit(inline="always")
 def _keep_masks(keep0, keep1, both, k0, k1, p32, base, n_cols):  # pragma: no cover
-    """The keep masks of words 0 (``keep0``) and 1 (``keep1``, only when ``both``) of
-    the row at offset ``base``: word 0 is the same Philox call's either way. With
-    ``p32 == 0`` the keep rule keeps every element: no draw."""
+    """The keep masks of mask streams 0 (``keep0``) and 1 (``keep1``, only when
+    ``both``) of the row at offset ``base``. With ``p32 == 0`` the keep rule keeps every
+    element: no draw."""
     if p32 == 0.0:
         keep0[:] = True
         keep1[:] = True
-    elif both:
-        for c in range(n_cols):
-            w0, w1 = random_bits_pair(k0, k1, base + c)
-            keep0[c] = keep_from_bits(w0, p32)
-            keep1[c] = keep_from_bits(w1, p32)
     else:
-        for c in range(n_cols):
-            keep0[c] = keep_from_bits(random_bits(k0, k1, base + c), p32)
+        keep_span(k0, k1, 0, base, p32, keep0[:n_cols])
+        if both:
+            keep_span(k0, k1, 1, base, p32, keep1[:n_cols])
 
 
 @_jit()

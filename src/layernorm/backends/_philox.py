@@ -1,5 +1,6 @@
-"""Counter-based dropout masks: Philox4x32-10 keyed by (seed, row, column), as Triton's
-``tl.rand``, in torch operations on any device (docs/contract.md §7).
+"""Counter-based dropout masks: Philox4x32-10 keyed by (seed, row, column), each call's
+four words the masks of four consecutive elements, with ``tl.rand``'s uniform, in torch
+operations on any device (docs/contract.md §7).
 
 The same ``(seed, p)`` gives the same keep-mask and the same uniforms on every backend
 (this module in torch, :mod:`layernorm.backends._numba_philox` inside numba kernels,
@@ -7,7 +8,7 @@ The same ``(seed, p)`` gives the same keep-mask and the same uniforms on every b
 batch size, layout and thread count: each element's bits are a pure function of the seed
 and of its logical position, so a backward regenerates the mask instead of storing it.
 Every rule below is written once here. The numba module takes its constants from this
-one; the Triton module calls ``tl.rand`` itself, whose constants these are (the tests
+one; the Triton module calls ``tl.philox`` itself, whose constants these are (the tests
 compare the three bit for bit).
 
 **Generator.** Philox4x32 with 10 rounds (Salmon et al., "Parallel random numbers: as easy
@@ -20,13 +21,15 @@ round maps the counter ``(c0, c1, c2, c3)`` and key ``(k0, k1)`` to::
 with ``hi``/``lo`` the upper/lower 32 bits of the 64-bit product; then the key is bumped,
 ``k0 += W0``, ``k1 += W1`` (mod 2^32).
 
-**Key and counter** (as ``tl.randint4x(seed, offset)``): the key is the seed's 64 bits,
-``k0 = seed mod 2^32``, ``k1 = (seed >> 32) mod 2^32`` (a negative seed is taken modulo
-2^64, as Triton's ``seed.to(tl.uint64)`` does); the counter is
-``(offset mod 2^32, offset >> 32, 0, 0)``. The random word of an element is the first
-output word, as in ``tl.randint``; a second, independent mask of the same element (the
-dropout-add's ``x1``, :mod:`layernorm.backends._dropout_add`) takes the second output
-word of the same counter (``tl.randint4x``'s second), ``word=1`` below.
+**Key and counter**: the key is the seed's 64 bits, ``k0 = seed mod 2^32``,
+``k1 = (seed >> 32) mod 2^32`` (a negative seed is taken modulo 2^64, as Triton's
+``seed.to(tl.uint64)`` does). The element at ``offset`` takes output word
+``offset mod 4`` of the counter ``(q mod 2^32, q >> 32, stream, 0)``, ``q = offset >> 2``:
+one Philox call gives the words of four consecutive elements (``tl.randint4x(seed, q)``
+for stream 0), a quarter of the cost of a call per element (``tl.randint(seed, offset)``,
+which keeps one word of four). ``stream`` 0 is a dropout's mask; stream 1 a second,
+independent mask of the same elements (the dropout-add's ``x1``,
+:mod:`layernorm.backends._dropout_add`), ``stream=1`` below.
 
 **Offset** of the element at row ``r``, column ``c`` of a ``(M, N)`` view:
 ``offset = r · N + c`` in int64 (:func:`offsets`), the element's index in the logical,
@@ -233,31 +236,37 @@ def _check_offsets(offset: torch.Tensor) -> None:
         raise ValueError("dropout offsets must be non-negative")
 
 
-def random_bits(seed: int, offset: torch.Tensor, word: int = 0) -> torch.Tensor:
-    """``tl.randint(seed, offset)``: the first Philox word of each offset, as int64 in
-    ``[0, 2^32)``; ``word=1`` the second (``tl.randint4x(seed, offset)[1]``). ``offset``:
-    a non-negative int64 tensor of any shape and device.
+def random_bits(seed: int, offset: torch.Tensor, stream: int = 0) -> torch.Tensor:
+    """The random word of each offset in mask stream ``stream`` (0 or 1): output word
+    ``offset mod 4`` of Philox's counter ``(q mod 2^32, q >> 32, stream, 0)``,
+    ``q = offset >> 2``, as int64 in ``[0, 2^32)``. ``offset``: a non-negative int64
+    tensor of any shape and device.
 
     Raises:
-        ValueError: ``word`` is not 0 or 1.
+        ValueError: ``stream`` is not 0 or 1.
     """
-    if word not in (0, 1):
-        raise ValueError(f"dropout uses Philox words 0 and 1, got word={word}")
+    if stream not in (0, 1):
+        raise ValueError(f"dropout uses Philox streams 0 and 1, got stream={stream}")
     key = seed_key(seed)
     _check_offsets(offset)
-    zero = torch.zeros((), dtype=torch.int64, device=offset.device)
     if offset.device.type != "cpu" or offset.numel() <= CPU_CHUNK:
-        return philox4x32((offset & _MASK32, offset >> 32, zero, zero), key)[word]
+        return _words_of(offset, stream, key)
     # On the CPU, ~200 full-size int64 temporaries would each fault their pages in anew;
     # chunks that stay in the caches take 2-7x less time. The bits are the same.
     flat = offset.reshape(-1)
     words = torch.empty_like(flat)
     for start in range(0, flat.numel(), CPU_CHUNK):
-        part = flat[start : start + CPU_CHUNK]
-        words[start : start + CPU_CHUNK] = philox4x32(
-            (part & _MASK32, part >> 32, zero, zero), key
-        )[word]
+        words[start : start + CPU_CHUNK] = _words_of(flat[start : start + CPU_CHUNK], stream, key)
     return words.reshape(offset.shape)
+
+
+def _words_of(offset: torch.Tensor, stream: int, key: tuple[int, int]) -> torch.Tensor:
+    # word offset & 3 of the counter (q lo, q hi, stream, 0), q = offset >> 2
+    q = offset >> 2
+    c2 = torch.full((), stream, dtype=torch.int64, device=offset.device)
+    zero = torch.zeros((), dtype=torch.int64, device=offset.device)
+    words = torch.stack(torch.broadcast_tensors(*philox4x32((q & _MASK32, q >> 32, c2, zero), key)))
+    return words.gather(0, (offset & 3).unsqueeze(0)).squeeze(0)
 
 
 def uniform_from_bits(word: torch.Tensor) -> torch.Tensor:
@@ -270,10 +279,10 @@ def uniform_from_bits(word: torch.Tensor) -> torch.Tensor:
     return y.to(torch.float32).mul_(scale)
 
 
-def uniform(seed: int, offset: torch.Tensor, word: int = 0) -> torch.Tensor:
-    """``tl.rand(seed, offset)``: a float32 uniform in ``[0, 1)`` per offset (of Philox
-    word ``word``, :func:`random_bits`)."""
-    return uniform_from_bits(random_bits(seed, offset, word))
+def uniform(seed: int, offset: torch.Tensor, stream: int = 0) -> torch.Tensor:
+    """A float32 uniform in ``[0, 1)`` per offset: ``tl.rand``'s conversion of the word of
+    mask stream ``stream`` (:func:`random_bits`)."""
+    return uniform_from_bits(random_bits(seed, offset, stream))
 
 
 def keep_from_uniform(u: torch.Tensor, p: float) -> torch.Tensor:
@@ -284,11 +293,11 @@ def keep_from_uniform(u: torch.Tensor, p: float) -> torch.Tensor:
     return u > p32
 
 
-def keep(seed: int, offset: torch.Tensor, p: float, word: int = 0) -> torch.Tensor:
-    """The keep-mask of ``offset`` (bool, same shape) for drop probability ``p``, from
-    Philox word ``word`` (:func:`random_bits`)."""
+def keep(seed: int, offset: torch.Tensor, p: float, stream: int = 0) -> torch.Tensor:
+    """The keep-mask of ``offset`` (bool, same shape) for drop probability ``p``, in mask
+    stream ``stream`` (:func:`random_bits`)."""
     p = check_p(p)
-    return keep_from_uniform(uniform(seed, offset, word), p)
+    return keep_from_uniform(uniform(seed, offset, stream), p)
 
 
 def keep_mask(
@@ -298,11 +307,11 @@ def keep_mask(
     p: float,
     row_start: int = 0,
     device: torch.device | str | None = None,
-    word: int = 0,
+    stream: int = 0,
 ) -> torch.Tensor:
-    """The ``(n_rows, n_cols)`` keep-mask of rows ``row_start ..`` (global indices), from
-    Philox word ``word`` (:func:`random_bits`)."""
-    return keep(seed, offsets(n_rows, n_cols, row_start, device), p, word)
+    """The ``(n_rows, n_cols)`` keep-mask of rows ``row_start ..`` (global indices), in
+    mask stream ``stream`` (:func:`random_bits`)."""
+    return keep(seed, offsets(n_rows, n_cols, row_start, device), p, stream)
 
 
 def _split(s: float) -> tuple[float, float]:

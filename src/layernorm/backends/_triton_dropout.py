@@ -5,7 +5,7 @@ once, and its backward, bit for bit the torch and numba versions
 follows operation for operation).
 
 One program per row and block of ``BLOCK`` columns: both masks from one Philox call
-(``_triton_philox.keep_pair``: words 0 and 1 of ``tl.rand4x``), each term split into
+(``_triton_philox.keep_pair``: mask streams 0 and 1), each term split into
 float64 pieces by TwoProd (``p = a·b``, ``e = tl.fma(a, b, -p)``: an explicit fma where
 one is meant), Grow-Expansion and the scan from the top by TwoSum, then the rounding
 (to nearest in float64, or to odd then to nearest in a narrower dtype).

@@ -1,6 +1,7 @@
 """The dropout generator of :mod:`layernorm.backends._philox` as ``@triton.jit`` helpers:
-Triton's own ``tl.rand`` with the offset, keep and key rules of docs/contract.md §7, so a
-Triton kernel gets the bits the torch and numba implementations give.
+Triton's own ``tl.philox`` and ``tl.rand``'s uniform with the counter, offset, keep and key
+rules of docs/contract.md §7, so a Triton kernel gets the bits the torch and numba
+implementations give.
 
 In a kernel, for row ``row`` (global index) and a block of columns ``cols`` of a tensor of
 ``n_cols`` columns::
@@ -10,9 +11,11 @@ In a kernel, for row ``row`` (global index) and a block of columns ``cols`` of a
 with ``seed`` a Python int kernel argument in ``[-2^63, 2^64)`` (Triton types it int32,
 int64 or uint64 by value and ``tl.randint`` takes it modulo 2^64, as
 ``_philox.seed_key`` does) and ``p`` a float kernel argument (float32: the keep rule's
-``p32``). ``tl.rand`` keeps the first of Philox's four output words, so one Philox call
-gives one element's uniform (the price of matching ``tl.rand(seed, offset)``);
-:func:`keep_pair` takes two masks from one call (words 0 and 1, ``tl.rand4x``).
+``p32``). An element takes word ``offset mod 4`` of the counter of ``offset >> 2``
+(:func:`random_bits`): each element computes that call and keeps its word, as ``tl.rand``
+keeps one word of its call, so a kernel costs what it cost with ``tl.rand(seed,
+offset)``, while the CPU's kernels make one call per four elements. :func:`keep_pair`
+gives the masks of streams 0 and 1 (a dropout-add's ``x0`` and ``x1``).
 
 Like ``_triton_kernels``, this module imports triton at import and its ``@triton.jit``
 decorations see ``TRITON_INTERPRET`` as it is then: a kernel module that calls these
@@ -33,23 +36,41 @@ def dropout_offsets(row, cols, n_cols):
 
 
 @triton.jit
+def random_bits(seed, offsets, STREAM: tl.constexpr):
+    """The words (uint32) of ``offsets`` (int32 or int64, >= 0) in mask stream
+    ``STREAM``: word ``offsets mod 4`` of ``tl.philox(seed, q mod 2^32, q >> 32,
+    STREAM, 0)``, ``q = offsets >> 2``."""
+    q = offsets >> 2
+    lo = q.to(tl.uint32)
+    zero = lo * 0
+    if tl.constexpr(offsets.dtype.primitive_bitwidth) > 32:
+        hi = (q >> 32).to(tl.uint32)
+    else:
+        hi = zero
+    w0, w1, w2, w3 = tl.philox(seed, lo, hi, zero + STREAM, zero)
+    j = offsets & 3
+    return tl.where(j == 0, w0, tl.where(j == 1, w1, tl.where(j == 2, w2, w3)))
+
+
+@triton.jit
 def uniform(seed, offsets):
-    """``tl.rand(seed, offsets)``: float32 in ``[0, 1)``."""
-    return tl.rand(seed, offsets)
+    """The uniforms of ``offsets`` in mask stream 0 (``tl.rand``'s conversion of
+    :func:`random_bits`): float32 in ``[0, 1)``."""
+    return tl.random.uint_to_uniform_float(random_bits(seed, offsets, 0))
 
 
 @triton.jit
 def keep(seed, offsets, p):
-    """The keep rule: ``p == 0`` or ``tl.rand(seed, offsets) > p`` (``p`` float32)."""
-    return (tl.rand(seed, offsets) > p) | (p == 0.0)
+    """The keep rule: ``p == 0`` or :func:`uniform` ``> p`` (``p`` float32)."""
+    return (uniform(seed, offsets) > p) | (p == 0.0)
 
 
 @triton.jit
 def keep_pair(seed, offsets, p):
-    """The keep rule on the first two words of one Philox call (``tl.rand4x``'s first two
-    uniforms): ``x0``'s and ``x1``'s masks of a dropout-add. The first is :func:`keep`'s."""
-    u0, u1, _, _ = tl.rand4x(seed, offsets)
-    return (u0 > p) | (p == 0.0), (u1 > p) | (p == 0.0)
+    """The keep rule in mask streams 0 and 1: ``x0``'s and ``x1``'s masks of a
+    dropout-add. The first is :func:`keep`'s."""
+    u1 = tl.random.uint_to_uniform_float(random_bits(seed, offsets, 1))
+    return keep(seed, offsets, p), (u1 > p) | (p == 0.0)
 
 
 @triton.jit
