@@ -261,10 +261,19 @@ def random_bits(seed: int, offset: torch.Tensor, stream: int = 0) -> torch.Tenso
 
 
 def _words_of(offset: torch.Tensor, stream: int, key: tuple[int, int]) -> torch.Tensor:
-    # word offset & 3 of the counter (q lo, q hi, stream, 0), q = offset >> 2
-    q = offset >> 2
+    # word offset & 3 of the counter (q lo, q hi, stream, 0), q = offset >> 2; where the
+    # offsets are consecutive (as every caller's rows are), one call per four of them
     c2 = torch.full((), stream, dtype=torch.int64, device=offset.device)
     zero = torch.zeros((), dtype=torch.int64, device=offset.device)
+    flat = offset.reshape(-1)
+    n = flat.numel()
+    if n >= 8 and bool((flat[1:] - flat[:-1] == 1).all()):
+        first = int(flat[0])
+        q = torch.arange(first >> 2, ((first + n - 1) >> 2) + 1, device=offset.device)
+        words = philox4x32((q & _MASK32, q >> 32, c2, zero), key)
+        row_major = torch.stack(torch.broadcast_tensors(*words), 1).reshape(-1)
+        return row_major[first & 3 : (first & 3) + n].reshape(offset.shape)
+    q = offset >> 2
     words = torch.stack(torch.broadcast_tensors(*philox4x32((q & _MASK32, q >> 32, c2, zero), key)))
     return words.gather(0, (offset & 3).unsqueeze(0)).squeeze(0)
 
