@@ -13,9 +13,11 @@ int64 or uint64 by value and ``tl.randint`` takes it modulo 2^64, as
 ``_philox.seed_key`` does) and ``p`` a float kernel argument (float32: the keep rule's
 ``p32``). An element takes word ``offset mod 4`` of the counter of ``offset >> 2``
 (:func:`random_bits`): each element computes that call and keeps its word, as ``tl.rand``
-keeps one word of its call, so a kernel costs what it cost with ``tl.rand(seed,
-offset)``, while the CPU's kernels make one call per four elements. :func:`keep_pair`
-gives the masks of streams 0 and 1 (a dropout-add's ``x0`` and ``x1``).
+keeps one word of its call, so a mask costs what ``tl.rand(seed, offset)`` costs, while
+the CPU's kernels make one call per four elements. :func:`keep_pair` gives the masks of
+streams 0 and 1 (a dropout-add's ``x0`` and ``x1``): two calls an element, where
+``tl.rand4x``'s words 0 and 1 were one (the GPU's kernels are bound by memory, not by
+these calls: not measured, no GPU has been lent).
 
 Like ``_triton_kernels``, this module imports triton at import and its ``@triton.jit``
 decorations see ``TRITON_INTERPRET`` as it is then: a kernel module that calls these
