@@ -274,8 +274,8 @@ def _words_of(offset: torch.Tensor, stream: int, key: tuple[int, int]) -> torch.
         row_major = torch.stack(torch.broadcast_tensors(*words), 1).reshape(-1)
         return row_major[first & 3 : (first & 3) + n].reshape(offset.shape)
     q = offset >> 2
-    words = torch.stack(torch.broadcast_tensors(*philox4x32((q & _MASK32, q >> 32, c2, zero), key)))
-    return words.gather(0, (offset & 3).unsqueeze(0)).squeeze(0)
+    each = philox4x32((q & _MASK32, q >> 32, c2, zero), key)
+    return torch.stack(torch.broadcast_tensors(*each)).gather(0, (offset & 3)[None])[0]
 
 
 def uniform_from_bits(word: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,7 @@ def random_bits(seed, offsets, STREAM: tl.constexpr):
     q = offsets >> 2
     lo = q.to(tl.uint32)
     zero = lo * 0
-    if tl.constexpr(offsets.dtype.primitive_bitwidth) > 32:
+    if tl.constexpr(offsets.dtype.primitive_bitwidth) > 32:  # noqa: SIM108 (as triton)
         hi = (q >> 32).to(tl.uint32)
     else:
         hi = zero
