@@ -94,7 +94,7 @@ from .torch_ import contiguous_rows
 __all__ = ["DEPENDS_SHA256", "depends_digest", "dropout_add", "dropout_add_backward"]
 
 #: the digest of the inlined code this file's cached kernels were compiled with
-DEPENDS_SHA256 = "0cdbade44782b648"
+DEPENDS_SHA256 = "c605fc87d1c4e738"
 
 
 def depends_digest() -> str:

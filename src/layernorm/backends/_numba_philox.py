@@ -9,9 +9,9 @@ stream; per span of consecutive offsets, :func:`keep_span` (the kernels' masks: 
 Philox call per four elements, vectorized, 0.8 ns an element on one AVX2 core against
 2.3 for a call per element); per row, :func:`keep_row` and :func:`uniform_row`; over rows,
 :func:`keep_rows` (numba's threads, each row's bits independent of the others). All are
-``@njit(nogil=True)`` with the on-disk cache; the per-element ones and
-:func:`keep_span` are inlined by numba into their caller (``inline="always"``), where
-LLVM vectorizes the rounds (a call per element costs 8x).
+``@njit(nogil=True)`` with the on-disk cache; the per-element ones are inlined by numba
+into their caller (``inline="always"``), where LLVM vectorizes the rounds (a call per
+element costs 8x).
 Inlined code takes the caller's fast-math flags, and under fast-math LLVM may rewrite
 ``float32(y) * scale > p32``: a caller must not be compiled with ``fastmath`` (the numba
 kernels never are).
@@ -95,13 +95,15 @@ def random_bits(k0, k1, offset):  # pragma: no cover - compiled
     return random_bits_of(k0, k1, offset, 0)
 
 
-@_jit(inline="always")
+@_jit()
 def keep_span(k0, k1, stream, base, p32, out):  # pragma: no cover - compiled
     """``out[c]`` = the keep rule of offset ``base + c`` in mask stream ``stream``, for
     every ``c`` of the 1-D bool array ``out``: the offsets up to a multiple of 4 one at a
     time, then four elements per Philox call (a loop LLVM vectorizes: its stores are
     indexed from the start of a slice), then the rest one at a time. ``base``: int64,
-    >= 0; ``p32`` a float32."""
+    >= 0; ``p32`` a float32. Called, not inlined: inlined into both of a dropout-add
+    kernel's streams it doubled the kernel's compile time (6 -> 13.5 s a forward), for
+    a call per row."""
     n = out.shape[0]
     c = 0
     while c < n and (base + c) & 3 != 0:
