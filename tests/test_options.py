@@ -11,6 +11,7 @@ on each option, against the eager call.
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from fractions import Fraction
 
@@ -37,6 +38,19 @@ MASK = {torch.float32: 0xFFFFFFFF, torch.bfloat16: 0xFFFF, torch.float16: 0xFFFF
 FORMAT = {torch.float32: (24, -126), torch.bfloat16: (8, -126), torch.float16: (11, -14),
           torch.float64: (53, -1022)}  # fmt: skip
 BACKENDS = [None, "numba", "torch"]
+
+
+def rn_exact(v: Fraction, dtype: torch.dtype) -> float:
+    """The exact ``v`` rounded once to nearest-even in ``dtype`` (normal and subnormal
+    range): a Fraction oracle, with no float64 rounding before it."""
+    if v == 0:
+        return 0.0
+    p, emin = FORMAT[dtype]
+    e = math.frexp(float(abs(v)))[1] - 1
+    if Fraction(2) ** e > abs(v):  # float() rounded up into the next binade
+        e -= 1
+    ulp = Fraction(2) ** (max(e, emin) - (p - 1))
+    return float(round(v / ulp) * ulp)  # round(): ties to even
 
 
 def rn(v: np.ndarray, dtype: torch.dtype) -> np.ndarray:
@@ -78,26 +92,40 @@ def _assert_correctly_rounded(y, z, gamma, beta, eps, rms):
 
 
 def test_offset_gain_is_the_exact_sum_rounded_once():
-    """float32, bfloat16 and float16 weights with offset ±1: for w == 0 and |w| >= 2^-29 the
-    float64 sum is exact, so the gain is the exact sum rounded once; just below, it is not
-    (the bound of :func:`layernorm.options.offset_gain` is the right one)."""
+    """float32, bfloat16 and float16 weights over every binade (subnormals and zeros
+    too) with float32 offsets: the gain is the exact sum rounded once to float32, and
+    the float64 route (the sum formed in float64, then rounded) gives the same bits
+    (:func:`layernorm.options.offset_gain`'s argument), though below 2^-29 that float64
+    sum itself is not exact."""
     g = torch.Generator().manual_seed(0)
     for dtype in HALF_AND_SINGLE:
+        low = -24 if dtype == torch.float16 else -149
         top = 15 if dtype == torch.float16 else 30
-        exps = torch.randint(-29, top, (4000,), generator=g).double()
+        exps = torch.randint(low, top, (4000,), generator=g).double()
         w = (torch.rand(4000, generator=g, dtype=torch.float64) + 1) * torch.pow(2.0, exps)
         w = (w * torch.where(torch.rand(4000, generator=g) < 0.5, -1.0, 1.0)).to(dtype)
-        w = w[(w == 0) | (w.double().abs() >= 2.0**-29)]
-        w = torch.cat([w, torch.zeros(1, dtype=dtype)])
-        for offset in (1.0, -1.0):
+        w = torch.cat([w, torch.tensor([0.0, -0.0], dtype=dtype)])
+        for offset in (1.0, -1.0, 0.5, -3.0, 2.0**-20):
             gain = options.offset_gain(w, offset, w.dtype)
-            assert gain.dtype == (torch.float32 if dtype != torch.float64 else dtype)
+            assert gain.dtype == torch.float32
+            assert torch.equal(gain, (w.double() + offset).float())  # the float64 route
             for wi, gi in zip(w.double().tolist(), gain.double().tolist(), strict=True):
                 exact = Fraction(wi) + Fraction(offset)
-                assert Fraction(wi + offset) == exact  # the float64 sum is exact
-                assert gi == float(rn(np.float64(exact), torch.float32))
+                assert gi == rn_exact(exact, torch.float32)
     tiny = torch.tensor([2.0**-30 * (1 + 2.0**-23)], dtype=torch.float32)
     assert Fraction(float(tiny) + 1.0) != Fraction(float(tiny)) + 1
+
+
+def test_offset_gain_of_other_offsets_is_formed_in_float64():
+    # an offset that is no float32 value, or a float64 weight of a float32 computation:
+    # the sum formed in float64, then rounded once; float64 computations add in float64
+    w = torch.randn(64, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(options.offset_gain(w, 0.1, torch.float32), (w.double() + 0.1).float())
+    w64 = w.double() * (1 + 2.0**-40)
+    assert torch.equal(options.offset_gain(w64, 1.0, torch.float32), (w64 + 1.0).float())
+    assert torch.equal(options.offset_gain(w, 0.1, torch.float64), w.double() + 0.1)
+    big = options.offset_gain(w, 1e300, torch.float32)  # past float32's range: Inf
+    assert torch.equal(big, (w.double() + 1e300).float()) and big.isinf().all()
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)

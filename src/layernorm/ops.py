@@ -395,8 +395,8 @@ def layer_norm(
         backend: ``"torch"``, ``"numba"`` or ``"triton"``; ``None`` picks the fastest
             correct one (or the ``LAYERNORM_BACKEND`` environment variable's). Default: ``None``.
         offset: the gain is ``weight + offset`` (a weight stored as an offset, e.g. ``1.0``
-            for a zero-centred gain), formed in float64 and rounded once to the
-            accumulation dtype (:func:`layernorm.options.offset_gain`). Needs a weight.
+            for a zero-centred gain), rounded once to the accumulation dtype
+            (:func:`layernorm.options.offset_gain`). Needs a weight.
             Default: ``0.0``.
         out_dtype: the output's dtype, at least as wide as the input's (float32 from a
             bfloat16 input, say): the input is converted to it exactly and normalized, so

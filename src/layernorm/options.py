@@ -7,10 +7,10 @@ C++ front door, autograd, ``torch.compile``, ``torch.func``, forward AD, export 
 tracing: ``docs/contract.md`` §6) without a kernel or an autograd formula of its own.
 What each one rounds (``docs/contract.md`` §2, "Options"):
 
-- ``offset``: the gain is ``weight + offset``, formed in float64 and rounded once to the
-  accumulation dtype (exact in float64 for float32, bfloat16 and float16 weights when
-  ``offset`` is ``±1.0`` and ``|w| >= 2^-29`` or ``w == 0``; see :func:`offset_gain`). The
-  output is then correctly rounded for that gain, as for any weight.
+- ``offset``: the gain is ``weight + offset`` rounded once to the accumulation dtype (the
+  exact sum rounded once for float32, bfloat16 and float16 weights when ``offset`` is a
+  float32 value, ``±1.0`` say; see :func:`offset_gain`). The output is then correctly
+  rounded for that gain, as for any weight.
 - ``casting_mode`` (RMSNorm): Liger's three casting orders, with the arithmetic between
   two casts exact (:func:`cast_rms_norm`).
 - ``out_dtype``: an output at least as wide as the input: the input converted to it
@@ -257,22 +257,46 @@ def _check_offset(op: str, offset: float, weight: Tensor | None) -> float:
 
 
 def offset_gain(weight: Tensor, offset: float, dtype: torch.dtype) -> Tensor:
-    """The gain ``weight + offset``: the sum formed in float64, rounded once to the
-    accumulation dtype of ``dtype`` (the dtype the norm computes in).
+    """The gain ``weight + offset`` rounded once to the accumulation dtype of ``dtype``
+    (the dtype the norm computes in).
 
-    The float64 sum is exact, so the gain is the exact sum rounded once, when ``weight``
-    is float32, bfloat16 or float16 and ``offset`` is ``±1.0``, for ``w == 0`` and every
-    ``|w| >= 2^-29``: ``w``'s last bit is then at least ``2^-52`` and the sum has at most
-    53 significant bits (``tests/test_options.py::test_offset_gain_is_the_exact_sum_rounded_once``).
-    Below ``2^-29`` the float64 sum rounds (the gain is then within one float64 rounding of
-    the once-rounded sum). Differentiable: the gradient of ``weight`` is the gain's, in
-    ``weight``'s dtype.
+    Where ``offset`` and every value of ``weight``'s dtype are values of the accumulation
+    dtype (float32, bfloat16 and float16 weights with an offset such as ``±1.0`` for
+    float32; any float weight for float64), the gain is one IEEE addition in it: the
+    exact sum rounded once. Otherwise (an offset such as ``0.1`` for float32, or a float64
+    weight of a float32 computation) the sum is formed in float64 and rounded once to the
+    accumulation dtype: within one float64 rounding of the once-rounded sum. (For
+    float32, bfloat16 and float16 weights and such offsets that float64 route gives the
+    same bits as the addition: the float64 sum is exact unless the terms' exponents lie
+    more than 29 apart, and then it is too far from every float32 midpoint to round
+    across one: ``tests/test_options.py::test_offset_gain_is_the_exact_sum_rounded_once``.)
+    Differentiable: the gradient of ``weight`` is the gain's, in ``weight``'s dtype.
     """
     if not isinstance(weight, Tensor):
         raise TypeError(f"expected weight to be a torch.Tensor, got {type(weight).__name__}")
     if not weight.is_floating_point():
         raise TypeError(f"offset expects a floating-point weight, got {weight.dtype}")
-    return (weight.to(torch.float64) + offset).to(accumulation_dtype(dtype))
+    acc = accumulation_dtype(dtype)
+    if acc == torch.float64 or (weight.dtype in _SINGLE_VALUED and _is_single(offset)):
+        return (weight if weight.dtype == acc else weight.to(acc)) + offset
+    return (weight.to(torch.float64) + offset).to(acc)
+
+
+#: the dtypes whose every value is a float32 value
+_SINGLE_VALUED = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _is_single(v: float) -> bool:
+    """Whether the finite float ``v`` is a float32 value: at most 24 significant bits
+    at or above 2^-149, and not past float32's largest. Plain Python (tracing and export
+    see a constant)."""
+    m, e = math.frexp(v)  # |m| in [0.5, 1): v = m · 2^e
+    if e - 1 < -126:  # float32's subnormal range: multiples of 2^-149
+        return math.ldexp(v, 149).is_integer()
+    return abs(v) <= _FLOAT32_MAX and math.ldexp(m, 24).is_integer()
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 # ---------------------------------------------------------------------------------------
@@ -509,7 +533,7 @@ def _gain(weight: Tensor, offset: float, dtype: torch.dtype, offset_dtype: torch
     """``RN_dtype(w + RN_offset_dtype(offset))``: the gain of a casting mode."""
     if not isinstance(weight, Tensor):
         raise TypeError(f"expected weight to be a torch.Tensor, got {type(weight).__name__}")
-    w = weight.to(dtype)
+    w = weight if weight.dtype == dtype else weight.to(dtype)
     if not offset:
         return w
     return w + _scalar(offset, offset_dtype)
@@ -524,8 +548,8 @@ def _scalar(v: float, dtype: torch.dtype) -> float:
     scalar kernel argument), then to ``dtype`` (each to nearest-even; as torch converts
     float64 to the half types); float64 keeps it. Plain Python, so that tracing and
     export record a constant."""
-    if dtype == torch.float64:
-        return v
+    if dtype == torch.float64 or (dtype == torch.float32 and _is_single(v)):
+        return v  # (1.0, say: no rounding to do)
     for fmt in (torch.float32, dtype):
         p, emin = _FORMATS[fmt]
         if v != 0 and math.isfinite(v):
