@@ -241,21 +241,19 @@ def _eager_gradient(*tensors: object) -> bool:
 
 class NormLinear(torch.autograd.Function):
     """The forward without a graph; the backward recomputes the norm with one and
-    differentiates through it (the op's exact backward) and through the linear."""
+    differentiates through it (the op's exact backward) and through the linear. Eager
+    autograd only (:func:`_eager_gradient`), so ``forward`` takes the context itself, as
+    :class:`MemoryEfficientNorm`'s does."""
 
     @staticmethod
-    def forward(x, weight, bias, linear_weight, linear_bias, config):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, linear_weight, linear_bias, config):  # type: ignore[override]
         shape, eps, rms, backend = config
         op = "rms_norm" if rms else "layer_norm"
         y = ops._norm(op, x, None, shape, weight, bias, eps, rms, backend)[0]
-        return torch.nn.functional.linear(y, linear_weight, linear_bias)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):  # type: ignore[override]
-        x, weight, bias, linear_weight, linear_bias, config = inputs
         ctx.save_for_backward(x, weight, bias, linear_weight)
         ctx.config = config
         ctx.has_linear_bias = linear_bias is not None
+        return torch.nn.functional.linear(y, linear_weight, linear_bias)
 
     @staticmethod
     @once_differentiable
