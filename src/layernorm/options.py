@@ -404,7 +404,11 @@ def residual_stream(
         check_out(op, "residual_out", residual_out, rdtype, x.device)
     if eps is None:  # the input's rule, as for out_dtype
         eps = _op.default_eps(x.dtype)
-    h = x.to(rdtype) + residual.to(rdtype)  # both exact in rdtype: one IEEE addition
+    # both exact in rdtype: one IEEE addition (promoted where it can: one operation)
+    if torch.promote_types(x.dtype, residual.dtype) == rdtype:
+        h = x + residual
+    else:
+        h = x.to(rdtype) + residual.to(rdtype)
     # without a gradient the -0.0 residual changes nothing (h + -0.0 = h): the norm of h
     zero = None if _no_gradient(x, residual, weight, bias) else torch.full_like(h, -0.0)
     y, stream = norm(
