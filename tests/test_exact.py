@@ -151,6 +151,42 @@ def test_float32_rows_over_the_whole_range(backend, rms):
             _assert_correctly_rounded(x, None, None, eps, rms, backend)
 
 
+@pytest.mark.parametrize("backend", [None, *BACKENDS])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_infinite_and_nan_parameters_give_ieee_s_values(backend, dtype, rms):
+    """An element whose gain or bias is ±inf or NaN (a weight that overflowed, an offset
+    past float32's range) is IEEE's ``beta + gamma · v / sqrt(s)`` for the sign of the
+    exact ``v`` (inf·0 and inf - inf: NaN), without a warning (pytest turns warnings into
+    errors); every other element is unchanged: the correctly rounded one of its own
+    gamma and beta (rows of 3-D inputs, the exact fallback of every backend)."""
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([[[0.5, -1.0, 2.0, 0.0, 3.0, -2.0, 1.0, 0.25]] * 2] * 2).to(dtype)
+    x[1, 1] = torch.tensor([1.0, -1.0] * 4)  # mean 0: v = 0 exactly at no element
+    x[0, 1, 3] = 0.5  # v = 0 exactly at one element (layer_norm: the mean is 0.5)
+    x[0, 1, 0] = 0.25
+    gamma = torch.tensor([inf, -inf, 1.5, inf, nan, 2.0, -inf, 0.5])
+    beta = torch.tensor([0.0, 1.0, -inf, 2.0, 0.0, nan, inf, inf])
+    if rms:
+        beta = torch.zeros(8)  # (rms_norm has no bias)
+    special = ~(gamma.isfinite() & beta.isfinite())
+    y = _norm(x, gamma.to(dtype), beta.to(dtype), 1e-5, rms, backend)
+    finite = _norm(
+        x, torch.where(special, 1.0, gamma).to(dtype), torch.where(special, 0.0, beta).to(dtype),
+        1e-5, rms, backend,
+    )  # fmt: skip
+    assert torch.equal(_bits_t(y[..., ~special]), _bits_t(finite[..., ~special]))
+    z = x.double()
+    v = z if rms else z - z.mean(-1, keepdim=True)  # exact here: dyadic rows of 8
+    want = torch.where(gamma.isfinite(), 0.0, gamma.double() * v.sign()) + beta.double()
+    assert torch.equal(y[..., special].double().isnan(), want[..., special].isnan())
+    assert torch.equal(y[..., special].double().nan_to_num(), want[..., special].nan_to_num())
+
+
+def _bits_t(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(BITS[t.dtype])
+
+
 def _random_batch(dtype, g, m, n):
     x = torch.randn(m, n, generator=g) * torch.rand(m, 1, generator=g) * 10
     x = x + torch.randn(m, 1, generator=g) * 100

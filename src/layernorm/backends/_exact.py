@@ -363,11 +363,19 @@ def fix_forward_row(
 
     Vectorized first: float64 from the exact statistics (the mean as two doubles), with a
     bound of a few units of float64 per element; only the elements whose rounding that
-    bound leaves open go through :func:`round_sqrt_form`."""
+    bound leaves open go through :func:`round_sqrt_form`.
+
+    An element whose ``gamma`` or ``beta`` is not finite gets IEEE's value of ``beta +
+    gamma · v / sqrt(s)`` for the exact ``v`` (``±inf``, or NaN for an infinite ``gamma``
+    where ``v = 0``, opposite infinities, or a NaN parameter), which no rounding changes."""
     fmt = FORMATS[dtype]
     stats = row_statistics(z, eps, rms)
     if stats.s == 0:  # a constant row with eps = 0: 0/0, as the formula says
         return round_once(np.full(z.shape, np.nan), dtype)
+    special = ~(np.isfinite(gamma) & np.isfinite(beta))
+    if special.any():
+        y_special = _infinite_parameters(z[special], gamma[special], beta[special], stats, rms)
+        gamma, beta = np.where(special, 0.0, gamma), np.where(special, 0.0, beta)
     mean_high = float(stats.mean)
     mean_low = float(stats.mean - Fraction(mean_high))
     rstd = 1.0 / math.sqrt(float(stats.s))  # within 2.6 units of float64 of 1/sqrt(s)
@@ -377,6 +385,8 @@ def fix_forward_row(
     y = p + beta
     e_c = 1.01 * _U * (np.abs(d) + np.abs(c)) + 1.01 * _U * _U * abs(mean_high)
     bound = (np.abs(p) * 6 * _U + np.abs(gamma) * rstd * 1.01 * e_c + np.abs(y) * 3 * _U) * 1.01
+    if special.any():
+        y[special], bound[special] = y_special, 0.0
     out = round_once(y, dtype)
     low, high = round_once(y - bound, dtype), round_once(y + bound, dtype)
     values = _from_storage(out, dtype)
@@ -389,6 +399,17 @@ def fix_forward_row(
             Fraction(float(beta[i])), Fraction(float(gamma[i])) * v, stats.s, zero, fmt
         )
     return round_once(values, dtype)
+
+
+def _infinite_parameters(
+    z: np.ndarray, gamma: np.ndarray, beta: np.ndarray, stats: _RowStatistics, rms: bool
+) -> np.ndarray:
+    """IEEE's ``beta + gamma · v / sqrt(s)`` where ``gamma`` or ``beta`` is not finite:
+    only the sign of the exact ``v`` (``z``, or ``z - mean``) matters, as ``±1`` or 0."""
+    v = z if rms else np.array([Fraction(float(zi)) - stats.mean for zi in z], dtype=object)
+    sign = np.array([(vi > 0) - (vi < 0) for vi in v], dtype=np.float64)
+    with np.errstate(invalid="ignore"):  # inf·0 and inf - inf: NaN, as IEEE says
+        return np.where(np.isfinite(gamma), 0.0, gamma * sign) + beta
 
 
 def fix_forward_rows(
