@@ -3,6 +3,7 @@ door for the common call, with the bits of the Python path (the op's Python kern
 Python autograd, in a process with LAYERNORM_COMPILED=0), and every other call (every
 PyTorch mechanism, the uncommon calls) left to the dispatcher or to Python."""
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -374,13 +375,93 @@ def test_every_other_call_is_left_to_python(monkeypatch, in_use):
     assert answer() is not None
 
 
+#: offsets the options' front door takes (float32 values) and leaves to Python
+OFFSETS_TAKEN = [0.0, 1.0, -0.5, 2.0**-149, -(2.0**127)]
+OFFSETS_LEFT = [0.1, 1e-46, 3.5e38, 1]
+#: weight dtypes: None for x's
+WEIGHT_DTYPES = [None, torch.float32, torch.float64, torch.bfloat16]
+
+
+def _bits(t):
+    """``t``'s bit patterns (NaNs and signed zeros compared too)."""
+    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def _taken(x_dtype, weight, offset, mode):
+    """Whether the front door takes an options call (its documented rule)."""
+    if not isinstance(offset, float) or offset not in OFFSETS_TAKEN or mode == "none":
+        return False
+    if weight is None:
+        return offset == 0.0
+    if mode == "llama":
+        return True
+    one_addition = x_dtype == torch.float64 or weight.dtype != torch.float64
+    return one_addition or (mode is None and offset == 0.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_options_front_door_has_the_bits_of_options_norm(in_use, monkeypatch, op, dtype):
+    """``offset`` and ``casting_mode`` None, "gemma", "llama" (rms ops) through the C++
+    front door ("none" is left to Python): y, residual_out and every gradient bitwise those of the Python path
+    (``options.norm`` with the fast paths off), on 1-D, 3-D and 4-D inputs, weights of
+    each dtype (and none), offsets it takes and offsets it leaves to Python; and it takes
+    exactly the calls its rule says (``options.norm`` is not called for them)."""
+    from layernorm import ops, options
+
+    seen = []
+    python_norm = options.norm
+    monkeypatch.setattr(options, "norm", lambda *a, **k: seen.append(1) or python_norm(*a, **k))
+    rms = "rms" in op
+    residual = op.startswith("add_")
+    modes = [None, "gemma", "llama", "none"] if rms else [None]
+    torch.manual_seed(0)
+    checked = taken = 0
+    for shape in [(50,), (2, 3, 50), (2, 2, 2, 33)]:
+        n = shape[-1]
+        x, r = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+        for wdtype, mode, offset, grad in itertools.product(
+            [*WEIGHT_DTYPES, "none"], modes, OFFSETS_TAKEN + OFFSETS_LEFT, [False, True]
+        ):
+            w = None if wdtype == "none" else torch.randn(n).to(wdtype or dtype)
+            if w is None and offset != 0:
+                continue  # options.norm's ValueError (test_options::test_offset_checks)
+            kw = {"offset": offset} if mode is None else {"offset": offset, "casting_mode": mode}
+            results = []
+            for fast in (True, False):
+                monkeypatch.setattr(ops, "FAST_PATHS", fast)
+                leaves = [t.clone().requires_grad_(grad) for t in (x, r)]
+                w_leaf = None if w is None else w.clone().requires_grad_(grad)
+                args = (leaves[0], leaves[1]) if residual else (leaves[0],)
+                tail = () if rms else (None,)
+                del seen[:]
+                out = getattr(layernorm, op)(*args, (n,), w_leaf, *tail, **kw)
+                outs = list(out) if residual else [out]
+                if grad:
+                    wanted = list(args) + ([] if w_leaf is None else [w_leaf])
+                    torch.manual_seed(1)
+                    loss = sum((o.double() * torch.randn_like(o, dtype=torch.float64)).sum()
+                               for o in outs)  # fmt: skip
+                    outs += torch.autograd.grad(loss, wanted)
+                results.append((outs, not seen))
+            (fast_out, fast_taken), (slow_out, slow_taken) = results
+            assert not slow_taken
+            case = (shape, wdtype, mode, offset, grad)
+            assert fast_taken == _taken(dtype, w, offset, mode), case
+            for a, b in zip(fast_out, slow_out, strict=True):
+                assert a.dtype == b.dtype and torch.equal(_bits(a), _bits(b)), case
+            checked += 1
+            taken += fast_taken
+    assert taken > checked // 3
+
+
 def test_errors_are_python_s(in_use):
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match=r"expected input with shape \[\*, 4\]"):
         layernorm.layer_norm(x, 4)
     with pytest.raises(ValueError, match="eps must be non-negative"):
         layernorm.layer_norm(x, 8, eps=-1.0)
-    with pytest.raises(TypeError, match="norm takes 8 arguments"):
+    with pytest.raises(TypeError, match="norm takes 8 or 10 arguments"):
         in_use(x)
 
 

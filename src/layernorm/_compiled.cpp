@@ -26,6 +26,11 @@
 // answers (y, residual_out) itself: with a gradient
 // by the op's autograd kernel (so autograd records NormBackward), without one by the CPU
 // kernel's own function, without statistics. Any other call gets None before any work.
+// norm(..., backend, offset, mode) is the front door of layernorm.options.call for the
+// options `offset` and `casting_mode` "gemma" and "llama" (mode 0, 1, 2): the same
+// torch operations around the same kernel call as options.norm (the gain, the llama
+// product), where their arithmetic is one IEEE operation (an offset that is a float32
+// value); it declines every other call, options.norm then answers it (or raises).
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
@@ -55,6 +60,7 @@
 #include <functional>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -888,11 +894,44 @@ PyObject* wrap_or_none(const Tensor& t) {
     return THPVariable_Wrap(t);
 }
 
+// Liger's casting orders the front door takes (layernorm.options.cast_rms_norm): none
+// (this library's one rounding), "gemma", "llama".
+enum Mode : long { ONE_ROUNDING = 0, GEMMA = 1, LLAMA = 2 };
+
+// Whether v is a float32 value (so it converts to each float dtype of a gain exactly:
+// options._is_single says the same in Python).
+bool float32_value(double v) {
+    return std::fabs(v) <= std::numeric_limits<float>::max() &&
+           static_cast<double>(static_cast<float>(v)) == v;
+}
+
+// Whether every value of dtype t is a float32 value (options._SINGLE_VALUED).
+bool single_valued(at::ScalarType t) {
+    return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+// `weight` converted to `dtype` (exactly) plus `offset` (a float32 value): one IEEE
+// addition in `dtype`, the exact sum rounded once (options.offset_gain, options._gain).
+Tensor gain_of(const Tensor& weight, at::ScalarType dtype, double offset) {
+    Tensor g = weight.scalar_type() == dtype ? weight : weight.to(dtype);
+    return offset != 0 ? g + offset : g;
+}
+
 PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     HANDLE_TH_ERRORS
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "norm takes 8 arguments");
+    if (nargs != 8 && nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "norm takes 8 or 10 arguments");
         return nullptr;
+    }
+    double offset = 0;
+    long mode = ONE_ROUNDING;
+    if (nargs == 10) {  // the options' front door: a float32 value and a known mode
+        if (!PyFloat_CheckExact(args[8]) || !PyLong_CheckExact(args[9])) Py_RETURN_NONE;
+        offset = PyFloat_AS_DOUBLE(args[8]);
+        mode = PyLong_AsLong(args[9]);
+        if (!float32_value(offset) || mode < ONE_ROUNDING || mode > LLAMA ||
+            (mode != ONE_ROUNDING && args[6] != Py_True))
+            Py_RETURN_NONE;
     }
     PyObject *x_object = args[0], *residual_object = args[1], *eps_object = args[5];
     if (state.resolve == nullptr || args[7] != Py_None ||
@@ -921,6 +960,19 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
         Py_RETURN_NONE;
     if (mechanism_active({&x, &residual, &weight, &bias})) Py_RETURN_NONE;
     const bool rms = args[6] == Py_True;
+    Tensor gain;  // the llama product's
+    if (offset != 0 && !weight.defined()) Py_RETURN_NONE;  // options.norm raises
+    if (mode == LLAMA) {  // the kernel's u = RN_x(h * rstd), then RN_x(RN_q(u * g))
+        if (weight.defined()) {
+            const auto wide = at::promote_types(x.scalar_type(), at::kFloat);
+            gain = gain_of(weight, at::promote_types(weight.scalar_type(), wide), offset);
+        }
+        weight = Tensor();
+    } else if (weight.defined() && (offset != 0 || mode == GEMMA)) {
+        const auto acc = acc_dtype(d);  // the gain in it: options.offset_gain's first case
+        if (acc != at::kDouble && !single_valued(weight.scalar_type())) Py_RETURN_NONE;
+        weight = gain_of(weight, acc, offset);
+    }
     auto requires_grad = [](const Tensor& t) { return t.defined() && t.requires_grad(); };
     Tensor y, residual_out;
     if (torch::GradMode::is_enabled() && (x.requires_grad() || requires_grad(residual) ||
@@ -942,6 +994,15 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
         Forward out = run_forward(x, residual, weight, bias, eps, rms, false, kernel_address);
         y = out.y;
         residual_out = out.residual_out;
+        if (gain.defined() && gain.scalar_type() == y.scalar_type() &&
+            !(torch::GradMode::is_enabled() && gain.requires_grad())) {
+            y.mul_(gain);  // the product below, into y (a fresh tensor no graph holds)
+            gain = Tensor();
+        }
+    }
+    if (gain.defined()) {
+        const auto q = at::promote_types(x.scalar_type(), gain.scalar_type());
+        y = (y.to(q) * gain).to(x.scalar_type());
     }
     PyObject* result = PyTuple_New(2);
     if (result == nullptr) return nullptr;

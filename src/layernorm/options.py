@@ -5,6 +5,8 @@ down the plain path after one check. Every option here is written as torch opera
 around the public op (``ops._norm``), so each keeps what the op has (every backend, the
 C++ front door, autograd, ``torch.compile``, ``torch.func``, forward AD, export and
 tracing: ``docs/contract.md`` §6) without a kernel or an autograd formula of its own.
+The commonest, ``offset`` and the "gemma" and "llama" casting modes, run those same
+operations in C++ when the compiled front door takes the call (:func:`_front_door`).
 What each one rounds (``docs/contract.md`` §2, "Options"):
 
 - ``offset``: the gain is ``weight + offset`` rounded once to the accumulation dtype (the
@@ -44,6 +46,7 @@ from torch import Tensor
 from torch._prims_common.wrappers import _maybe_resize_out
 
 from . import _op, backends, ops, recompute
+from . import compiled as _compiled
 from .backends import torch_
 from .backends.torch_ import accumulation_dtype
 
@@ -116,7 +119,45 @@ def call(
     for name in options:
         if name not in known:
             raise TypeError(f"{op}() got an unexpected keyword argument '{name}'")
+    if ops.FAST_PATHS and len(options) <= 2 and not torch.compiler.is_compiling():
+        out = _front_door(x, residual, normalized_shape, weight, bias, eps, rms, backend, options)
+        if out is not None:
+            return out
     return norm(op, x, residual, normalized_shape, weight, bias, eps, rms, backend, **options)
+
+
+#: the casting modes the compiled front door takes, by its numbers for them
+_FRONT_DOOR_MODES = {None: 0, "gemma": 1, "llama": 2}
+
+
+def _front_door(
+    x: Tensor,
+    residual: Tensor | None,
+    normalized_shape: ops.ShapeLike,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float | None,
+    rms: bool,
+    backend: str | None,
+    options: dict[str, Any],
+) -> tuple[Tensor, Tensor | None] | None:
+    """The call in C++ (``layernorm.compiled``'s ``norm`` with ``offset`` and a mode)
+    when its only options are ``offset`` and a ``casting_mode`` of None, "gemma" or
+    "llama": the torch operations of :func:`norm` (the gain of :func:`offset_gain` or
+    :func:`cast_rms_norm`, the llama product) around the same kernel call, where each is
+    one IEEE operation (an offset that is a float32 value, and for the one rounding and
+    "gemma" a weight of float32 values or a float64 computation). None for every other
+    call, before any work: :func:`norm` then runs it, or raises."""
+    offset = options.get("offset", 0.0)
+    mode = options.get("casting_mode")
+    if len(options) != ("offset" in options) + ("casting_mode" in options):
+        return None
+    if not (mode is None or type(mode) is str) or mode not in _FRONT_DOOR_MODES:
+        return None
+    return _compiled.norm(
+        x, residual, normalized_shape, weight, bias, eps, rms, backend, offset,
+        _FRONT_DOOR_MODES[mode],
+    )  # fmt: skip
 
 
 def signed(function: Callable[..., Any], names: tuple[str, ...]) -> None:
