@@ -183,6 +183,27 @@ def test_infinite_and_nan_parameters_give_ieee_s_values(backend, dtype, rms):
     assert torch.equal(y[..., special].double().nan_to_num(), want[..., special].nan_to_num())
 
 
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_fix_forward_row_with_infinite_and_nan_parameters(rms):
+    """The exact fallback itself (every backend's rows reach it when their kernels leave
+    such an element open), float32 storage: IEEE's values where a parameter is not finite,
+    the row's correctly rounded values elsewhere."""
+    inf, nan = float("inf"), float("nan")
+    z = np.array([0.5, -1.0, 2.0, 0.5, 3.0, -2.0, 0.0, 1.0])  # mean 0.5: v = 0 at 0 and 3
+    gamma = np.array([inf, -inf, nan, inf, 1.5, 2.0, inf, 0.5])
+    beta = np.array([0.0, 1.0, 0.0, 2.0, -inf, nan, inf, 1.0])
+    got = _exact.fix_forward_row(z, gamma, beta, 1e-5, rms, torch.float32)
+    finite = np.isfinite(gamma) & np.isfinite(beta)
+    plain = _exact.fix_forward_row(
+        z, np.where(finite, gamma, 1.0), np.where(finite, beta, 0.0), 1e-5, rms, torch.float32
+    )
+    assert np.array_equal(got[finite], plain[finite])
+    v = z if rms else z - 0.5
+    with np.errstate(invalid="ignore"):
+        want = np.where(np.isfinite(gamma), 0.0, gamma * np.sign(v)) + beta
+    np.testing.assert_array_equal(got[~finite].astype(np.float64), want[~finite])
+
+
 def _bits_t(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(BITS[t.dtype])
 

@@ -406,8 +406,11 @@ def _infinite_parameters(
 ) -> np.ndarray:
     """IEEE's ``beta + gamma · v / sqrt(s)`` where ``gamma`` or ``beta`` is not finite:
     only the sign of the exact ``v`` (``z``, or ``z - mean``) matters, as ``±1`` or 0."""
-    v = z if rms else np.array([Fraction(float(zi)) - stats.mean for zi in z], dtype=object)
-    sign = np.array([(vi > 0) - (vi < 0) for vi in v], dtype=np.float64)
+    if rms:
+        sign = np.sign(z)
+    else:
+        v = [Fraction(float(zi)) - stats.mean for zi in z]
+        sign = np.array([int(vi > 0) - int(vi < 0) for vi in v], dtype=np.float64)
     with np.errstate(invalid="ignore"):  # inf·0 and inf - inf: NaN, as IEEE says
         return np.where(np.isfinite(gamma), 0.0, gamma * sign) + beta
 
