@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -455,13 +456,92 @@ def test_options_front_door_has_the_bits_of_options_norm(in_use, monkeypatch, op
     assert taken > checked // 3
 
 
+#: out= cases of the front door: (options, ops they apply to, whether it takes them); an
+#: option's value "fresh", "empty", "strided" or "x" names the tensor it gets
+OUT_CASES = {
+    "out": ({"out": "fresh"}, OPS, True),
+    "out offset": ({"out": "fresh", "offset": 1.0}, OPS, True),
+    "out too small": ({"out": "empty"}, OPS, False),
+    "out strided": ({"out": "strided"}, OPS, False),
+    "out is x": ({"out": "x"}, OPS, False),
+    "out gemma": ({"out": "fresh", "casting_mode": "gemma"}, ["rms_norm", "add_rms_norm"], True),
+    "out llama": ({"out": "fresh", "casting_mode": "llama"}, ["rms_norm", "add_rms_norm"], False),
+    "both": ({"out": "fresh", "residual_out": "fresh"}, ["add_layer_norm", "add_rms_norm"], True),
+    "residual_out": ({"residual_out": "fresh"}, ["add_layer_norm", "add_rms_norm"], True),
+}
+
+
+def _out_options(spec, x):
+    """``spec``'s options for an input ``x`` (see :data:`OUT_CASES`)."""
+    tensors = {
+        "fresh": lambda: torch.empty_like(x),
+        "empty": lambda: x.new_empty(0),
+        "strided": lambda: x.new_empty((*x.shape, 2))[..., 0],
+        "x": lambda: x,
+    }
+    return {k: tensors[v]() if k.endswith("out") else v for k, v in spec.items()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_options_front_door_writes_out_as_options_norm(in_use, monkeypatch, op, dtype):
+    """``out=`` and ``residual_out=`` (with ``offset`` and "gemma" too) through the C++
+    front door: the kernels write into them (the returned tensors are they, their
+    version counters bumped), bit for bit ``options.norm``'s results (the fast paths
+    off); outputs it cannot write (another shape, non-contiguous, sharing memory with the
+    input, the "llama" mode) are left to Python, which resizes or copies as before; with
+    a gradient asked for, Python raises torch's error."""
+    from layernorm import ops, options
+
+    seen = []
+    python_norm = options.norm
+    monkeypatch.setattr(options, "norm", lambda *a, **k: seen.append(1) or python_norm(*a, **k))
+    residual = op.startswith("add_")
+    torch.manual_seed(0)
+    for shape in [(50,), (2, 3, 50), (2, 2, 2, 33)]:
+        n = shape[-1]
+        x, r, w, b = (torch.randn(s).to(dtype) for s in (shape, shape, (n,), (n,)))
+        params = (w,) if "rms" in op else (w, b)
+        for name, (spec, ops_, taken) in OUT_CASES.items():
+            if op not in ops_:
+                continue
+            results = []
+            for fast in (True, False):
+                monkeypatch.setattr(ops, "FAST_PATHS", fast)
+                x_in = x.clone()
+                kw = _out_options(spec, x_in)
+                versions = {k: v._version for k, v in kw.items() if isinstance(v, torch.Tensor)}
+                del seen[:]
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)  # torch's resize warning
+                    got = getattr(layernorm, op)(
+                        *((x_in, r) if residual else (x_in,)), (n,), *params, **kw
+                    )
+                got = list(got) if residual else [got]
+                for k, v in kw.items():
+                    if isinstance(v, torch.Tensor):
+                        assert any(g is v for g in got), (name, k)
+                        assert v._version > versions[k], (name, k)
+                results.append(([_bits(g).clone() for g in got], not seen))
+            (fast_out, fast_taken), (slow_out, _) = results
+            assert fast_taken == taken, (shape, name)
+            for a, c in zip(fast_out, slow_out, strict=True):
+                assert torch.equal(a, c), (shape, name)
+    monkeypatch.setattr(ops, "FAST_PATHS", True)
+    x = torch.randn(3, 50, dtype=dtype, requires_grad=True)
+    with pytest.raises(RuntimeError, match="don't support automatic differentiation"):
+        getattr(layernorm, op)(
+            *((x, x.detach()) if residual else (x,)), (50,), out=torch.empty(3, 50, dtype=dtype)
+        )
+
+
 def test_errors_are_python_s(in_use):
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match=r"expected input with shape \[\*, 4\]"):
         layernorm.layer_norm(x, 4)
     with pytest.raises(ValueError, match="eps must be non-negative"):
         layernorm.layer_norm(x, 8, eps=-1.0)
-    with pytest.raises(TypeError, match="norm takes 8 or 10 arguments"):
+    with pytest.raises(TypeError, match="norm takes 8 or 12 arguments"):
         in_use(x)
 
 

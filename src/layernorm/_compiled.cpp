@@ -26,11 +26,13 @@
 // answers (y, residual_out) itself: with a gradient
 // by the op's autograd kernel (so autograd records NormBackward), without one by the CPU
 // kernel's own function, without statistics. Any other call gets None before any work.
-// norm(..., backend, offset, mode) is the front door of layernorm.options.call for the
-// options `offset` and `casting_mode` "gemma" and "llama" (mode 0, 1, 2): the same
-// torch operations around the same kernel call as options.norm (the gain, the llama
-// product), where their arithmetic is one IEEE operation (an offset that is a float32
-// value); it declines every other call, options.norm then answers it (or raises).
+// norm(..., backend, offset, mode, out, residual_out) is the front door of
+// layernorm.options.call for the options `offset`, `casting_mode` "gemma" and "llama"
+// (mode 0, 1, 2) and the preallocated outputs: the same torch operations around the same
+// kernel call as options.norm (the gain, the llama product), where their arithmetic is
+// one IEEE operation (an offset that is a float32 value), with the kernels writing into
+// `out` and `residual_out` (options.write_into's rule); it declines every other call,
+// options.norm then answers it (or raises).
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
@@ -520,20 +522,25 @@ void gather_flags(const Ranges& ranges, const std::vector<uint8_t>& scratch, int
 // The forward kernel on kernel-ready tensors; statistics only when store_stats. Over the
 // threads (the forward_parallel entry, one span of rows a call) when _threads lends
 // helpers, else in the calling thread (serial_address): the same bits.
+// `y_into`, `residual_out_into`: where y and residual_out go when defined (contiguous, x's
+// shape and dtype, sharing no memory with an argument or each other), else fresh tensors.
 Forward run_forward(const Tensor& x, const Tensor& residual, const Tensor& weight,
                     const Tensor& bias, double eps, bool rms, bool store_stats,
-                    int64_t serial_address) {
+                    int64_t serial_address, const Tensor& y_into = Tensor(),
+                    const Tensor& residual_out_into = Tensor()) {
     const int d = dtype_index(x.scalar_type());
     const int64_t n = x.size(-1), m = x.numel() / n;
     const auto acc = acc_dtype(d);
     Forward out;
-    out.y = empty(x.sizes(), x.scalar_type());
+    out.y = y_into.defined() ? y_into : empty(x.sizes(), x.scalar_type());
     const bool params_x_dtype = params_in_x_dtype(x.scalar_type(), acc, weight, bias);
     const auto param_dtype = params_x_dtype ? x.scalar_type() : acc;
     const Tensor w = kernel_param(weight, n, param_dtype, 1.0);
     const Tensor b = kernel_param(bias, n, param_dtype, -0.0);
     const bool has_residual = residual.defined();
-    if (has_residual) out.residual_out = empty(x.sizes(), x.scalar_type());
+    if (has_residual)
+        out.residual_out = residual_out_into.defined() ? residual_out_into
+                                                       : empty(x.sizes(), x.scalar_type());
     const int64_t x_address = address(x);
     int64_t mean_address = x_address, rstd_address = x_address;  // unused: any valid one
     if (store_stats) {
@@ -917,15 +924,35 @@ Tensor gain_of(const Tensor& weight, at::ScalarType dtype, double offset) {
     return offset != 0 ? g + offset : g;
 }
 
+// A preallocated output the kernels may write (options.write_into's rule): a plain
+// contiguous CPU tensor of x's shape and dtype that does not require grad, not an
+// inference tensor outside inference mode, sharing no memory with `others`; None is
+// undefined. False for any other (options.norm then checks, resizes or copies).
+bool writable_out(PyObject* o, const Tensor& x, std::initializer_list<const Tensor*> others,
+                  Tensor* out) {
+    if (o == Py_None) return true;
+    if (Py_TYPE(o) != reinterpret_cast<PyTypeObject*>(state.tensor_type)) return false;
+    const Tensor& t = THPVariable_Unpack(o);
+    if (!(t.is_cpu() && t.scalar_type() == x.scalar_type() && t.sizes() == x.sizes() &&
+          t.is_contiguous() && !t.requires_grad()) ||
+        (t.is_inference() && !c10::InferenceMode::is_enabled()))
+        return false;
+    for (const Tensor* a : others)
+        if (a->defined() && at::get_overlap_status(t, *a) != at::MemOverlapStatus::No)
+            return false;
+    *out = t;
+    return true;
+}
+
 PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     HANDLE_TH_ERRORS
-    if (nargs != 8 && nargs != 10) {
-        PyErr_SetString(PyExc_TypeError, "norm takes 8 or 10 arguments");
+    if (nargs != 8 && nargs != 12) {
+        PyErr_SetString(PyExc_TypeError, "norm takes 8 or 12 arguments");
         return nullptr;
     }
     double offset = 0;
     long mode = ONE_ROUNDING;
-    if (nargs == 10) {  // the options' front door: a float32 value and a known mode
+    if (nargs == 12) {  // the options' front door: a float32 value and a known mode
         if (!PyFloat_CheckExact(args[8]) || !PyLong_CheckExact(args[9])) Py_RETURN_NONE;
         offset = PyFloat_AS_DOUBLE(args[8]);
         mode = PyLong_AsLong(args[9]);
@@ -933,6 +960,8 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
             (mode != ONE_ROUNDING && args[6] != Py_True))
             Py_RETURN_NONE;
     }
+    PyObject* out_object = nargs == 12 ? args[10] : Py_None;
+    PyObject* residual_out_object = nargs == 12 ? args[11] : Py_None;
     PyObject *x_object = args[0], *residual_object = args[1], *eps_object = args[5];
     if (state.resolve == nullptr || args[7] != Py_None ||
         !(eps_object == Py_None || PyFloat_CheckExact(eps_object)) ||
@@ -958,7 +987,20 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     }
     if (!plain_param(args[3], n, &weight) || !plain_param(args[4], n, &bias))
         Py_RETURN_NONE;
-    if (mechanism_active({&x, &residual, &weight, &bias})) Py_RETURN_NONE;
+    Tensor out, residual_out_given;  // preallocated outputs
+    if (out_object != Py_None || residual_out_object != Py_None) {
+        auto requires_grad = [](const Tensor& t) { return t.defined() && t.requires_grad(); };
+        if (mode == LLAMA || (residual_out_object != Py_None && !residual.defined()) ||
+            (torch::GradMode::is_enabled() &&
+             (x.requires_grad() || requires_grad(residual) || requires_grad(weight) ||
+              requires_grad(bias))) ||  // options.norm raises
+            !writable_out(out_object, x, {&x, &residual, &weight, &bias}, &out) ||
+            !writable_out(residual_out_object, x, {&x, &residual, &weight, &bias, &out},
+                          &residual_out_given))
+            Py_RETURN_NONE;
+    }
+    if (mechanism_active({&x, &residual, &weight, &bias, &out, &residual_out_given}))
+        Py_RETURN_NONE;
     const bool rms = args[6] == Py_True;
     Tensor gain;  // the llama product's
     if (offset != 0 && !weight.defined()) Py_RETURN_NONE;  // options.norm raises
@@ -991,9 +1033,12 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
         // inference: the CPU kernel's own function, without statistics
         const int64_t kernel_address = entry_for(x, "", FORWARD_SERIAL);
         if (kernel_address < 0) Py_RETURN_NONE;  // the Python kernel's call
-        Forward out = run_forward(x, residual, weight, bias, eps, rms, false, kernel_address);
-        y = out.y;
-        residual_out = out.residual_out;
+        Forward forward = run_forward(x, residual, weight, bias, eps, rms, false,
+                                      kernel_address, out, residual_out_given);
+        y = forward.y;
+        residual_out = forward.residual_out;
+        for (const Tensor* t : {&out, &residual_out_given})  // written in place
+            if (t->defined()) torch::autograd::impl::bump_version(*t);
         if (gain.defined() && gain.scalar_type() == y.scalar_type() &&
             !(torch::GradMode::is_enabled() && gain.requires_grad())) {
             y.mul_(gain);  // the product below, into y (a fresh tensor no graph holds)

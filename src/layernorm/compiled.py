@@ -143,9 +143,9 @@ def _first_call(*args: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
 
 
 #: ``norm(x, residual, normalized_shape, weight, bias, eps, rms, backend)``, the
-#: arguments of ``ops._norm``, or with ``offset, mode`` after them (``options.call``'s
-#: ``offset`` and ``casting_mode``, 0 for None, 1 "gemma", 2 "llama"): ``(y,
-#: residual_out)`` when the extension runs the call, else None (the extension's own
+#: arguments of ``ops._norm``, or with ``offset, mode, out, residual_out`` after them
+#: (``options.call``'s options; ``mode`` 0 for no casting_mode, 1 "gemma", 2 "llama"):
+#: ``(y, residual_out)`` when the extension runs the call, else None (the extension's own
 #: function once it is loaded)
 norm: Callable[..., tuple[torch.Tensor, torch.Tensor | None] | None] = _first_call
 

@@ -5,8 +5,9 @@ down the plain path after one check. Every option here is written as torch opera
 around the public op (``ops._norm``), so each keeps what the op has (every backend, the
 C++ front door, autograd, ``torch.compile``, ``torch.func``, forward AD, export and
 tracing: ``docs/contract.md`` §6) without a kernel or an autograd formula of its own.
-The commonest, ``offset`` and the "gemma" and "llama" casting modes, run those same
-operations in C++ when the compiled front door takes the call (:func:`_front_door`).
+The commonest, ``offset``, the "gemma" and "llama" casting modes and ``out`` /
+``residual_out``, run those same operations in C++ when the compiled front door takes
+the call (:func:`_front_door`).
 What each one rounds (``docs/contract.md`` §2, "Options"):
 
 - ``offset``: the gain is ``weight + offset`` rounded once to the accumulation dtype (the
@@ -119,7 +120,7 @@ def call(
     for name in options:
         if name not in known:
             raise TypeError(f"{op}() got an unexpected keyword argument '{name}'")
-    if ops.FAST_PATHS and len(options) <= 2 and not torch.compiler.is_compiling():
+    if ops.FAST_PATHS and len(options) <= 4 and not torch.compiler.is_compiling():
         out = _front_door(x, residual, normalized_shape, weight, bias, eps, rms, backend, options)
         if out is not None:
             return out
@@ -141,23 +142,29 @@ def _front_door(
     backend: str | None,
     options: dict[str, Any],
 ) -> tuple[Tensor, Tensor | None] | None:
-    """The call in C++ (``layernorm.compiled``'s ``norm`` with ``offset`` and a mode)
-    when its only options are ``offset`` and a ``casting_mode`` of None, "gemma" or
-    "llama": the torch operations of :func:`norm` (the gain of :func:`offset_gain` or
-    :func:`cast_rms_norm`, the llama product) around the same kernel call, where each is
-    one IEEE operation (an offset that is a float32 value, and for the one rounding and
-    "gemma" a weight of float32 values or a float64 computation). None for every other
-    call, before any work: :func:`norm` then runs it, or raises."""
-    offset = options.get("offset", 0.0)
+    """The call in C++ (``layernorm.compiled``'s ``norm`` with the options) when its only
+    options are ``offset``, a ``casting_mode`` of None, "gemma" or "llama", ``out`` and
+    ``residual_out``: the torch operations of :func:`norm` (the gain of
+    :func:`offset_gain` or :func:`cast_rms_norm`, the llama product) around the same
+    kernel call, where each is one IEEE operation (an offset that is a float32 value, and
+    for the one rounding and "gemma" a weight of float32 values or a float64
+    computation), the kernels writing into ``out`` and ``residual_out`` where
+    :func:`write_into` would (not with "llama"). None for every other call, before any
+    work: :func:`norm` then runs it, or raises."""
     mode = options.get("casting_mode")
-    if len(options) != ("offset" in options) + ("casting_mode" in options):
+    if not _FRONT_DOOR_OPTIONS.issuperset(options):
         return None
     if not (mode is None or type(mode) is str) or mode not in _FRONT_DOOR_MODES:
         return None
     return _compiled.norm(
-        x, residual, normalized_shape, weight, bias, eps, rms, backend, offset,
-        _FRONT_DOOR_MODES[mode],
+        x, residual, normalized_shape, weight, bias, eps, rms, backend,
+        options.get("offset", 0.0), _FRONT_DOOR_MODES[mode], options.get("out"),
+        options.get("residual_out"),
     )  # fmt: skip
+
+
+#: the options :func:`_front_door` takes
+_FRONT_DOOR_OPTIONS = frozenset(("offset", "casting_mode", "out", "residual_out"))
 
 
 def signed(function: Callable[..., Any], names: tuple[str, ...]) -> None:
