@@ -535,13 +535,68 @@ def test_options_front_door_writes_out_as_options_norm(in_use, monkeypatch, op, 
         )
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_options_front_door_rounds_into_a_narrower_out_dtype(in_use, monkeypatch, op, dtype):
+    """A narrower ``out_dtype`` (with ``offset`` and ``out=`` too) through the C++ front
+    door, inference only: bit for bit ``options.norm``'s (the fast paths off: the op
+    ``layernorm::forward_to``), ``residual_out`` in the input's dtype; a wider or equal
+    ``out_dtype``, one with a casting mode and calls asking for a gradient are left to
+    Python."""
+    from layernorm import ops, options
+
+    seen = []
+    python_norm = options.norm
+    monkeypatch.setattr(options, "norm", lambda *a, **k: seen.append(1) or python_norm(*a, **k))
+    residual = op.startswith("add_")
+    torch.manual_seed(0)
+    for shape in [(50,), (2, 3, 50), (2, 2, 2, 33)]:
+        n = shape[-1]
+        x, r, w, b = (torch.randn(s).to(dtype) for s in (shape, shape, (n,), (n,)))
+        params = (w,) if "rms" in op else (w, b)
+        for y_dtype, extra, grad in itertools.product(
+            DTYPES, [{}, {"offset": 1.0}, {"out": True}, {"casting_mode": "gemma"}], [False, True]
+        ):
+            if "casting_mode" in extra and "rms" not in op:
+                continue
+            narrower = y_dtype in options._NARROWER[dtype]
+            results = []
+            for fast in (True, False):
+                monkeypatch.setattr(ops, "FAST_PATHS", fast)
+                kw = {**extra, "out_dtype": y_dtype}
+                if "out" in kw:
+                    kw["out"] = torch.empty(shape, dtype=y_dtype)
+                    if grad:
+                        continue  # (torch's error: test_options_front_door_writes_out_...)
+                x_in = x.clone().requires_grad_(grad)
+                del seen[:]
+                try:
+                    got = getattr(layernorm, op)(
+                        *((x_in, r) if residual else (x_in,)), (n,), *params, **kw
+                    )
+                except ValueError as error:  # casting_mode with out_dtype: Python's error
+                    assert "does not combine with out_dtype" in str(error)
+                    assert "casting_mode" in extra and seen
+                    continue
+                got = list(got) if residual else [got]
+                assert got[0].dtype == y_dtype and (not residual or got[1].dtype == dtype)
+                results.append(([_bits(g.detach()).clone() for g in got], not seen))
+            if len(results) < 2:
+                continue
+            (fast_out, fast_taken), (slow_out, _) = results
+            case = (shape, y_dtype, extra, grad)
+            assert fast_taken == (narrower and not grad and "casting_mode" not in extra), case
+            for a, c in zip(fast_out, slow_out, strict=True):
+                assert torch.equal(a, c), case
+
+
 def test_errors_are_python_s(in_use):
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match=r"expected input with shape \[\*, 4\]"):
         layernorm.layer_norm(x, 4)
     with pytest.raises(ValueError, match="eps must be non-negative"):
         layernorm.layer_norm(x, 8, eps=-1.0)
-    with pytest.raises(TypeError, match="norm takes 8 or 12 arguments"):
+    with pytest.raises(TypeError, match="norm takes 8 or 13 arguments"):
         in_use(x)
 
 

@@ -26,13 +26,14 @@
 // answers (y, residual_out) itself: with a gradient
 // by the op's autograd kernel (so autograd records NormBackward), without one by the CPU
 // kernel's own function, without statistics. Any other call gets None before any work.
-// norm(..., backend, offset, mode, out, residual_out) is the front door of
+// norm(..., backend, offset, mode, out, residual_out, y_dtype) is the front door of
 // layernorm.options.call for the options `offset`, `casting_mode` "gemma" and "llama"
-// (mode 0, 1, 2) and the preallocated outputs: the same torch operations around the same
-// kernel call as options.norm (the gain, the llama product), where their arithmetic is
-// one IEEE operation (an offset that is a float32 value), with the kernels writing into
-// `out` and `residual_out` (options.write_into's rule); it declines every other call,
-// options.norm then answers it (or raises).
+// (mode 0, 1, 2), the preallocated outputs and a narrower `out_dtype` (y_dtype, without
+// a gradient: the kernels of that pair round into it, as layernorm::forward_to's): the
+// same torch operations around the same kernel call as options.norm (the gain, the llama
+// product), where their arithmetic is one IEEE operation (an offset that is a float32
+// value), with the kernels writing into `out` and `residual_out` (options.write_into's
+// rule); it declines every other call, options.norm then answers it (or raises).
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
@@ -139,6 +140,8 @@ struct State {
     int64_t row_block = 0;          // _numba_kernels.ROW_BLOCK: spans split rows there
     int64_t max_bytes = 0;     // numba_.STREAM_BYTES: larger inputs go through Python
     int64_t kernels[DTYPES][ENTRIES] = {};  // C addresses: 0 not asked yet, -1 none
+    // the forward entries (serial, parallel) whose y has a narrower dtype, by x's and y's
+    int64_t narrow_kernels[DTYPES][DTYPES][2] = {};
     double default_eps[DTYPES] = {};        // eps=None per dtype: _op.default_eps's values
     at::ScalarType dtypes[DTYPES] = {};      // compiled.DTYPES
     at::ScalarType acc_dtypes[DTYPES] = {};  // their accumulation dtypes (torch_'s rule)
@@ -178,6 +181,24 @@ int64_t kernel(int d, Entry e) {
         a = call_python<std::optional<int64_t>>(state.resolve, d, ENTRY_NAMES[e]).value_or(-1);
     }
     return a;
+}
+
+// The forward entry e (FORWARD_SERIAL or FORWARD_PARALLEL) for x of DTYPES[d] and y of
+// DTYPES[yd] (yd < 0: x's own dtype), as kernel() resolves the others.
+int64_t forward_kernel(int d, int yd, Entry e) {
+    if (yd < 0 || yd == d) return kernel(d, e);
+    int64_t& a = state.narrow_kernels[d][yd][e == FORWARD_PARALLEL];
+    if (a == 0) {
+        a = call_python<std::optional<int64_t>>(state.resolve, d, ENTRY_NAMES[e], yd)
+                .value_or(-1);
+    }
+    return a;
+}
+
+void forget_kernels() {
+    std::fill(&state.kernels[0][0], &state.kernels[0][0] + DTYPES * ENTRIES, 0);
+    std::fill(&state.narrow_kernels[0][0][0], &state.narrow_kernels[0][0][0] + DTYPES * DTYPES * 2,
+              0);
 }
 
 // Whether LAYERNORM_BACKEND names a backend now (Python's rule, asked per call as
@@ -286,7 +307,7 @@ int64_t row_stride(const Tensor& t, int64_t n) { return t.is_contiguous() ? n : 
 // The numba entry for x when the forward or backward kernel below runs the call (the
 // automatic backend is numba, x is non-empty kernel rows, and small enough that Python's
 // cost would count), else -1 (the Python kernel runs it).
-int64_t entry_for(const Tensor& x, c10::string_view backend, Entry serial) {
+int64_t entry_for(const Tensor& x, c10::string_view backend, Entry serial, int yd = -1) {
     const int d = dtype_index(x.scalar_type());
     const int64_t numel = x.numel();
     if (!backend.empty() || d < 0 || numel == 0 || x.dim() == 0 ||
@@ -294,7 +315,7 @@ int64_t entry_for(const Tensor& x, c10::string_view backend, Entry serial) {
         numel * static_cast<int64_t>(x.element_size()) >= state.max_bytes ||
         environment_chooses())
         return -1;
-    return kernel(d, serial);
+    return serial == FORWARD_SERIAL ? forward_kernel(d, yd, serial) : kernel(d, serial);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -523,16 +544,19 @@ void gather_flags(const Ranges& ranges, const std::vector<uint8_t>& scratch, int
 // threads (the forward_parallel entry, one span of rows a call) when _threads lends
 // helpers, else in the calling thread (serial_address): the same bits.
 // `y_into`, `residual_out_into`: where y and residual_out go when defined (contiguous, x's
-// shape and dtype, sharing no memory with an argument or each other), else fresh tensors.
+// shape, y's and x's dtype, sharing no memory with an argument or each other), else fresh
+// tensors. `yd`: y's dtype index when it is narrower than x's (the entries of their pair,
+// which serial_address is one of), else -1.
 Forward run_forward(const Tensor& x, const Tensor& residual, const Tensor& weight,
                     const Tensor& bias, double eps, bool rms, bool store_stats,
                     int64_t serial_address, const Tensor& y_into = Tensor(),
-                    const Tensor& residual_out_into = Tensor()) {
+                    const Tensor& residual_out_into = Tensor(), int yd = -1) {
     const int d = dtype_index(x.scalar_type());
     const int64_t n = x.size(-1), m = x.numel() / n;
     const auto acc = acc_dtype(d);
+    const auto y_dtype = yd < 0 ? x.scalar_type() : state.dtypes[yd];
     Forward out;
-    out.y = y_into.defined() ? y_into : empty(x.sizes(), x.scalar_type());
+    out.y = y_into.defined() ? y_into : empty(x.sizes(), y_dtype);
     const bool params_x_dtype = params_in_x_dtype(x.scalar_type(), acc, weight, bias);
     const auto param_dtype = params_x_dtype ? x.scalar_type() : acc;
     const Tensor w = kernel_param(weight, n, param_dtype, 1.0);
@@ -553,6 +577,7 @@ Forward run_forward(const Tensor& x, const Tensor& residual, const Tensor& weigh
     }
     // bytes from one row to the next of each argument (0: not read)
     const int64_t size = x.element_size(), acc_size = c10::elementSize(acc);
+    const int64_t y_size = c10::elementSize(y_dtype);
     const int64_t x_stride = row_stride(x, n);
     const int64_t residual_stride = has_residual ? row_stride(residual, n) : 0;
     const int64_t mean_step = store_stats && !rms ? acc_size : 0;
@@ -567,7 +592,7 @@ Forward run_forward(const Tensor& x, const Tensor& residual, const Tensor& weigh
             x_address + i * x_stride * size, x_stride,
             residual_address + i * residual_stride * size, residual_stride, has_residual,
             residual_out_address + i * residual_out_step, w_address, b_address,
-            params_x_dtype, y_address + i * n * size, mean_address + i * mean_step,
+            params_x_dtype, y_address + i * n * y_size, mean_address + i * mean_step,
             rstd_address + i * rstd_step, count, n, eps, rms,
             false /* stream: inputs of max_bytes or more are Python's */, store_stats,
             flags_address);
@@ -579,7 +604,7 @@ Forward run_forward(const Tensor& x, const Tensor& residual, const Tensor& weigh
     if (ranges.empty()) {
         rows(serial_address, 0, m, reinterpret_cast<int64_t>(flags));
     } else {
-        const int64_t span_address = kernel(d, FORWARD_PARALLEL);
+        const int64_t span_address = forward_kernel(d, yd, FORWARD_PARALLEL);
         std::vector<uint8_t> scratch(blocks * (block + 1));
         const int64_t scratch_address = reinterpret_cast<int64_t>(scratch.data());
         run_spans(ranges, lent, [&](int64_t start, int64_t stop) {
@@ -925,15 +950,15 @@ Tensor gain_of(const Tensor& weight, at::ScalarType dtype, double offset) {
 }
 
 // A preallocated output the kernels may write (options.write_into's rule): a plain
-// contiguous CPU tensor of x's shape and dtype that does not require grad, not an
+// contiguous CPU tensor of x's shape and of `dtype` that does not require grad, not an
 // inference tensor outside inference mode, sharing no memory with `others`; None is
 // undefined. False for any other (options.norm then checks, resizes or copies).
-bool writable_out(PyObject* o, const Tensor& x, std::initializer_list<const Tensor*> others,
-                  Tensor* out) {
+bool writable_out(PyObject* o, const Tensor& x, at::ScalarType dtype,
+                  std::initializer_list<const Tensor*> others, Tensor* out) {
     if (o == Py_None) return true;
     if (Py_TYPE(o) != reinterpret_cast<PyTypeObject*>(state.tensor_type)) return false;
     const Tensor& t = THPVariable_Unpack(o);
-    if (!(t.is_cpu() && t.scalar_type() == x.scalar_type() && t.sizes() == x.sizes() &&
+    if (!(t.is_cpu() && t.scalar_type() == dtype && t.sizes() == x.sizes() &&
           t.is_contiguous() && !t.requires_grad()) ||
         (t.is_inference() && !c10::InferenceMode::is_enabled()))
         return false;
@@ -946,13 +971,13 @@ bool writable_out(PyObject* o, const Tensor& x, std::initializer_list<const Tens
 
 PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     HANDLE_TH_ERRORS
-    if (nargs != 8 && nargs != 12) {
-        PyErr_SetString(PyExc_TypeError, "norm takes 8 or 12 arguments");
+    if (nargs != 8 && nargs != 13) {
+        PyErr_SetString(PyExc_TypeError, "norm takes 8 or 13 arguments");
         return nullptr;
     }
     double offset = 0;
     long mode = ONE_ROUNDING;
-    if (nargs == 12) {  // the options' front door: a float32 value and a known mode
+    if (nargs == 13) {  // the options' front door: a float32 value and a known mode
         if (!PyFloat_CheckExact(args[8]) || !PyLong_CheckExact(args[9])) Py_RETURN_NONE;
         offset = PyFloat_AS_DOUBLE(args[8]);
         mode = PyLong_AsLong(args[9]);
@@ -960,8 +985,12 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
             (mode != ONE_ROUNDING && args[6] != Py_True))
             Py_RETURN_NONE;
     }
-    PyObject* out_object = nargs == 12 ? args[10] : Py_None;
-    PyObject* residual_out_object = nargs == 12 ? args[11] : Py_None;
+    PyObject* out_object = nargs == 13 ? args[10] : Py_None;
+    PyObject* residual_out_object = nargs == 13 ? args[11] : Py_None;
+    // y's dtype when narrower than x's (options._front_door says so), else None
+    PyObject* y_dtype_object = nargs == 13 ? args[12] : Py_None;
+    if (y_dtype_object != Py_None && (!THPDtype_Check(y_dtype_object) || mode != ONE_ROUNDING))
+        Py_RETURN_NONE;
     PyObject *x_object = args[0], *residual_object = args[1], *eps_object = args[5];
     if (state.resolve == nullptr || args[7] != Py_None ||
         !(eps_object == Py_None || PyFloat_CheckExact(eps_object)) ||
@@ -973,6 +1002,11 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     if (!(x.is_cpu() && x.dim() > 0 && x.size(-1) == n && x.is_contiguous())) Py_RETURN_NONE;
     const int d = dtype_index(x.scalar_type());
     if (d < 0) Py_RETURN_NONE;
+    const int yd = y_dtype_object == Py_None
+                       ? -1
+                       : dtype_index(reinterpret_cast<THPDtype*>(y_dtype_object)->scalar_type);
+    if (y_dtype_object != Py_None && (yd < 0 || yd == d)) Py_RETURN_NONE;
+    const auto y_dtype = yd < 0 ? x.scalar_type() : state.dtypes[yd];
     const double eps =
         eps_object != Py_None ? PyFloat_AS_DOUBLE(eps_object) : state.default_eps[d];
     if (!(eps >= 0)) Py_RETURN_NONE;
@@ -988,17 +1022,21 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     if (!plain_param(args[3], n, &weight) || !plain_param(args[4], n, &bias))
         Py_RETURN_NONE;
     Tensor out, residual_out_given;  // preallocated outputs
-    if (out_object != Py_None || residual_out_object != Py_None) {
+    auto grad_asked = [&]() {
         auto requires_grad = [](const Tensor& t) { return t.defined() && t.requires_grad(); };
+        return torch::GradMode::is_enabled() &&
+               (x.requires_grad() || requires_grad(residual) || requires_grad(weight) ||
+                requires_grad(bias));
+    };
+    if (out_object != Py_None || residual_out_object != Py_None) {
         if (mode == LLAMA || (residual_out_object != Py_None && !residual.defined()) ||
-            (torch::GradMode::is_enabled() &&
-             (x.requires_grad() || requires_grad(residual) || requires_grad(weight) ||
-              requires_grad(bias))) ||  // options.norm raises
-            !writable_out(out_object, x, {&x, &residual, &weight, &bias}, &out) ||
-            !writable_out(residual_out_object, x, {&x, &residual, &weight, &bias, &out},
-                          &residual_out_given))
+            grad_asked() ||  // options.norm raises
+            !writable_out(out_object, x, y_dtype, {&x, &residual, &weight, &bias}, &out) ||
+            !writable_out(residual_out_object, x, x.scalar_type(),
+                          {&x, &residual, &weight, &bias, &out}, &residual_out_given))
             Py_RETURN_NONE;
     }
+    if (yd >= 0 && grad_asked()) Py_RETURN_NONE;  // forward_to's autograd is Python's
     if (mechanism_active({&x, &residual, &weight, &bias, &out, &residual_out_given}))
         Py_RETURN_NONE;
     const bool rms = args[6] == Py_True;
@@ -1031,10 +1069,10 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
         if (residual.defined()) residual_out = std::get<1>(out);
     } else {
         // inference: the CPU kernel's own function, without statistics
-        const int64_t kernel_address = entry_for(x, "", FORWARD_SERIAL);
+        const int64_t kernel_address = entry_for(x, "", FORWARD_SERIAL, yd);
         if (kernel_address < 0) Py_RETURN_NONE;  // the Python kernel's call
         Forward forward = run_forward(x, residual, weight, bias, eps, rms, false,
-                                      kernel_address, out, residual_out_given);
+                                      kernel_address, out, residual_out_given, yd);
         y = forward.y;
         residual_out = forward.residual_out;
         for (const Tensor* t : {&out, &residual_out_given})  // written in place
@@ -1116,12 +1154,12 @@ void set_up(pybind11::dict rules) {
     state.grain = rules["grain"].cast<int64_t>();
     state.row_block = rules["row_block"].cast<int64_t>();
     state.max_bytes = rules["max_bytes"].cast<int64_t>();
-    std::fill(&state.kernels[0][0], &state.kernels[0][0] + DTYPES * ENTRIES, 0);
+    forget_kernels();
     register_kernels();
 }
 
 // Forgets the kernel addresses, so the next call asks again (backends.forget).
-void forget() { std::fill(&state.kernels[0][0], &state.kernels[0][0] + DTYPES * ENTRIES, 0); }
+void forget() { forget_kernels(); }
 
 PyMethodDef NORM_DEF = {"norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(norm)),
                         METH_FASTCALL,

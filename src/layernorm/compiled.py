@@ -143,8 +143,9 @@ def _first_call(*args: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
 
 
 #: ``norm(x, residual, normalized_shape, weight, bias, eps, rms, backend)``, the
-#: arguments of ``ops._norm``, or with ``offset, mode, out, residual_out`` after them
-#: (``options.call``'s options; ``mode`` 0 for no casting_mode, 1 "gemma", 2 "llama"):
+#: arguments of ``ops._norm``, or with ``offset, mode, out, residual_out, y_dtype`` after
+#: them (``options.call``'s options; ``mode`` 0 for no casting_mode, 1 "gemma", 2
+#: "llama"; ``y_dtype`` a narrower ``out_dtype``, or None):
 #: ``(y, residual_out)`` when the extension runs the call, else None (the extension's own
 #: function once it is loaded)
 norm: Callable[..., tuple[torch.Tensor, torch.Tensor | None] | None] = _first_call
@@ -351,17 +352,19 @@ def _fix_backward_rows(
     )  # fmt: skip
 
 
-def _resolve(index: int, name: str) -> int | None:
-    """The C address of numba kernel ``name`` for ``DTYPES[index]`` when numba is the
-    automatic backend for CPU tensors of that dtype, else None (the extension asks once
-    per kernel, until :func:`layernorm.backends.forget`)."""
+def _resolve(index: int, name: str, y_index: int | None = None) -> int | None:
+    """The C address of numba kernel ``name`` for ``DTYPES[index]`` (a forward's ``y`` in
+    ``DTYPES[y_index]`` when given: a narrower dtype) when numba is the automatic backend
+    for CPU tensors of that dtype, else None (the extension asks once per kernel, until
+    :func:`layernorm.backends.forget`)."""
     from . import backends
 
     dtype = DTYPES[index]
     module = backends.pick(torch.empty(0, dtype=dtype))
     if module.__name__ != backends.BACKENDS["numba"]:
         return None
-    return module.entry_address(dtype, name)  # type: ignore[no-any-return]
+    y_dtype = None if y_index is None else DTYPES[y_index]
+    return module.entry_address(dtype, name, y_dtype)  # type: ignore[no-any-return]
 
 
 def _forget() -> None:

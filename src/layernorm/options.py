@@ -5,9 +5,9 @@ down the plain path after one check. Every option here is written as torch opera
 around the public op (``ops._norm``), so each keeps what the op has (every backend, the
 C++ front door, autograd, ``torch.compile``, ``torch.func``, forward AD, export and
 tracing: ``docs/contract.md`` §6) without a kernel or an autograd formula of its own.
-The commonest, ``offset``, the "gemma" and "llama" casting modes and ``out`` /
-``residual_out``, run those same operations in C++ when the compiled front door takes
-the call (:func:`_front_door`).
+The commonest, ``offset``, the "gemma" and "llama" casting modes, ``out`` /
+``residual_out`` and a narrower ``out_dtype``, run those same operations in C++ when the
+compiled front door takes the call (:func:`_front_door`).
 What each one rounds (``docs/contract.md`` §2, "Options"):
 
 - ``offset``: the gain is ``weight + offset`` rounded once to the accumulation dtype (the
@@ -75,6 +75,11 @@ _WIDER = {
     torch.float32: (torch.float32, torch.float64),
     torch.float64: (torch.float64,),
 }
+#: the output dtypes narrower than each input dtype (the kernels round into them:
+#: ``torch_.OUT_DTYPES`` outside ``_WIDER``)
+_NARROWER = {
+    x: tuple(y for y in torch_.OUT_DTYPES if y not in wider) for x, wider in _WIDER.items()
+}
 
 
 #: each public function's options, with their defaults and types
@@ -120,7 +125,7 @@ def call(
     for name in options:
         if name not in known:
             raise TypeError(f"{op}() got an unexpected keyword argument '{name}'")
-    if ops.FAST_PATHS and len(options) <= 4 and not torch.compiler.is_compiling():
+    if ops.FAST_PATHS and len(options) <= 5 and not torch.compiler.is_compiling():
         out = _front_door(x, residual, normalized_shape, weight, bias, eps, rms, backend, options)
         if out is not None:
             return out
@@ -143,8 +148,9 @@ def _front_door(
     options: dict[str, Any],
 ) -> tuple[Tensor, Tensor | None] | None:
     """The call in C++ (``layernorm.compiled``'s ``norm`` with the options) when its only
-    options are ``offset``, a ``casting_mode`` of None, "gemma" or "llama", ``out`` and
-    ``residual_out``: the torch operations of :func:`norm` (the gain of
+    options are ``offset``, a ``casting_mode`` of None, "gemma" or "llama", ``out``,
+    ``residual_out`` and a narrower ``out_dtype`` (without a gradient): the torch
+    operations of :func:`norm` (the gain of
     :func:`offset_gain` or :func:`cast_rms_norm`, the llama product) around the same
     kernel call, where each is one IEEE operation (an offset that is a float32 value, and
     for the one rounding and "gemma" a weight of float32 values or a float64
@@ -156,15 +162,20 @@ def _front_door(
         return None
     if not (mode is None or type(mode) is str) or mode not in _FRONT_DOOR_MODES:
         return None
+    y_dtype = options.get("out_dtype")  # a narrower one only (a wider one converts x first)
+    if y_dtype is not None and (
+        not isinstance(x, Tensor) or y_dtype not in _NARROWER.get(x.dtype, ())
+    ):
+        return None
     return _compiled.norm(
         x, residual, normalized_shape, weight, bias, eps, rms, backend,
         options.get("offset", 0.0), _FRONT_DOOR_MODES[mode], options.get("out"),
-        options.get("residual_out"),
+        options.get("residual_out"), y_dtype,
     )  # fmt: skip
 
 
 #: the options :func:`_front_door` takes
-_FRONT_DOOR_OPTIONS = frozenset(("offset", "casting_mode", "out", "residual_out"))
+_FRONT_DOOR_OPTIONS = frozenset(("offset", "casting_mode", "out", "residual_out", "out_dtype"))
 
 
 def signed(function: Callable[..., Any], names: tuple[str, ...]) -> None:

@@ -46,8 +46,8 @@ stores them in the on-disk cache, which later processes load (:func:`build`,
 forward whose ``y`` has a narrower dtype than ``x`` (``out_dtype``: float32 from float64,
 a 16-bit dtype from a wider or the other 16-bit one) has entries of its own per (x's
 dtype, y's dtype), compiled (or loaded) on their first use only, so the build and the
-same-dtype calls' cold start do not grow; the compiled front door calls the same-dtype
-entries only. Where
+same-dtype calls' cold start do not grow; the compiled front door asks for them
+(:func:`entry_address`) on their first use too. Where
 the cache lives, and the lock that lets processes starting together share it:
 :mod:`layernorm.backends._numba_cache` (:func:`cache_location` says where).
 
@@ -186,14 +186,15 @@ def entry(dtype: torch.dtype, name: str, y_dtype: torch.dtype | None = None) -> 
     return _compiled(dtype, name, y_dtype)
 
 
-def entry_address(dtype: torch.dtype, name: str) -> int:
+def entry_address(dtype: torch.dtype, name: str, y_dtype: torch.dtype | None = None) -> int:
     """The C address of the compiled ``_numba_kernels`` entry ``name`` (one of
-    :data:`ENTRIES` or ``column_sums``) for ``dtype``, for compiled callers. A
+    :data:`ENTRIES` or ``column_sums``) for ``dtype`` (a forward's ``y`` in ``y_dtype``,
+    as :func:`entry`), for compiled callers. A
     ``*_parallel`` entry runs one span of a call's rows, as :func:`entry`'s threaded
     entries hand them out; a compiled caller that spreads a call over threads of its own
     asks :func:`layernorm.backends._threads.lend` for them and adds the backward's partial
     sums with ``column_sums``, as :func:`_backward_over_threads` does."""
-    return _kernels().address(_compiled(dtype, name))  # type: ignore[no-any-return]
+    return _kernels().address(_compiled(dtype, name, y_dtype))  # type: ignore[no-any-return]
 
 
 def _forward_over_threads(
