@@ -537,12 +537,14 @@ def test_options_front_door_writes_out_as_options_norm(in_use, monkeypatch, op, 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS)
-def test_options_front_door_rounds_into_a_narrower_out_dtype(in_use, monkeypatch, op, dtype):
-    """A narrower ``out_dtype`` (with ``offset`` and ``out=`` too) through the C++ front
-    door, inference only: bit for bit ``options.norm``'s (the fast paths off: the op
-    ``layernorm::forward_to``), ``residual_out`` in the input's dtype; a wider or equal
-    ``out_dtype``, one with a casting mode and calls asking for a gradient are left to
-    Python."""
+def test_options_front_door_takes_out_dtype(in_use, monkeypatch, op, dtype):
+    """``out_dtype`` (with ``offset`` and ``out=`` too) through the C++ front door, bit for
+    bit ``options.norm``'s (the fast paths off: for a narrower one the op
+    ``layernorm::forward_to``), ``residual_out`` in the input's dtype: a narrower one
+    without a gradient (the kernels of that dtype pair), the input's own (the plain
+    call), a wider one without a residual (the input converted first). One asking for a
+    gradient while narrower, a wider one with a residual, and one with a casting mode
+    (norm's ValueError) are left to Python."""
     from layernorm import ops, options
 
     seen = []
@@ -585,9 +587,45 @@ def test_options_front_door_rounds_into_a_narrower_out_dtype(in_use, monkeypatch
                 continue
             (fast_out, fast_taken), (slow_out, _) = results
             case = (shape, y_dtype, extra, grad)
-            assert fast_taken == (narrower and not grad and "casting_mode" not in extra), case
+            wider = y_dtype != dtype and not narrower
+            takes = (narrower and not grad) or y_dtype == dtype or (wider and not residual)
+            assert fast_taken == (takes and "casting_mode" not in extra), case
             for a, c in zip(fast_out, slow_out, strict=True):
                 assert torch.equal(a, c), case
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_options_front_door_takes_memory_efficient_without_a_gradient(in_use, monkeypatch, op):
+    """``memory_efficient=True`` alone and without a gradient is the plain call (as
+    ``recompute.norm`` makes it): the front door runs it, bit for bit; with a gradient,
+    or with another option, Python's ``recompute`` (or its ValueError) as before."""
+    from layernorm import ops, options, recompute
+
+    seen = []
+    python_norm = options.norm
+    monkeypatch.setattr(options, "norm", lambda *a, **k: seen.append(1) or python_norm(*a, **k))
+    x, w = torch.randn(2, 3, 50), torch.randn(50)
+    f = getattr(layernorm, op)
+    for kw, grad, taken in [
+        ({"memory_efficient": True}, False, True),
+        ({"memory_efficient": False}, False, True),
+        ({"memory_efficient": True}, True, False),
+        ({"memory_efficient": False, "offset": 1.0}, True, True),
+        ({"memory_efficient": True, "out_dtype": torch.float64}, False, False),
+        ({"memory_efficient": 1}, False, False),
+    ]:
+        del seen[:]
+        y = f(x.clone().requires_grad_(grad), 50, w, **kw)
+        assert (not seen) == taken, kw
+        monkeypatch.setattr(ops, "FAST_PATHS", False)
+        python = f(x.clone().requires_grad_(grad), 50, w, **kw)
+        monkeypatch.setattr(ops, "FAST_PATHS", True)
+        assert torch.equal(_bits(y.detach()), _bits(python.detach())), kw
+        if grad and kw["memory_efficient"]:
+            assert "MemoryEfficientNorm" in type(y.grad_fn).__name__
+    with pytest.raises(ValueError, match="does not combine"):
+        f(x, 50, w, memory_efficient=True, offset=1.0)
+    assert recompute.applies(x.requires_grad_(), w, None)
 
 
 def test_errors_are_python_s(in_use):

@@ -125,7 +125,7 @@ def call(
     for name in options:
         if name not in known:
             raise TypeError(f"{op}() got an unexpected keyword argument '{name}'")
-    if ops.FAST_PATHS and len(options) <= 5 and not torch.compiler.is_compiling():
+    if ops.FAST_PATHS and len(options) <= 6 and not torch.compiler.is_compiling():
         out = _front_door(x, residual, normalized_shape, weight, bias, eps, rms, backend, options)
         if out is not None:
             return out
@@ -149,8 +149,10 @@ def _front_door(
 ) -> tuple[Tensor, Tensor | None] | None:
     """The call in C++ (``layernorm.compiled``'s ``norm`` with the options) when its only
     options are ``offset``, a ``casting_mode`` of None, "gemma" or "llama", ``out``,
-    ``residual_out`` and a narrower ``out_dtype`` (without a gradient): the torch
-    operations of :func:`norm` (the gain of
+    ``residual_out``, a narrower ``out_dtype`` (without a gradient), a wider one
+    (without a residual or casting mode: the input converted to it first, as here) and
+    ``memory_efficient`` alone without a gradient (the plain call, as
+    :func:`layernorm.recompute.norm` makes it): the torch operations of :func:`norm` (the gain of
     :func:`offset_gain` or :func:`cast_rms_norm`, the llama product) around the same
     kernel call, where each is one IEEE operation (an offset that is a float32 value, and
     for the one rounding and "gemma" a weight of float32 values or a float64
@@ -158,14 +160,30 @@ def _front_door(
     :func:`write_into` would (not with "llama"). None for every other call, before any
     work: :func:`norm` then runs it, or raises."""
     mode = options.get("casting_mode")
-    if not _FRONT_DOOR_OPTIONS.issuperset(options):
+    if not (_FRONT_DOOR_OPTIONS.issuperset(options) and isinstance(x, Tensor)):
         return None
     if not (mode is None or type(mode) is str) or mode not in _FRONT_DOOR_MODES:
         return None
-    y_dtype = options.get("out_dtype")  # a narrower one only (a wider one converts x first)
-    if y_dtype is not None and (
-        not isinstance(x, Tensor) or y_dtype not in _NARROWER.get(x.dtype, ())
+    memory_efficient = options.get("memory_efficient", False)
+    if memory_efficient is not False and (  # alone, and without a gradient: the plain call
+        memory_efficient is not True or len(options) > 1 or _op.records_gradient(x, weight, bias)
     ):
+        return None
+    y_dtype = options.get("out_dtype")
+    if y_dtype is not None and mode is not None:  # norm's ValueError
+        return None
+    if y_dtype is None or y_dtype == x.dtype or y_dtype in _NARROWER.get(x.dtype, ()):
+        y_dtype = None if y_dtype == x.dtype else y_dtype
+    elif (
+        isinstance(y_dtype, torch.dtype)
+        and y_dtype in _WIDER.get(x.dtype, ())
+        and residual is None
+        and mode is None
+        and not torch._C._is_tracing()
+    ):  # a wider one: the input converted to it (exactly), eps by the input's rule
+        eps = _op.default_eps(x.dtype) if eps is None else eps
+        x, y_dtype = x.to(y_dtype), None
+    else:
         return None
     return _compiled.norm(
         x, residual, normalized_shape, weight, bias, eps, rms, backend,
@@ -175,7 +193,9 @@ def _front_door(
 
 
 #: the options :func:`_front_door` takes
-_FRONT_DOOR_OPTIONS = frozenset(("offset", "casting_mode", "out", "residual_out", "out_dtype"))
+_FRONT_DOOR_OPTIONS = frozenset(
+    ("offset", "casting_mode", "out", "residual_out", "out_dtype", "memory_efficient")
+)
 
 
 def signed(function: Callable[..., Any], names: tuple[str, ...]) -> None:
