@@ -628,6 +628,50 @@ def test_options_front_door_takes_memory_efficient_without_a_gradient(in_use, mo
     assert recompute.applies(x.requires_grad_(), w, None)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("op", ["add_layer_norm", "add_rms_norm"])
+def test_options_front_door_takes_the_norm_of_a_wider_residual_stream(
+    in_use, monkeypatch, op, dtype
+):
+    """``add_*`` with the residual stream in a wider dtype (a float32 or float64 residual,
+    or ``residual_dtype``): without a gradient, the norm of ``h`` (rounded into ``x``'s
+    dtype, or ``out_dtype``, ``offset`` and ``out=`` too) through the C++ front door, bit
+    for bit ``options.norm``'s (the fast paths off); with one, Python's as before."""
+    from layernorm import ops, options
+
+    seen = []
+    python_norm = options.norm
+    monkeypatch.setattr(options, "norm", lambda *a, **k: seen.append(1) or python_norm(*a, **k))
+    torch.manual_seed(0)
+    for shape in [(50,), (2, 3, 50), (2, 2, 2, 33)]:
+        n = shape[-1]
+        x, w, b = torch.randn(shape).to(dtype), torch.randn(n).to(dtype), torch.randn(n)
+        params = (w,) if "rms" in op else (w, b.to(dtype))
+        for rdtype, extra, grad in itertools.product(
+            [torch.float32, torch.float64], [{}, {"offset": 1.0}, {"out": True}], [False, True]
+        ):
+            if rdtype == dtype or (grad and "out" in extra):
+                continue
+            r = torch.randn(shape, dtype=rdtype)
+            results = []
+            for fast in (True, False):
+                monkeypatch.setattr(ops, "FAST_PATHS", fast)
+                kw = dict(extra)
+                if "out" in kw:
+                    kw["out"] = torch.empty(shape, dtype=dtype)
+                x_in, r_in = x.clone().requires_grad_(grad), r.clone().requires_grad_(grad)
+                del seen[:]
+                y, h = getattr(layernorm, op)(x_in, r_in, (n,), *params, **kw)
+                assert y.dtype == dtype and h.dtype == rdtype
+                # options.norm runs the stream (once); again for its norm unless C++ did
+                results.append(([_bits(y.detach()).clone(), _bits(h.detach())], len(seen) == 1))
+            (fast_out, fast_taken), (slow_out, _) = results
+            case = (shape, rdtype, extra, grad)
+            assert fast_taken == (not grad), case
+            for a, c in zip(fast_out, slow_out, strict=True):
+                assert torch.equal(a, c), case
+
+
 def test_errors_are_python_s(in_use):
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match=r"expected input with shape \[\*, 4\]"):

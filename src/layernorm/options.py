@@ -490,10 +490,17 @@ def residual_stream(
         h = x.to(rdtype) + residual.to(rdtype)
     # without a gradient the -0.0 residual changes nothing (h + -0.0 = h): the norm of h
     zero = None if _no_gradient(x, residual, weight, bias) else torch.full_like(h, -0.0)
-    y, stream = norm(
-        op, h, zero, normalized_shape, weight, bias, eps, rms, backend,
-        offset=offset, out_dtype=x.dtype if out_dtype is None else out_dtype, out=out,
-    )  # fmt: skip
+    options: dict[str, Any] = {
+        "offset": offset,
+        "out_dtype": x.dtype if out_dtype is None else out_dtype,
+    }
+    if out is not None:
+        options["out"] = out
+    fast = None  # the norm of h in C++ where the front door takes it
+    if ops.FAST_PATHS and not torch.compiler.is_compiling():
+        fast = _front_door(h, zero, normalized_shape, weight, bias, eps, rms, backend, options)
+    y, stream = fast or norm(op, h, zero, normalized_shape, weight, bias, eps, rms, backend,
+                             **options)  # fmt: skip
     if stream is None:
         stream = h
     if residual_out is not None:
