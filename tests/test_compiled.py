@@ -376,6 +376,27 @@ def test_every_other_call_is_left_to_python(monkeypatch, in_use):
     assert answer() is not None
 
 
+def _front_door_inputs(op, dtype):
+    """``(shape, x, residual, op's parameters)`` for 1-D, 3-D and 4-D inputs, seeded."""
+    torch.manual_seed(0)
+    for shape in [(50,), (2, 3, 50), (2, 2, 2, 33)]:
+        n = shape[-1]
+        x, r, w, b = (torch.randn(s).to(dtype) for s in (shape, shape, (n,), (n,)))
+        yield shape, x, r, (w,) if "rms" in op else (w, b)
+
+
+@pytest.fixture
+def options_norm_calls(monkeypatch):
+    """The calls of ``options.norm`` (the options' Python path) during a test, one entry
+    each: none where the compiled front door took a call."""
+    from layernorm import options
+
+    seen = []
+    python_norm = options.norm
+    monkeypatch.setattr(options, "norm", lambda *a, **k: seen.append(1) or python_norm(*a, **k))
+    return seen
+
+
 #: offsets the options' front door takes (float32 values) and leaves to Python
 OFFSETS_TAKEN = [0.0, 1.0, -0.5, 2.0**-149, -(2.0**127)]
 OFFSETS_LEFT = [0.1, 1e-46, 3.5e38, 1]
@@ -402,17 +423,17 @@ def _taken(x_dtype, weight, offset, mode):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS)
-def test_options_front_door_has_the_bits_of_options_norm(in_use, monkeypatch, op, dtype):
+def test_options_front_door_has_the_bits_of_options_norm(
+    in_use, monkeypatch, options_norm_calls, op, dtype
+):
     """``offset`` and ``casting_mode`` None, "gemma", "llama" (rms ops) through the C++
     front door ("none" is left to Python): y, residual_out and every gradient bitwise those of the Python path
     (``options.norm`` with the fast paths off), on 1-D, 3-D and 4-D inputs, weights of
     each dtype (and none), offsets it takes and offsets it leaves to Python; and it takes
     exactly the calls its rule says (``options.norm`` is not called for them)."""
-    from layernorm import ops, options
+    from layernorm import ops
 
-    seen = []
-    python_norm = options.norm
-    monkeypatch.setattr(options, "norm", lambda *a, **k: seen.append(1) or python_norm(*a, **k))
+    seen = options_norm_calls
     rms = "rms" in op
     residual = op.startswith("add_")
     modes = [None, "gemma", "llama", "none"] if rms else [None]
@@ -484,24 +505,21 @@ def _out_options(spec, x):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS)
-def test_options_front_door_writes_out_as_options_norm(in_use, monkeypatch, op, dtype):
+def test_options_front_door_writes_out_as_options_norm(
+    in_use, monkeypatch, options_norm_calls, op, dtype
+):
     """``out=`` and ``residual_out=`` (with ``offset`` and "gemma" too) through the C++
     front door: the kernels write into them (the returned tensors are they, their
     version counters bumped), bit for bit ``options.norm``'s results (the fast paths
     off); outputs it cannot write (another shape, non-contiguous, sharing memory with the
     input, the "llama" mode) are left to Python, which resizes or copies as before; with
     a gradient asked for, Python raises torch's error."""
-    from layernorm import ops, options
+    from layernorm import ops
 
-    seen = []
-    python_norm = options.norm
-    monkeypatch.setattr(options, "norm", lambda *a, **k: seen.append(1) or python_norm(*a, **k))
+    seen = options_norm_calls
     residual = op.startswith("add_")
-    torch.manual_seed(0)
-    for shape in [(50,), (2, 3, 50), (2, 2, 2, 33)]:
+    for shape, x, r, params in _front_door_inputs(op, dtype):
         n = shape[-1]
-        x, r, w, b = (torch.randn(s).to(dtype) for s in (shape, shape, (n,), (n,)))
-        params = (w,) if "rms" in op else (w, b)
         for name, (spec, ops_, taken) in OUT_CASES.items():
             if op not in ops_:
                 continue
@@ -537,7 +555,7 @@ def test_options_front_door_writes_out_as_options_norm(in_use, monkeypatch, op, 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS)
-def test_options_front_door_takes_out_dtype(in_use, monkeypatch, op, dtype):
+def test_options_front_door_takes_out_dtype(in_use, monkeypatch, options_norm_calls, op, dtype):
     """``out_dtype`` (with ``offset`` and ``out=`` too) through the C++ front door, bit for
     bit ``options.norm``'s (the fast paths off: for a narrower one the op
     ``layernorm::forward_to``), ``residual_out`` in the input's dtype: a narrower one
@@ -547,15 +565,10 @@ def test_options_front_door_takes_out_dtype(in_use, monkeypatch, op, dtype):
     (norm's ValueError) are left to Python."""
     from layernorm import ops, options
 
-    seen = []
-    python_norm = options.norm
-    monkeypatch.setattr(options, "norm", lambda *a, **k: seen.append(1) or python_norm(*a, **k))
+    seen = options_norm_calls
     residual = op.startswith("add_")
-    torch.manual_seed(0)
-    for shape in [(50,), (2, 3, 50), (2, 2, 2, 33)]:
+    for shape, x, r, params in _front_door_inputs(op, dtype):
         n = shape[-1]
-        x, r, w, b = (torch.randn(s).to(dtype) for s in (shape, shape, (n,), (n,)))
-        params = (w,) if "rms" in op else (w, b)
         for y_dtype, extra, grad in itertools.product(
             DTYPES, [{}, {"offset": 1.0}, {"out": True}, {"casting_mode": "gemma"}], [False, True]
         ):
@@ -595,15 +608,15 @@ def test_options_front_door_takes_out_dtype(in_use, monkeypatch, op, dtype):
 
 
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
-def test_options_front_door_takes_memory_efficient_without_a_gradient(in_use, monkeypatch, op):
+def test_options_front_door_takes_memory_efficient_without_a_gradient(
+    in_use, monkeypatch, options_norm_calls, op
+):
     """``memory_efficient=True`` alone and without a gradient is the plain call (as
     ``recompute.norm`` makes it): the front door runs it, bit for bit; with a gradient,
     or with another option, Python's ``recompute`` (or its ValueError) as before."""
-    from layernorm import ops, options, recompute
+    from layernorm import ops, recompute
 
-    seen = []
-    python_norm = options.norm
-    monkeypatch.setattr(options, "norm", lambda *a, **k: seen.append(1) or python_norm(*a, **k))
+    seen = options_norm_calls
     x, w = torch.randn(2, 3, 50), torch.randn(50)
     f = getattr(layernorm, op)
     for kw, grad, taken in [
@@ -631,17 +644,15 @@ def test_options_front_door_takes_memory_efficient_without_a_gradient(in_use, mo
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("op", ["add_layer_norm", "add_rms_norm"])
 def test_options_front_door_takes_the_norm_of_a_wider_residual_stream(
-    in_use, monkeypatch, op, dtype
+    in_use, monkeypatch, options_norm_calls, op, dtype
 ):
     """``add_*`` with the residual stream in a wider dtype (a float32 or float64 residual,
     or ``residual_dtype``): without a gradient, the norm of ``h`` (rounded into ``x``'s
     dtype, or ``out_dtype``, ``offset`` and ``out=`` too) through the C++ front door, bit
     for bit ``options.norm``'s (the fast paths off); with one, Python's as before."""
-    from layernorm import ops, options
+    from layernorm import ops
 
-    seen = []
-    python_norm = options.norm
-    monkeypatch.setattr(options, "norm", lambda *a, **k: seen.append(1) or python_norm(*a, **k))
+    seen = options_norm_calls
     torch.manual_seed(0)
     for shape in [(50,), (2, 3, 50), (2, 2, 2, 33)]:
         n = shape[-1]
