@@ -1022,6 +1022,7 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     if (!plain_param(args[3], n, &weight) || !plain_param(args[4], n, &bias))
         Py_RETURN_NONE;
     Tensor out, residual_out_given;  // preallocated outputs
+    // whether autograd records a call on the arguments (as they are when it is asked)
     auto grad_asked = [&]() {
         auto requires_grad = [](const Tensor& t) { return t.defined() && t.requires_grad(); };
         return torch::GradMode::is_enabled() &&
@@ -1053,10 +1054,8 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
         if (acc != at::kDouble && !single_valued(weight.scalar_type())) Py_RETURN_NONE;
         weight = gain_of(weight, acc, offset);
     }
-    auto requires_grad = [](const Tensor& t) { return t.defined() && t.requires_grad(); };
     Tensor y, residual_out;
-    if (torch::GradMode::is_enabled() && (x.requires_grad() || requires_grad(residual) ||
-                                          requires_grad(weight) || requires_grad(bias))) {
+    if (grad_asked()) {  // (of the kernel's arguments: a llama gain's is the product's)
         // the op's autograd kernel and CPU kernel, which the dispatcher would pick here
         // (no mechanism is active): autograd records NormBackward
         auto optional = [](const Tensor& t) {

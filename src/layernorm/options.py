@@ -125,10 +125,9 @@ def call(
     for name in options:
         if name not in known:
             raise TypeError(f"{op}() got an unexpected keyword argument '{name}'")
-    if ops.FAST_PATHS and len(options) <= 6 and not torch.compiler.is_compiling():
-        out = _front_door(x, residual, normalized_shape, weight, bias, eps, rms, backend, options)
-        if out is not None:
-            return out
+    out = _front_door(x, residual, normalized_shape, weight, bias, eps, rms, backend, options)
+    if out is not None:
+        return out
     return norm(op, x, residual, normalized_shape, weight, bias, eps, rms, backend, **options)
 
 
@@ -158,7 +157,10 @@ def _front_door(
     for the one rounding and "gemma" a weight of float32 values or a float64
     computation), the kernels writing into ``out`` and ``residual_out`` where
     :func:`write_into` would (not with "llama"). None for every other call, before any
-    work: :func:`norm` then runs it, or raises."""
+    work (or with the fast paths off, ``ops.FAST_PATHS``, or under ``torch.compile``):
+    :func:`norm` then runs it, or raises."""
+    if not ops.FAST_PATHS or torch.compiler.is_compiling():
+        return None
     mode = options.get("casting_mode")
     if not (_FRONT_DOOR_OPTIONS.issuperset(options) and isinstance(x, Tensor)):
         return None
@@ -496,9 +498,8 @@ def residual_stream(
     }
     if out is not None:
         options["out"] = out
-    fast = None  # the norm of h in C++ where the front door takes it
-    if ops.FAST_PATHS and not torch.compiler.is_compiling():
-        fast = _front_door(h, zero, normalized_shape, weight, bias, eps, rms, backend, options)
+    # the norm of h in C++ where the front door takes it
+    fast = _front_door(h, zero, normalized_shape, weight, bias, eps, rms, backend, options)
     y, stream = fast or norm(op, h, zero, normalized_shape, weight, bias, eps, rms, backend,
                              **options)  # fmt: skip
     if stream is None:
