@@ -279,12 +279,18 @@ def test_only_flagged_rows_go_back_to_python(monkeypatch, in_use):
 
 
 def _declines(in_use, x, w=None):
-    return in_use(x, None, 8, w, None, 1e-5, False, None) is None
+    """Whether the norm's front door declines the call; ``fused_norm``'s (a dropout call
+    on the same tensors) gives the same answer."""
+    norm = in_use(x, None, 8, w, None, 1e-5, False, None) is None
+    fused_args = (None, None, None, None, 0.1, None, 1, None, None, None, 0.0, False, None)
+    assert norm == (compiled.fused(x, 8, w, None, 1e-5, False, *fused_args) is None)
+    return norm
 
 
 def test_declines_every_mechanism(in_use):
-    """None under every mechanism that would see or change the call: the Python path
-    then takes it (tests/test_mechanisms.py checks what each mechanism gets)."""
+    """None under every mechanism that would see or change the call, from the norm's
+    front door and ``fused_norm``'s: the Python path then takes it
+    (tests/test_mechanisms.py checks what each mechanism gets)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.autograd import forward_ad
     from torch.overrides import TorchFunctionMode
@@ -683,6 +689,151 @@ def test_options_front_door_takes_the_norm_of_a_wider_residual_stream(
                 assert torch.equal(a, c), case
 
 
+@pytest.fixture
+def python_dropout_adds(monkeypatch):
+    """The calls of ``fused.dropout_add`` (fused_norm's Python dropout-add) during a test:
+    none where the compiled front door took a ``fused_norm`` call."""
+    from layernorm import fused
+
+    seen = []
+    python_dropout_add = fused.dropout_add
+    monkeypatch.setattr(
+        fused, "dropout_add", lambda *a, **k: seen.append(1) or python_dropout_add(*a, **k)
+    )
+    return seen
+
+
+def _fused_both_ways(monkeypatch, seen, x, n, weight, bias, **kw):
+    """``fused_norm`` with the fast paths on, then off, from one generator state (the
+    default one's and a given one's): each output's bits, the generator's next draws, and
+    whether Python's dropout-add ran."""
+    from layernorm import ops
+
+    runs = []
+    for fast in (True, False):
+        monkeypatch.setattr(ops, "FAST_PATHS", fast)
+        torch.manual_seed(11)
+        if kw.get("generator") is not None:
+            kw["generator"].manual_seed(11)
+        del seen[:]
+        out = layernorm.fused_norm(x, (n,), weight, bias, **kw)
+        outs = [None if t is None else t.view(torch.uint8) if t.dtype == torch.bool else _bits(t)
+                for t in out]  # fmt: skip
+        runs.append((outs, torch.randint(1 << 30, (4,)), bool(seen)))
+    return runs
+
+
+def _assert_same_run(fast, slow, case):
+    (fast_out, fast_draws, _), (slow_out, slow_draws, _) = fast, slow
+    assert torch.equal(fast_draws, slow_draws), case  # the generator's state
+    for a, b in zip(fast_out, slow_out, strict=True):
+        assert (a is None) == (b is None), case
+        if a is not None:
+            assert a.shape == b.shape and torch.equal(a, b), case
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_front_door_has_the_bits_of_fused_norm(
+    in_use, monkeypatch, python_dropout_adds, dtype
+):
+    """``fused_norm`` with dropout or ``x1`` (inference) through the C++ front door: every
+    output (y, y1, residual_out, both masks) bitwise the Python path's (the fast paths
+    off), the default generator left in the same state (a seed drawn as Python draws it),
+    on 1-D, 3-D and 4-D inputs, with and without residual, x1, a second weight set, a seed,
+    the masks, for layer norm and RMSNorm; and Python's dropout-add never runs for them."""
+    for shape, x, r, _ in _front_door_inputs("layer_norm", dtype):
+        n = shape[-1]
+        x1 = torch.randn(shape).to(dtype)
+        w, b, w1, b1 = (torch.randn(n).to(dtype) for _ in range(4))
+        for rms, residual, second, p, masks, seed, weights1 in itertools.product(
+            [False, True], [False, True], [False, True], [0.0, 0.3], [False, True],
+            [None, 77, -(2**63)], [False, True],
+        ):  # fmt: skip
+            if p == 0.0 and not second:
+                continue  # h = x + residual: add_*'s front door
+            kw = {"rms": rms, "dropout_p": p, "return_dropout_mask": masks, "seed": seed}
+            if residual:
+                kw["residual"] = r
+            if second:
+                kw["x1"] = x1
+            if weights1:
+                kw["weight1"], kw["bias1"] = w1, None if rms else b1
+            case = (shape, kw.keys(), rms, p, masks, seed)
+            fast, slow = _fused_both_ways(
+                monkeypatch, python_dropout_adds, x, n, w, None if rms else b, **kw
+            )
+            assert not fast[2] and slow[2], case  # taken by C++ / run by Python
+            _assert_same_run(fast, slow, case)
+
+
+def test_fused_front_door_over_threads(in_use, monkeypatch, python_dropout_adds):
+    """Rows split over torch's threads (spans as ``_threads`` lends them) give the bits
+    of the Python path, which splits them its own way."""
+    x, r, x1 = (torch.randn(256, 1024) for _ in range(3))
+    w, b = torch.randn(1024), torch.randn(1024)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for kw in ({"residual": r, "dropout_p": 0.1}, {"x1": x1, "residual": r}):
+            fast, slow = _fused_both_ways(
+                monkeypatch, python_dropout_adds, x, 1024, w, b, return_dropout_mask=True, **kw
+            )
+            assert not fast[2] and slow[2]
+            _assert_same_run(fast, slow, kw.keys())
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_fused_front_door_leaves_other_calls_to_python(in_use, monkeypatch, python_dropout_adds):
+    """Every call outside the front door's rule runs Python's path (its dropout-add runs),
+    with the same results as with the fast paths off: a gradient asked, each option it
+    does not take, a seed or probability of another type, strided or mixed-dtype tensors."""
+    torch.manual_seed(0)
+    x, r, x1 = (torch.randn(3, 4, 16) for _ in range(3))
+    w, b = torch.randn(16), torch.randn(16)
+    cases = {
+        "grad": {"residual": r.clone().requires_grad_(), "dropout_p": 0.2},
+        "rowscale": {"dropout_p": 0.2, "rowscale": torch.rand(12)},
+        "generator": {"dropout_p": 0.2, "generator": torch.Generator().manual_seed(1)},
+        "residual_dtype": {"dropout_p": 0.2, "residual_dtype": torch.float64},
+        "out_dtype": {"dropout_p": 0.2, "out_dtype": torch.bfloat16},
+        "offset": {"dropout_p": 0.2, "offset": 1.0},
+        "backend": {"dropout_p": 0.2, "backend": "numba"},
+        "int p": {"x1": x1, "dropout_p": 0},
+        "p = 1": {"dropout_p": 1.0},
+        "seed >= 2^63": {"dropout_p": 0.2, "seed": 2**64 - 1},
+        "strided x1": {"x1": torch.randn(3, 4, 32)[..., ::2], "dropout_p": 0.2},
+        "float64 residual": {"residual": r.double(), "dropout_p": 0.2},
+        "int eps": {"dropout_p": 0.2, "eps": 0},
+    }
+    for name, kw in cases.items():
+        fast, slow = _fused_both_ways(monkeypatch, python_dropout_adds, x, 16, w, b, **kw)
+        assert fast[2] and slow[2], name
+        _assert_same_run(fast, slow, name)
+    monkeypatch.setenv("LAYERNORM_BACKEND", "torch")  # a backend named: Python's choice
+    fast, slow = _fused_both_ways(monkeypatch, python_dropout_adds, x, 16, w, b, dropout_p=0.2)
+    assert fast[2]
+    _assert_same_run(fast, slow, "LAYERNORM_BACKEND")
+
+
+def test_fused_front_door_errors_are_python_s(in_use):
+    """Calls the front door declines raise Python's errors; a wrong call of its own
+    function raises TypeError."""
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="rms=True takes no bias"):
+        layernorm.fused_norm(x, 8, None, torch.ones(8), rms=True, dropout_p=0.1)
+    with pytest.raises(ValueError, match="bias1 needs weight1"):
+        layernorm.fused_norm(x, 8, x1=x, bias1=torch.ones(8))
+    with pytest.raises(ValueError, match="has to be between 0 and 1"):
+        layernorm.fused_norm(x, 8, dropout_p=1.5)
+    with pytest.raises(RuntimeError, match=r"x1 must have the input's shape"):
+        layernorm.fused_norm(x, 8, x1=torch.randn(2, 4), dropout_p=0.1)
+    with pytest.raises(TypeError, match="dropout seed must be an int, got bool"):
+        layernorm.fused_norm(x, 8, dropout_p=0.1, seed=True)
+    with pytest.raises(TypeError, match="fused takes fused_norm's 19 arguments"):
+        compiled.fused(x)
+
+
 def test_errors_are_python_s(in_use):
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match=r"expected input with shape \[\*, 4\]"):
@@ -898,7 +1049,7 @@ def test_eps_none_is_the_ops_default(in_use):
         assert torch.equal(y, expected)
 
 
-@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("direction", ["forward", "backward", "dropout_add", "sum3"])
 def test_a_kernel_signature_mismatch_raises(monkeypatch, in_use, direction):
     """The extension compares the numba kernels' signatures (_kernel_abi) with the ones it
     was built for, so a mismatch raises instead of calling with wrong arguments."""
@@ -907,7 +1058,7 @@ def test_a_kernel_signature_mismatch_raises(monkeypatch, in_use, direction):
     extension = compiled._extension
     assert extension is not None
     signature = _kernel_abi.signature
-    wrong = {direction: signature(direction).replace("x_stride", "stride")}
+    wrong = {direction: signature(direction).replace(":i64", ":f64", 1)}  # a first argument
     monkeypatch.setattr(_kernel_abi, "signature", lambda d: wrong.get(d) or signature(d))
     with pytest.raises(RuntimeError, match="rebuild it"):
         compiled._use(extension)

@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import layernorm
-from layernorm import fused, ops
+from layernorm import compiled, fused, ops
 from layernorm.backends import _dropout_add as td
 from layernorm.backends import _numba_dropout as nd
 from layernorm.backends import _philox as philox
@@ -285,17 +285,26 @@ def test_backward_dresidual_of_dh_dtype_is_a_copy_of_dh():
 
 
 class _Spy:
-    """Counts the direct calls of fused's implementation (the op calls its own copy)."""
+    """Counts the calls that skip the op: fused's implementation called directly (the op
+    calls its own copy), or the whole call taken by the compiled front door."""
 
     def __init__(self, monkeypatch):
         self.calls = 0
         original = fused._dropout_add_impl
+        compiled.status()  # loaded first: loading replaces compiled.fused
+        front_door = compiled.fused
 
         def spy(*args):
             self.calls += 1
             return original(*args)
 
+        def front_door_spy(*args):
+            result = front_door(*args)
+            self.calls += result is not None
+            return result
+
         monkeypatch.setattr(fused, "_dropout_add_impl", spy)
+        monkeypatch.setattr(compiled, "fused", front_door_spy)
 
 
 def _case(shape, normalized, dtype, strided):

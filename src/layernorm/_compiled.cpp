@@ -34,6 +34,9 @@
 // product), where their arithmetic is one IEEE operation (an offset that is a float32
 // value), with the kernels writing into `out` and `residual_out` (options.write_into's
 // rule); it declines every other call, options.norm then answers it (or raises).
+// fused(...) is the front door of layernorm.fused_norm (its arguments, in its order) for
+// the inference call with dropout or x1: the seed draw, the numba dropout-add entry and
+// the norm of h per weight set, as fused_norm runs them; every other call gets None.
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
@@ -108,6 +111,25 @@ const char* const BACKWARD_SIGNATURE =
     "n:i64,rms:bool,"
     "stream:bool,eps:f64,flags:i64";
 
+// The dropout-add's entries (layernorm.backends._numba_dropout.entry): rows
+// [row_lo, row_hi) of a call of m rows, every tensor in the entry's dtype.
+using DropoutAddKernel = void (*)(int64_t x0, int64_t x0_stride, int64_t x1, int64_t x1_stride,
+                                  int64_t residual, int64_t residual_stride, int64_t rowscale,
+                                  int64_t h, int64_t mask0, int64_t mask1, int64_t m, int64_t n,
+                                  int64_t k0, int64_t k1, double p32, double s, bool has_x1,
+                                  bool has_residual, bool has_rowscale, bool want_masks,
+                                  int64_t row_lo, int64_t row_hi);
+const char* const DROPOUT_ADD_SIGNATURE =
+    "x0:i64,x0_stride:i64,x1:i64,x1_stride:i64,residual:i64,residual_stride:i64,"
+    "rowscale:i64,h:i64,mask0:i64,mask1:i64,m:i64,n:i64,k0:i64,k1:i64,p32:f64,s:f64,"
+    "has_x1:bool,has_residual:bool,has_rowscale:bool,want_masks:bool,row_lo:i64,row_hi:i64";
+using Sum3Kernel = void (*)(int64_t x0, int64_t x0_stride, int64_t x1, int64_t x1_stride,
+                            int64_t residual, int64_t residual_stride, int64_t h, int64_t m,
+                            int64_t n, int64_t row_lo, int64_t row_hi);
+const char* const SUM3_SIGNATURE =
+    "x0:i64,x0_stride:i64,x1:i64,x1_stride:i64,residual:i64,residual_stride:i64,h:i64,"
+    "m:i64,n:i64,row_lo:i64,row_hi:i64";
+
 // (the *_parallel entries run one span of a call's rows: see run_spans)
 enum Entry {
     FORWARD_SERIAL,
@@ -115,10 +137,12 @@ enum Entry {
     BACKWARD_SERIAL,
     BACKWARD_PARALLEL,
     COLUMN_SUMS,
+    DROPOUT_ADD,
+    SUM3,
     ENTRIES
 };
 const char* const ENTRY_NAMES[] = {"forward_serial", "forward_parallel", "backward_serial",
-                                   "backward_parallel", "column_sums"};
+                                   "backward_parallel", "column_sums", "dropout_add", "sum3"};
 using ColumnSums = void (*)(int64_t partial, int64_t blocks, int64_t n, int64_t out);
 constexpr int DTYPES = 4;  // the kernels' input dtypes, in compiled.DTYPES' order
 
@@ -139,6 +163,9 @@ struct State {
     int64_t grain = 0;              // _threads.GRAIN: no helper for less work than this
     int64_t row_block = 0;          // _numba_kernels.ROW_BLOCK: spans split rows there
     int64_t max_bytes = 0;     // numba_.STREAM_BYTES: larger inputs go through Python
+    int64_t seed_draw_high = 0;  // _philox.SEED_DRAW_HIGH: a seed drawn is below it
+    PyObject* dropout_constants = nullptr;  // compiled._dropout_constants: p -> (s, p32)
+    double layer_norm_eps = 0;              // _op.LAYER_NORM_EPS: fused_norm's eps=None
     int64_t kernels[DTYPES][ENTRIES] = {};  // C addresses: 0 not asked yet, -1 none
     // the forward entries (serial, parallel) whose y has a narrower dtype, by x's and y's
     int64_t narrow_kernels[DTYPES][DTYPES][2] = {};
@@ -921,6 +948,18 @@ bool plain_param(PyObject* p, int64_t n, Tensor* out) {
     return true;
 }
 
+// A plain contiguous CPU tensor of x's dtype and shape, or None (undefined).
+bool plain_like(PyObject* o, const Tensor& x, Tensor* out) {
+    if (o == Py_None) return true;
+    if (Py_TYPE(o) != reinterpret_cast<PyTypeObject*>(state.tensor_type)) return false;
+    const Tensor& t = THPVariable_Unpack(o);
+    if (!(t.is_cpu() && t.scalar_type() == x.scalar_type() && t.sizes() == x.sizes() &&
+          t.is_contiguous()))
+        return false;
+    *out = t;
+    return true;
+}
+
 PyObject* wrap_or_none(const Tensor& t) {
     if (!t.defined()) Py_RETURN_NONE;
     return THPVariable_Wrap(t);
@@ -1011,15 +1050,8 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
         eps_object != Py_None ? PyFloat_AS_DOUBLE(eps_object) : state.default_eps[d];
     if (!(eps >= 0)) Py_RETURN_NONE;
     Tensor residual, weight, bias;
-    if (residual_object != Py_None) {
-        if (Py_TYPE(residual_object) != reinterpret_cast<PyTypeObject*>(state.tensor_type))
-            Py_RETURN_NONE;
-        residual = THPVariable_Unpack(residual_object);
-        if (!(residual.is_cpu() && residual.scalar_type() == x.scalar_type() &&
-              residual.sizes() == x.sizes() && residual.is_contiguous()))
-            Py_RETURN_NONE;
-    }
-    if (!plain_param(args[3], n, &weight) || !plain_param(args[4], n, &bias))
+    if (!plain_like(residual_object, x, &residual) || !plain_param(args[3], n, &weight) ||
+        !plain_param(args[4], n, &bias))
         Py_RETURN_NONE;
     Tensor out, residual_out_given;  // preallocated outputs
     // whether autograd records a call on the arguments (as they are when it is asked)
@@ -1094,6 +1126,150 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     END_HANDLE_TH_ERRORS
 }
 
+// (s, p32) of dropout probability p (compiled._dropout_constants), asked of Python once
+// per thread and p.
+std::pair<double, double> dropout_constants(double p) {
+    thread_local double last_p = -1, s = 0, p32 = 0;
+    if (p != last_p) {
+        std::tie(s, p32) = call_python<std::tuple<double, double>>(state.dropout_constants, p);
+        last_p = p;
+    }
+    return {s, p32};
+}
+
+// fused(x, normalized_shape, weight, bias, eps, rms, residual, x1, weight1, bias1,
+// dropout_p, rowscale, seed, generator, residual_dtype, out_dtype, offset,
+// return_dropout_mask, backend), layernorm.fused_norm's arguments in its order, is its
+// front door for the inference call with dropout or x1: plain contiguous CPU tensors of
+// x's dtype and shape (x1, residual) and plain (N,) parameters, an int or 1-tuple
+// normalized_shape, a float dropout_p in [0, 1), an int64 seed or None, a float or None
+// eps, bools rms and return_dropout_mask, none of the other options, no gradient asked
+// and no mechanism that would see the call (the dropout-add's autograd and transforms
+// are Python's). It runs what fused_norm runs, in its order: the seed drawn (one
+// torch.randint of the default CPU generator, fused.py's _seed_tensor), the numba
+// backend's dropout-add entry on h (the same kernel as _numba_dropout.dropout_add, in
+// spans over the threads as _threads lends them), then the norm of h once per weight
+// set, as the norm's front door runs it; so the bits, the masks and the generator's
+// state are the same. Any other call gets None before any work.
+PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+    HANDLE_TH_ERRORS
+    if (nargs != 19) {
+        PyErr_SetString(PyExc_TypeError, "fused takes fused_norm's 19 arguments");
+        return nullptr;
+    }
+    PyObject *x_object = args[0], *eps_object = args[4], *rms_object = args[5];
+    PyObject *p_object = args[10], *seed_object = args[12], *offset_object = args[16];
+    PyObject* masks_object = args[17];
+    // rowscale, generator, residual_dtype, out_dtype and backend are Python's; offset 0.0
+    if (state.resolve == nullptr || args[11] != Py_None || args[13] != Py_None ||
+        args[14] != Py_None || args[15] != Py_None || args[18] != Py_None ||
+        !PyFloat_CheckExact(offset_object) || PyFloat_AS_DOUBLE(offset_object) != 0 ||
+        !PyFloat_CheckExact(p_object) || !PyBool_Check(rms_object) ||
+        !PyBool_Check(masks_object) ||
+        !(eps_object == Py_None || PyFloat_CheckExact(eps_object)) ||
+        Py_TYPE(x_object) != reinterpret_cast<PyTypeObject*>(state.tensor_type))
+        Py_RETURN_NONE;
+    const double p = PyFloat_AS_DOUBLE(p_object);
+    if (!(p >= 0 && p < 1)) Py_RETURN_NONE;  // (NaN and p outside [0, 1]: check_p raises)
+    int64_t seed = 0;                         // (no seed and p = 0: no draw, key 0)
+    if (seed_object != Py_None) {  // a seed of [2^63, 2^64) (or a bool) is Python's
+        int overflow = 0;
+        if (!PyLong_CheckExact(seed_object)) Py_RETURN_NONE;
+        seed = PyLong_AsLongLongAndOverflow(seed_object, &overflow);
+        if (overflow != 0) Py_RETURN_NONE;
+    }
+    const int64_t n = last_dim(args[1]);
+    if (n <= 0) Py_RETURN_NONE;
+    const Tensor& x = THPVariable_Unpack(x_object);
+    if (!(x.is_cpu() && x.dim() > 0 && x.size(-1) == n && x.is_contiguous())) Py_RETURN_NONE;
+    const int d = dtype_index(x.scalar_type());
+    if (d < 0) Py_RETURN_NONE;
+    Tensor residual, x1, weight, bias, weight1, bias1;
+    if (!plain_like(args[6], x, &residual) || !plain_like(args[7], x, &x1) ||
+        !plain_param(args[2], n, &weight) || !plain_param(args[3], n, &bias) ||
+        !plain_param(args[8], n, &weight1) || !plain_param(args[9], n, &bias1))
+        Py_RETURN_NONE;
+    const bool rms = rms_object == Py_True, want_masks = masks_object == Py_True;
+    if ((rms && (bias.defined() || bias1.defined())) ||  // fused_norm raises
+        (bias1.defined() && !weight1.defined()) ||
+        (p == 0 && !x1.defined()))  // h = x + residual: fused_norm calls add_*
+        Py_RETURN_NONE;
+    const double eps = eps_object != Py_None ? PyFloat_AS_DOUBLE(eps_object)
+                       : rms                 ? state.default_eps[d]
+                                             : state.layer_norm_eps;
+    if (!(eps >= 0)) Py_RETURN_NONE;
+    auto requires_grad = [](const Tensor& t) { return t.defined() && t.requires_grad(); };
+    if ((torch::GradMode::is_enabled() &&
+         (x.requires_grad() || requires_grad(residual) || requires_grad(x1) ||
+          requires_grad(weight) || requires_grad(bias) || requires_grad(weight1) ||
+          requires_grad(bias1))) ||
+        mechanism_active({&x, &residual, &x1, &weight, &bias, &weight1, &bias1}))
+        Py_RETURN_NONE;
+    const int64_t norm_address = entry_for(x, "", FORWARD_SERIAL);
+    if (norm_address < 0) Py_RETURN_NONE;  // (h, of x's dtype and shape, is x's case)
+    const auto [s, p32] = dropout_constants(p);
+    // every element kept and s = 1: the exact three-term sum (_numba_dropout's rule)
+    const bool sum3 = x1.defined() && p32 == 0 && s == 1;
+    const int64_t add_address = kernel(d, sum3 ? SUM3 : DROPOUT_ADD);
+    if (add_address < 0) Py_RETURN_NONE;
+    if (seed_object == Py_None && p != 0)  // fused._seed_tensor's draw
+        seed = at::randint(state.seed_draw_high, {}, std::optional<at::Generator>(),
+                           at::TensorOptions().dtype(at::kLong))
+                   .item<int64_t>();
+    const auto key = static_cast<uint64_t>(seed);  // _philox.seed_key
+    const auto k0 = static_cast<int64_t>(key & 0xFFFFFFFFu), k1 = static_cast<int64_t>(key >> 32);
+
+    const int64_t m = x.numel() / n;
+    const Tensor h = empty(x.sizes(), x.scalar_type());
+    Tensor mask0, mask1;
+    std::function<void(int64_t, int64_t)> rows;
+    if (sum3) {
+        if (want_masks) {  // p = 0 keeps every element
+            mask0 = at::ones(x.sizes(), at::TensorOptions().dtype(at::kBool));
+            mask1 = at::ones(x.sizes(), at::TensorOptions().dtype(at::kBool));
+        }
+        // no residual: IEEE's neutral zero, one row read for every row
+        const Tensor r = residual.defined() ? residual : constant(n, x.scalar_type(), -0.0);
+        const int64_t r_stride = residual.defined() ? n : 0;
+        rows = [&, r, r_stride](int64_t lo, int64_t hi) {
+            reinterpret_cast<Sum3Kernel>(add_address)(address(x), n, address(x1), n, address(r),
+                                                      r_stride, address(h), m, n, lo, hi);
+        };
+    } else {
+        if (want_masks) {
+            mask0 = empty(x.sizes(), at::kBool);
+            if (x1.defined()) mask1 = empty(x.sizes(), at::kBool);
+        }
+        // (an absent tensor is not read: any valid address)
+        auto address_or_h = [&](const Tensor& t) { return address(t.defined() ? t : h); };
+        rows = [&](int64_t lo, int64_t hi) {
+            reinterpret_cast<DropoutAddKernel>(add_address)(
+                address(x), n, address_or_h(x1), n, address_or_h(residual), n, address(h),
+                address(h), address_or_h(mask0), address_or_h(mask1), m, n, k0, k1, p32, s,
+                x1.defined(), residual.defined(), false /* rowscale */, want_masks, lo, hi);
+        };
+    }
+    int64_t lent = 0;
+    const Ranges ranges = span_ranges(m, n, &lent);  // (rows are _threads.run's blocks)
+    if (ranges.empty())
+        rows(0, m);
+    else
+        run_spans(ranges, lent, rows);
+    const Tensor y = run_forward(h, Tensor(), weight, bias, eps, rms, false, norm_address).y;
+    Tensor y1;
+    if (weight1.defined())
+        y1 = run_forward(h, Tensor(), weight1, bias1, eps, rms, false, norm_address).y;
+    PyObject* result = PyTuple_New(5);
+    if (result == nullptr) return nullptr;
+    PyTuple_SET_ITEM(result, 0, THPVariable_Wrap(y));
+    PyTuple_SET_ITEM(result, 1, wrap_or_none(y1));
+    PyTuple_SET_ITEM(result, 2, THPVariable_Wrap(h));
+    PyTuple_SET_ITEM(result, 3, wrap_or_none(mask0));
+    PyTuple_SET_ITEM(result, 4, wrap_or_none(mask1));
+    return result;
+    END_HANDLE_TH_ERRORS
+}
+
 // The kernels, registered in torch's dispatcher by the first set_up that succeeds (not
 // when the library loads: a build that refuses the kernels' signatures registers none).
 void register_kernels() {
@@ -1118,12 +1294,19 @@ void replace(PyObject** slot, pybind11::object value) {
 // set_up(rules): a dict from compiled._use with everything C++ takes from Python (the
 // names are State's fields); the kernel signatures must be this file's.
 void set_up(pybind11::dict rules) {
-    const auto forward_signature = rules["forward_signature"].cast<std::string>();
-    const auto backward_signature = rules["backward_signature"].cast<std::string>();
-    TORCH_CHECK(forward_signature == FORWARD_SIGNATURE && backward_signature == BACKWARD_SIGNATURE,
-                "layernorm's compiled kernels were built for the kernel signatures ",
-                FORWARD_SIGNATURE, " and ", BACKWARD_SIGNATURE, " but the numba kernels have ",
-                forward_signature, " and ", backward_signature, ": rebuild it (layernorm build)");
+    const auto signatures = rules["signatures"].cast<std::map<std::string, std::string>>();
+    const std::map<std::string, std::string> own = {{"forward", FORWARD_SIGNATURE},
+                                                    {"backward", BACKWARD_SIGNATURE},
+                                                    {"dropout_add", DROPOUT_ADD_SIGNATURE},
+                                                    {"sum3", SUM3_SIGNATURE}};
+    for (const auto& [name, signature] : own) {
+        const auto found = signatures.find(name);
+        TORCH_CHECK(found != signatures.end() && found->second == signature,
+                    "layernorm's compiled kernels were built for the ", name,
+                    " entry signature ", signature, " but the numba kernels have ",
+                    found == signatures.end() ? std::string("none") : found->second,
+                    ": rebuild it (layernorm build)");
+    }
     const auto default_eps = rules["default_eps"].cast<std::vector<double>>();
     const auto dtypes = rules["dtypes"].cast<std::vector<pybind11::object>>();
     const auto acc_dtypes = rules["acc_dtypes"].cast<std::vector<pybind11::object>>();
@@ -1153,6 +1336,9 @@ void set_up(pybind11::dict rules) {
     state.grain = rules["grain"].cast<int64_t>();
     state.row_block = rules["row_block"].cast<int64_t>();
     state.max_bytes = rules["max_bytes"].cast<int64_t>();
+    state.seed_draw_high = rules["seed_draw_high"].cast<int64_t>();
+    replace(&state.dropout_constants, rules["dropout_constants"]);
+    state.layer_norm_eps = rules["layer_norm_eps"].cast<double>();
     forget_kernels();
     register_kernels();
 }
@@ -1166,6 +1352,9 @@ PyMethodDef NORM_DEF = {"norm", reinterpret_cast<PyCFunction>(reinterpret_cast<v
 
 }  // namespace
 
+PyMethodDef FUSED_DEF = {"fused", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(fused)),
+                         METH_FASTCALL, "fused(...): layernorm.fused_norm's arguments"};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     static const int at_fork = pthread_atfork(nullptr, nullptr, after_fork_in_child);
     (void)at_fork;
@@ -1173,4 +1362,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("forget", &forget);
     m.add_object("norm", pybind11::reinterpret_steal<pybind11::object>(
                              PyCFunction_NewEx(&NORM_DEF, nullptr, m.ptr())));
+    m.add_object("fused", pybind11::reinterpret_steal<pybind11::object>(
+                              PyCFunction_NewEx(&FUSED_DEF, nullptr, m.ptr())));
 }

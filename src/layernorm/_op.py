@@ -74,6 +74,11 @@ PLAIN = frozenset({Tensor, torch.nn.Parameter})
 PLAIN_OR_NONE = PLAIN | {type(None)}
 
 
+#: layer norm's ``eps`` where a function takes ``None`` for it (``fused_norm``; torch's
+#: and :func:`layernorm.layer_norm`'s default)
+LAYER_NORM_EPS = 1e-5
+
+
 def default_eps(dtype: torch.dtype) -> float:
     """``eps=None``: the machine epsilon of the arithmetic's dtype (float32 for half
     inputs), as torch's rms_norm (the compiled dispatch is handed this rule's values)."""

@@ -28,7 +28,10 @@ mechanism would see it (functorch, dispatch and function modes, jit tracing, CPU
 autocast, forward AD); with a gradient it calls the op through the dispatcher, without
 one the CPU kernel's own function (without statistics). Any other call gets None and
 goes through Python. The kernels are the ones the Python path calls, so the bits are the
-same either way. Everything C++ needs to know (the Python kernels, the exact fallback,
+same either way. Its ``fused`` is the front door of :func:`layernorm.fused_norm` in the
+same way, for the inference call with dropout or ``x1``: the seed drawn as Python draws
+it, the dropout-add's numba entry (:func:`layernorm.backends.numba_.entry_address`), the
+norm of ``h`` per weight set. Everything C++ needs to know (the Python kernels, the exact fallback,
 the eps default, the kernel signatures, ``LAYERNORM_BACKEND``) is handed to it by
 :func:`_use` from its one home here in Python.
 
@@ -128,11 +131,11 @@ def _off(*args: Any) -> None:
 def _load_once() -> None:
     """Loads the extension (the first time only) and puts its function, or :func:`_off`,
     in :data:`norm`'s place."""
-    global norm
+    global norm, fused
     if norm is _first_call:
         module = _load()
         if module is None:
-            norm = _off
+            norm = fused = _off
         else:
             _use(module)
 
@@ -142,6 +145,11 @@ def _first_call(*args: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     return norm(*args)
 
 
+def _first_fused_call(*args: Any) -> tuple[Any, ...] | None:
+    _load_once()
+    return fused(*args)
+
+
 #: ``norm(x, residual, normalized_shape, weight, bias, eps, rms, backend)``, the
 #: arguments of ``ops._norm``, or with ``offset, mode, out, residual_out, y_dtype`` after
 #: them (``options.call``'s options; ``mode`` 0 for no casting_mode, 1 "gemma", 2
@@ -149,6 +157,12 @@ def _first_call(*args: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
 #: ``(y, residual_out)`` when the extension runs the call, else None (the extension's own
 #: function once it is loaded)
 norm: Callable[..., tuple[torch.Tensor, torch.Tensor | None] | None] = _first_call
+
+#: ``fused(...)``, the arguments of :func:`layernorm.fused_norm` in its order: ``(y, y1,
+#: residual_out, dropout_mask, dropout_mask1)`` when the extension runs the call (with
+#: dropout or ``x1``, no gradient, none of its other options: ``_compiled.cpp`` says
+#: which), else None
+fused: Callable[..., tuple[Any, ...] | None] = _first_fused_call
 
 
 def status() -> str:
@@ -267,9 +281,9 @@ def _load() -> ModuleType | None:
 
 
 def _use(module: ModuleType) -> None:
-    global _extension, _reason, norm
+    global _extension, _reason, norm, fused
     from . import _op, backends
-    from .backends import _kernel_abi, _threads, numba_
+    from .backends import _kernel_abi, _philox, _threads, numba_
     from .backends.torch_ import accumulation_dtype
 
     # Everything the C++ part needs to know is handed over here, from its one home.
@@ -294,8 +308,10 @@ def _use(module: ModuleType) -> None:
             "grain": _threads.GRAIN,
             "row_block": numba_._kernels().ROW_BLOCK,
             "max_bytes": numba_.STREAM_BYTES,
-            "forward_signature": _kernel_abi.signature("forward"),
-            "backward_signature": _kernel_abi.signature("backward"),
+            "dropout_constants": _dropout_constants,
+            "layer_norm_eps": _op.LAYER_NORM_EPS,
+            "signatures": {name: _kernel_abi.signature(name) for name in _kernel_abi.KERNELS},
+            "seed_draw_high": _philox.SEED_DRAW_HIGH,
             "default_eps": [_op.default_eps(dtype) for dtype in DTYPES],
             "dtypes": list(DTYPES),
             "acc_dtypes": [accumulation_dtype(dtype) for dtype in DTYPES],
@@ -304,7 +320,7 @@ def _use(module: ModuleType) -> None:
     if _extension is None:
         backends.on_forget(_forget)
     _extension, _reason = module, None
-    norm = module.norm
+    norm, fused = module.norm, module.fused
 
 
 def _constant(n: int, index: int, value: float) -> torch.Tensor:
@@ -312,6 +328,14 @@ def _constant(n: int, index: int, value: float) -> torch.Tensor:
     from .backends import numba_
 
     return numba_._constant(n, DTYPES[index], value)
+
+
+def _dropout_constants(p: float) -> tuple[float, float]:
+    """``(s, p32)`` of a dropout probability: :mod:`layernorm.backends._philox`'s scale
+    and keep threshold."""
+    from .backends import _philox
+
+    return _philox.dropout_scale(p), _philox.threshold(p)
 
 
 def _fix_forward_rows(

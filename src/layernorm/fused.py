@@ -3,6 +3,10 @@ and a second weight set, the residual add and the norm, on every backend
 (docs/contract.md §2, "fused_norm"; the dropout-add's definition:
 :mod:`layernorm.backends._dropout_add`).
 
+The inference call with dropout or ``x1`` (tensors of ``x``'s dtype, none of the other
+options) goes whole to the C++ front door (:mod:`layernorm.compiled`'s ``fused``), which
+runs the steps below in C++, with their bits; every other call takes them in Python.
+
 Data flow: checks (all before any work) → the dropout-add ``h`` (the custom op
 ``layernorm::dropout_add``, one rounding into ``residual_dtype``) → the norm of ``h``
 through the public :func:`layernorm.layer_norm` / :func:`layernorm.rms_norm` with their
@@ -32,6 +36,7 @@ import torch
 from torch import Tensor
 
 from . import _op, backends, ops
+from . import compiled as _compiled
 from . import options as _options
 from .backends import _dropout_add, _philox
 
@@ -524,6 +529,14 @@ def fused_norm(
             ``bias1`` without ``weight1``, ``rms`` with a bias, an unknown backend.
         RuntimeError: tensors on different devices; a rowscale that requires grad.
     """
+    if ops.FAST_PATHS and not torch.compiler.is_compiling():
+        done = _compiled.fused(
+            x, normalized_shape, weight, bias, eps, rms, residual, x1, weight1, bias1,
+            dropout_p, rowscale, seed, generator, residual_dtype, out_dtype, offset,
+            return_dropout_mask, backend,
+        )  # fmt: skip
+        if done is not None:
+            return FusedNorm(*done)
     shape = ops._normalized_shape(normalized_shape, "fused_norm")
     ops._check_input("input", x, shape, "fused_norm")
     _check_same("residual", residual, x)
@@ -559,7 +572,7 @@ def fused_norm(
             )
     rdtype = residual_dtype or (residual.dtype if residual is not None else x.dtype)
     if eps is None:
-        eps = ops._op.default_eps(x.dtype) if rms else 1e-5
+        eps = ops._op.default_eps(x.dtype) if rms else ops._op.LAYER_NORM_EPS
 
     # No dropout, x1 or rowscale, and h in a dtype that holds x's: h is x itself, x
     # widened (exact), or x + residual, one IEEE addition as add_*'s residual_out (whose

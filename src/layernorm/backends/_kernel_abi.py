@@ -18,7 +18,7 @@ This module imports nothing but the standard library: it can be read without num
 
 from __future__ import annotations
 
-__all__ = ["BACKWARD", "CTYPES", "FORWARD", "KERNELS", "names", "signature"]
+__all__ = ["BACKWARD", "CTYPES", "DROPOUT_ADD", "FORWARD", "KERNELS", "SUM3", "names", "signature"]
 
 #: the forward entry: rows ``i`` of x and residual start ``i * x_stride`` and
 #: ``i * residual_stride`` elements after their addresses; ``residual_out``, ``y`` are
@@ -89,17 +89,71 @@ BACKWARD: tuple[tuple[str, str], ...] = (
     ("flags", "i64"),
 )
 
-KERNELS = {"forward": FORWARD, "backward": BACKWARD}
+#: the dropout-add entry (``_numba_dropout.entry("dropout_add")``): rows ``row_lo ..
+#: row_hi - 1`` of a call of ``m`` rows of ``h = RN(k0·s·x0·rowscale + k1·s·x1 +
+#: residual)`` (layernorm.backends._numba_dropout), every tensor in the entry's one dtype
+#: but ``rowscale`` (float64, ``m``) and the masks (bool); rows ``i`` of x0, x1 and
+#: residual start ``i * stride`` elements after their addresses, ``h`` and the masks are
+#: contiguous (m * n). An absent ``x1``, ``residual``, ``rowscale`` or mask (its ``has_*``
+#: or ``want_masks`` false) is not read: any valid address. ``(k0, k1)`` is the seed's
+#: Philox key (``_philox.seed_key``), ``p32`` the keep threshold (a float32 value),
+#: ``s`` the scale (``_philox.threshold``, ``_philox.dropout_scale``). The span arguments
+#: make every entry one span of a threaded call.
+DROPOUT_ADD: tuple[tuple[str, str], ...] = (
+    ("x0", "i64"),
+    ("x0_stride", "i64"),
+    ("x1", "i64"),
+    ("x1_stride", "i64"),
+    ("residual", "i64"),
+    ("residual_stride", "i64"),
+    ("rowscale", "i64"),
+    ("h", "i64"),
+    ("mask0", "i64"),
+    ("mask1", "i64"),
+    ("m", "i64"),
+    ("n", "i64"),
+    ("k0", "i64"),
+    ("k1", "i64"),
+    ("p32", "f64"),
+    ("s", "f64"),
+    ("has_x1", "bool"),
+    ("has_residual", "bool"),
+    ("has_rowscale", "bool"),
+    ("want_masks", "bool"),
+    ("row_lo", "i64"),
+    ("row_hi", "i64"),
+)
+
+#: the exact three-term sum ``h = RN(x0 + x1 + residual)`` (``_numba_dropout.entry("sum3")``:
+#: the dropout-add where every element is kept, ``s`` is 1 and there is no rowscale),
+#: with :data:`DROPOUT_ADD`'s layout; no residual is one row of ``-0.0`` with stride 0.
+SUM3: tuple[tuple[str, str], ...] = (
+    ("x0", "i64"),
+    ("x0_stride", "i64"),
+    ("x1", "i64"),
+    ("x1_stride", "i64"),
+    ("residual", "i64"),
+    ("residual_stride", "i64"),
+    ("h", "i64"),
+    ("m", "i64"),
+    ("n", "i64"),
+    ("row_lo", "i64"),
+    ("row_hi", "i64"),
+)
+
+KERNELS = {"forward": FORWARD, "backward": BACKWARD, "dropout_add": DROPOUT_ADD, "sum3": SUM3}
 #: the C type of each type name
 CTYPES = {"i64": "int64_t", "f64": "double", "bool": "bool"}
 
 
 def names(direction: str) -> tuple[str, ...]:
-    """The argument names of the ``direction`` ("forward" or "backward") entries, in order."""
+    """The argument names of the ``direction`` entries (a key of :data:`KERNELS`), in
+    order."""
     return tuple(name for name, _ in KERNELS[direction])
 
 
 def signature(direction: str) -> str:
-    """The compact form of the ``direction`` entries' arguments, for a caller to compare
+    """The compact form of the ``direction`` entries' arguments (a key of :data:`KERNELS`),
+    for a caller to compare
     with its own, e.g. ``"x:i64,x_stride:i64,...,store_stats:bool"``."""
     return ",".join(f"{name}:{kind}" for name, kind in KERNELS[direction])

@@ -76,6 +76,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -88,13 +89,19 @@ from . import _numba_cache, _numba_philox, _numba_vectors, _philox, _threads
 from ._dropout_add import FLOAT_DTYPES, check_args
 from ._exact import FORMATS
 from ._numba_philox import keep_span
-from ._numba_vectors import narrow, narrow_once, two_prod, two_sum, widen
+from ._numba_vectors import narrow, narrow_once, two_prod, two_sum, view, widen
 from .torch_ import contiguous_rows
 
-__all__ = ["DEPENDS_SHA256", "depends_digest", "dropout_add", "dropout_add_backward"]
+__all__ = [
+    "DEPENDS_SHA256",
+    "depends_digest",
+    "dropout_add",
+    "dropout_add_backward",
+    "entry",
+]
 
 #: the digest of the inlined code this file's cached kernels were compiled with
-DEPENDS_SHA256 = "c605fc87d1c4e738"
+DEPENDS_SHA256 = "feba11b26cf46d25"
 
 
 def depends_digest() -> str:
@@ -115,6 +122,8 @@ def depends_digest() -> str:
                 _numba_vectors.fma,
                 _numba_vectors.two_sum,
                 _numba_vectors.two_prod,
+                _numba_vectors._pointer,
+                _numba_vectors.view.py_func,
             )
         ),
     ]
@@ -674,6 +683,82 @@ def _backward_rows(
             dres_i = dres[base : base + n_cols]
             for c in range(n_cols):
                 dres_i[c] = _stored(wide[c], dres)
+
+
+# --- C entries --------------------------------------------------------------------------------
+
+_F64_TAG = np.empty(0, np.float64)  # rowscale's dtype
+_BOOL_TAG = np.empty(0, np.bool_)  # the masks'
+
+
+@_jit(inline="always")
+def _rows_size(m, stride, n):  # pragma: no cover - compiled
+    """Elements from the first row's start to the last row's end (0 for no rows)."""
+    return (m - 1) * stride + n if m > 0 else 0
+
+
+def entry(name: str, storage_tag: np.ndarray):
+    """The C entry ``name`` of this module's forward for compiled callers: "dropout_add"
+    (:func:`_forward_rows`) or "sum3" (:func:`_sum3_rows`, :func:`_sum3_rows_single` for
+    16-bit terms, as :func:`_sum3` picks), on the arguments of
+    ``_kernel_abi.DROPOUT_ADD`` / ``SUM3`` (addresses, sizes, flags; one span of rows),
+    for ``x0``, ``x1``, ``residual`` and ``h`` all of ``storage_tag``'s dtype; compiled
+    now (or loaded from the on-disk cache). It calls the kernel :func:`dropout_add`
+    calls, with arrays of the types that one passes, so the bits are the same; the
+    address: ``_numba_kernels.address``."""
+    from ._numba_kernels import _check_parameters, entry_type
+
+    tag = storage_tag
+    nearest = tag.dtype == np.float64  # h rounded to nearest-even in float64 itself
+    run: Callable[..., None]
+    if name == "dropout_add":
+
+        def dropout_add(x0, x0_stride, x1, x1_stride, residual, residual_stride, rowscale, h, mask0, mask1, m, n, k0, k1, p32, s, has_x1, has_residual, has_rowscale, want_masks, row_lo, row_hi):  # fmt: skip  # pragma: no cover - compiled
+            _forward_rows(
+                view(x0, _rows_size(m, x0_stride, n), tag), x0_stride,
+                view(x1, _rows_size(m, x1_stride, n) if has_x1 else 0, tag), x1_stride,
+                view(residual, _rows_size(m, residual_stride, n) if has_residual else 0, tag),
+                residual_stride,
+                view(rowscale, m if has_rowscale else 0, _F64_TAG),
+                view(h, m * n, tag),
+                view(mask0, m * n if want_masks else 0, _BOOL_TAG),
+                view(mask1, m * n if want_masks and has_x1 else 0, _BOOL_TAG),
+                n, k0, k1, np.float32(p32), s, has_x1, has_residual, has_rowscale, want_masks,
+                nearest, row_lo, row_hi,
+            )  # fmt: skip
+
+        run = dropout_add
+    elif name == "sum3" and tag.dtype in (np.int16, np.uint16):  # every term 16-bit
+
+        def sum3(x0, x0_stride, x1, x1_stride, residual, residual_stride, h, m, n, row_lo, row_hi):  # fmt: skip  # pragma: no cover - compiled
+            _sum3_rows_single(
+                view(x0, _rows_size(m, x0_stride, n), tag), x0_stride,
+                view(x1, _rows_size(m, x1_stride, n), tag), x1_stride,
+                view(residual, _rows_size(m, residual_stride, n), tag), residual_stride,
+                view(h, m * n, tag), n, nearest, row_lo, row_hi,
+            )  # fmt: skip
+
+        run = sum3
+    elif name == "sum3":
+
+        def sum3(x0, x0_stride, x1, x1_stride, residual, residual_stride, h, m, n, row_lo, row_hi):  # fmt: skip  # pragma: no cover - compiled
+            _sum3_rows(
+                view(x0, _rows_size(m, x0_stride, n), tag), x0_stride,
+                view(x1, _rows_size(m, x1_stride, n), tag), x1_stride,
+                view(residual, _rows_size(m, residual_stride, n), tag), residual_stride,
+                view(h, m * n, tag), n, nearest, row_lo, row_hi,
+            )  # fmt: skip
+
+        run = sum3
+    else:
+        raise ValueError(f"unknown dropout-add entry {name!r}")
+    _check_parameters(run, name)
+    # one name per entry and dtype (numba_kernels.entry says why)
+    run.__name__ = run.__qualname__ = f"{name}_{tag.dtype.name}"
+    dispatcher = _jit()(run)
+    dispatcher.compile(entry_type(name))
+    dispatcher.disable_compile()
+    return dispatcher
 
 
 # --- torch front ----------------------------------------------------------------------------

@@ -90,7 +90,7 @@ from collections.abc import Callable
 
 import numpy as np
 from llvmlite import ir
-from numba import carray, njit, types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
@@ -127,6 +127,7 @@ from ._numba_vectors import (
     widen,
 )
 from ._numba_vectors import lanes as vector_lanes
+from ._numba_vectors import view as _view
 
 _FLAG_TAG = np.empty(0, np.uint8)  # the dtype of the forward's fallback flags
 _F64_TAG = np.empty(0, np.float64)  # the dtype of the backward's dweight/dbias partials
@@ -138,7 +139,7 @@ SEGMENT = 1024
 #: these kernels. numba keys its on-disk cache on this file alone, so a change to that one
 #: must change this line, or a stale cached kernel would keep running the old code;
 #: ``tests/test_numba_vectors.py`` fails until it does.
-VECTORS_SHA256 = "6f074d6759b49547"
+VECTORS_SHA256 = "be3055cfdbc3e088"
 #: The same for ``_weight_terms.py``, whose constants the backward compiles in
 WEIGHT_TERMS_SHA256 = "24c25c5ad03281b4"
 
@@ -2151,20 +2152,6 @@ def column_sum_kernel(partial, blocks, n, out):
 # (int16/uint16 for float16/bfloat16 bits) and the accumulation dtype.
 
 
-@intrinsic
-def _pointer(typingctx, address):
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
-
-    return types.voidptr(types.intp), codegen
-
-
-@_jit()
-def _view(address, size, tag):
-    """The ``size`` elements of ``tag``'s dtype at ``address``, as a 1-D array (no copy)."""
-    return carray(_pointer(address), size, tag.dtype)
-
-
 def _cast(tag, value):
     """``value`` as a scalar of ``tag``'s dtype."""
 
@@ -2366,8 +2353,8 @@ _NUMBA_TYPES = {"i64": types.int64, "f64": types.float64, "bool": types.boolean}
 
 
 def entry_type(direction: str):
-    """The numba signature of the ``direction`` ("forward", "backward") entries, from
-    :mod:`layernorm.backends._kernel_abi`."""
+    """The numba signature of the ``direction`` entries (a key of
+    ``_kernel_abi.KERNELS``), from :mod:`layernorm.backends._kernel_abi`."""
     return types.void(*(_NUMBA_TYPES[kind] for _, kind in _kernel_abi.KERNELS[direction]))
 
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from llvmlite import ir
-from numba import njit, types
+from numba import carray, njit, types
 from numba.core import cgutils
 from numba.core.typing import signature
 from numba.extending import intrinsic
@@ -845,6 +845,23 @@ def fma(typingctx, a, b, c):
         return _fma(builder, *args)
 
     return signature(types.float64, types.float64, types.float64, types.float64), codegen
+
+
+@intrinsic
+def _pointer(typingctx, address):
+    """The int64 ``address`` as a ``void*``."""
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
+
+    return types.voidptr(types.intp), codegen
+
+
+@njit(inline="always")
+def view(address, size, tag):  # pragma: no cover - compiled
+    """The ``size`` elements of ``tag``'s dtype at ``address`` (a C entry's argument), as
+    a 1-D array (no copy)."""
+    return carray(_pointer(address), size, tag.dtype)
 
 
 @njit(inline="always")

@@ -131,6 +131,9 @@ def _scratch(size: int) -> tuple[np.ndarray, int]:
 
 #: every entry :func:`entry` knows, as :func:`build` compiles them
 ENTRIES = ("forward_serial", "forward_parallel", "backward_serial", "backward_parallel")
+#: the dropout-add's C entries (``_numba_dropout.entry``; all of one dtype), compiled on
+#: their first use, for compiled callers only (:func:`entry_address`)
+DROPOUT_ENTRIES = ("dropout_add", "sum3")
 
 
 def _compiled(
@@ -157,14 +160,21 @@ def _load(key: tuple, wait: bool) -> Callable[..., None] | None:
     types = _TYPES[dtype]
     y_tag = None if len(key) == 2 else _TYPES[key[2]].storage
     to = "" if y_tag is None else f" to {key[2]}"
+    dropout = name in DROPOUT_ENTRIES
     # one lock per compiled kernel: entries that share one compile it once
-    with _numba_cache.locked(f"{dtype} {kernels.COMPILES[name]}{to}", wait) as held:
+    compiles = name if dropout else kernels.COMPILES[name]
+    with _numba_cache.locked(f"{dtype} {compiles}{to}", wait) as held:
         if not held:
             return None
         kernel = _entries.get(key)  # another thread may have been first
         if kernel is None:
             with _numba_cache.compiling(f"{dtype} {name}{to}"):
-                kernel = kernels.entry(name, types.storage, types.acc, y_tag)
+                if dropout:
+                    from . import _numba_dropout
+
+                    kernel = _numba_dropout.entry(name, types.storage)
+                else:
+                    kernel = kernels.entry(name, types.storage, types.acc, y_tag)
             _entries[key] = kernel
     return kernel
 
@@ -189,7 +199,8 @@ def entry(dtype: torch.dtype, name: str, y_dtype: torch.dtype | None = None) -> 
 def entry_address(dtype: torch.dtype, name: str, y_dtype: torch.dtype | None = None) -> int:
     """The C address of the compiled ``_numba_kernels`` entry ``name`` (one of
     :data:`ENTRIES` or ``column_sums``) for ``dtype`` (a forward's ``y`` in ``y_dtype``,
-    as :func:`entry`), for compiled callers. A
+    as :func:`entry`), or of the dropout-add's entry ``name`` (:data:`DROPOUT_ENTRIES`),
+    for compiled callers. A
     ``*_parallel`` entry runs one span of a call's rows, as :func:`entry`'s threaded
     entries hand them out; a compiled caller that spreads a call over threads of its own
     asks :func:`layernorm.backends._threads.lend` for them and adds the backward's partial
