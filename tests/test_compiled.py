@@ -736,7 +736,7 @@ def _assert_same_run(fast, slow, case):
 def test_fused_front_door_has_the_bits_of_fused_norm(
     in_use, monkeypatch, python_dropout_adds, dtype
 ):
-    """``fused_norm`` with dropout or ``x1`` (inference) through the C++ front door: every
+    """``fused_norm`` with dropout or ``x1`` (no gradient) through the C++ front door: every
     output (y, y1, residual_out, both masks) bitwise the Python path's (the fast paths
     off), the default generator left in the same state (a seed drawn as Python draws it),
     on 1-D, 3-D and 4-D inputs, with and without residual, x1, a second weight set, a seed,
@@ -766,6 +766,96 @@ def test_fused_front_door_has_the_bits_of_fused_norm(
             _assert_same_run(fast, slow, case)
 
 
+def _fused_gradients(monkeypatch, seen, fast, base, leaves, n, create_graph=False, **kw):
+    """``fused_norm`` on clones of ``base`` (``leaves`` require grad) with the fast paths
+    ``fast``: the bits of y, residual_out and every leaf's gradient of a seeded loss, and
+    whether Python's dropout-add ran."""
+    from layernorm import ops
+
+    monkeypatch.setattr(ops, "FAST_PATHS", fast)
+    t = {k: v.clone().requires_grad_(k in leaves) for k, v in base.items()}
+    named = {"residual": "r", "x1": "x1", "weight1": "w1", "bias1": "b1"}
+    options = {k: t[v] for k, v in named.items() if kw.pop(k, False)}
+    del seen[:]
+    out = layernorm.fused_norm(t["x"], (n,), t["w"], t.get("b"), seed=5, **options, **kw)
+    outs = [o for o in (out.y, out.y1, out.residual_out) if o is not None and o.requires_grad]
+    g = torch.Generator().manual_seed(1)
+    loss = sum((o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64)).sum()
+               for o in outs)  # fmt: skip
+    used = {"x", "w", "b"} | {named[k] for k in options}
+    wanted = [t[k] for k in leaves if k in used and k in t]
+    grads = torch.autograd.grad(loss, wanted, create_graph=create_graph)
+    if create_graph:  # a second order: the gradient of the gradients' weighted sum
+        total = sum((q.double() * torch.randn(q.shape, generator=g, dtype=torch.float64)).sum()
+                    for q in grads)  # fmt: skip
+        grads = torch.autograd.grad(total, wanted, allow_unused=True)
+    kept = [out.y, out.residual_out, *grads]
+    return [None if q is None else _bits(q.detach()) for q in kept], bool(seen)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_front_door_trains_with_the_bits_of_fused_norm(
+    in_use, monkeypatch, python_dropout_adds, dtype
+):
+    """With a gradient asked the front door records the dropout-add's C++ node
+    (``layernorm::DropoutAddBackward``, whose backward calls the numba entry) and the
+    norm's: y, residual_out and the gradient of every leaf (x, x1, residual, each weight
+    set) bitwise the Python path's (``EagerDropoutAdd``, the fast paths off), with every
+    subset of leaves, on 1-D, 3-D and 4-D inputs, for layer norm and RMSNorm."""
+    for shape, x, r, _ in _front_door_inputs("layer_norm", dtype):
+        n = shape[-1]
+        base = {"x": x, "r": r, "x1": torch.randn(shape).to(dtype)}
+        base.update(w=torch.randn(n).to(dtype), w1=torch.randn(n), b1=torch.randn(n))
+        for rms, second, p, leaves in itertools.product(
+            [False, True], [False, True], [0.0, 0.3], [("x", "r", "x1", "w", "w1"), ("x",), ("w",), ("r",)]
+        ):  # fmt: skip
+            if p == 0.0 and not second:
+                continue
+            b = {} if rms else {"b": torch.randn(n).to(dtype), "b1": base["b1"]}
+            inputs = {**base, **b} if not rms else {k: v for k, v in base.items() if k != "b1"}
+            kw = {"rms": rms, "dropout_p": p, "residual": True, "x1": second,
+                  "weight1": True, "bias1": not rms}  # fmt: skip
+            case = (shape, rms, second, p, leaves)
+            fast = _fused_gradients(monkeypatch, python_dropout_adds, True, inputs, leaves, n, **kw)
+            slow = _fused_gradients(
+                monkeypatch, python_dropout_adds, False, inputs, leaves, n, **kw
+            )
+            assert not fast[1] and slow[1], case
+            for a, c in zip(fast[0], slow[0], strict=True):
+                assert (a is None) == (c is None) and (a is None or torch.equal(a, c)), case
+
+
+def test_fused_front_door_node_hands_python_what_it_was_not_built_for(
+    in_use, monkeypatch, python_dropout_adds
+):
+    """The node's backward goes to Python's formula (fused.gradients) for a graph of the
+    backward (create_graph: second-order gradients) and for batched gradients (vmap):
+    the Python path's results either way."""
+    x, r, x1 = (torch.randn(3, 4, 16) for _ in range(3))
+    base = {"x": x, "r": r, "x1": x1, "w": torch.randn(16), "b": torch.randn(16)}
+    kw = {"dropout_p": 0.25, "residual": True, "x1": True}
+    fast, slow = (
+        _fused_gradients(monkeypatch, python_dropout_adds, f, base, ("x", "r", "x1", "w"), 16,
+                         create_graph=True, **kw)
+        for f in (True, False)
+    )  # fmt: skip
+    for a, c in zip(fast[0], slow[0], strict=True):
+        assert (a is None) == (c is None) and (a is None or torch.equal(a, c))
+    from layernorm import ops
+
+    monkeypatch.setattr(ops, "FAST_PATHS", True)
+    leaf = x.clone().requires_grad_()
+    out = layernorm.fused_norm(leaf, 16, residual=r, dropout_p=0.25, seed=3)
+    assert out.residual_out.grad_fn.name() == "layernorm::DropoutAddBackward"
+    cotangents = torch.randn(2, 3, 4, 16)
+    (batched,) = torch.autograd.grad(
+        out.residual_out, leaf, cotangents, retain_graph=True, is_grads_batched=True
+    )
+    for i in range(2):
+        (one,) = torch.autograd.grad(out.residual_out, leaf, cotangents[i], retain_graph=True)
+        assert torch.equal(batched[i], one)
+
+
 def test_fused_front_door_over_threads(in_use, monkeypatch, python_dropout_adds):
     """Rows split over torch's threads (spans as ``_threads`` lends them) give the bits
     of the Python path, which splits them its own way."""
@@ -786,13 +876,11 @@ def test_fused_front_door_over_threads(in_use, monkeypatch, python_dropout_adds)
 
 def test_fused_front_door_leaves_other_calls_to_python(in_use, monkeypatch, python_dropout_adds):
     """Every call outside the front door's rule runs Python's path (its dropout-add runs),
-    with the same results as with the fast paths off: a gradient asked, each option it
-    does not take, a seed or probability of another type, strided or mixed-dtype tensors."""
+    with the same results as with the fast paths off: each option it does not take, a seed or probability of another type, strided or mixed-dtype tensors."""
     torch.manual_seed(0)
     x, r, x1 = (torch.randn(3, 4, 16) for _ in range(3))
     w, b = torch.randn(16), torch.randn(16)
     cases = {
-        "grad": {"residual": r.clone().requires_grad_(), "dropout_p": 0.2},
         "rowscale": {"dropout_p": 0.2, "rowscale": torch.rand(12)},
         "generator": {"dropout_p": 0.2, "generator": torch.Generator().manual_seed(1)},
         "residual_dtype": {"dropout_p": 0.2, "residual_dtype": torch.float64},
@@ -1049,7 +1137,9 @@ def test_eps_none_is_the_ops_default(in_use):
         assert torch.equal(y, expected)
 
 
-@pytest.mark.parametrize("direction", ["forward", "backward", "dropout_add", "sum3"])
+@pytest.mark.parametrize(
+    "direction", ["forward", "backward", "dropout_add", "sum3", "dropout_add_backward"]
+)
 def test_a_kernel_signature_mismatch_raises(monkeypatch, in_use, direction):
     """The extension compares the numba kernels' signatures (_kernel_abi) with the ones it
     was built for, so a mismatch raises instead of calling with wrong arguments."""

@@ -376,7 +376,10 @@ def test_eager_training_is_the_ops_gradients(monkeypatch, shape, normalized, str
     for with_x1 in (False, True):
         fast_fn, fast = grads(True, with_x1)
         slow_fn, slow = grads(False, with_x1)
-        assert "EagerDropoutAdd" in type(fast_fn).__name__
+        # Python's direct path, or the compiled front door's node (contiguous tensors)
+        assert "EagerDropoutAdd" in type(fast_fn).__name__ or (
+            fast_fn.name() == "layernorm::DropoutAddBackward"
+        )
         assert "EagerDropoutAdd" not in type(slow_fn).__name__
         for a, c in zip(fast, slow, strict=True):
             same_bits(a, c)

@@ -35,8 +35,9 @@
 // value), with the kernels writing into `out` and `residual_out` (options.write_into's
 // rule); it declines every other call, options.norm then answers it (or raises).
 // fused(...) is the front door of layernorm.fused_norm (its arguments, in its order) for
-// the inference call with dropout or x1: the seed draw, the numba dropout-add entry and
-// the norm of h per weight set, as fused_norm runs them; every other call gets None.
+// the call with dropout or x1: the seed draw, the numba dropout-add entry (with a C++
+// autograd node, DropoutAddBackward) and the norm of h per weight set, as fused_norm
+// runs them; every other call gets None.
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
@@ -130,6 +131,17 @@ const char* const SUM3_SIGNATURE =
     "x0:i64,x0_stride:i64,x1:i64,x1_stride:i64,residual:i64,residual_stride:i64,h:i64,"
     "m:i64,n:i64,row_lo:i64,row_hi:i64";
 
+using DropoutAddBackwardKernel = void (*)(int64_t dh, int64_t dh_stride, int64_t rowscale,
+                                          int64_t dx0, int64_t dx1, int64_t dresidual,
+                                          int64_t m, int64_t n, int64_t k0, int64_t k1,
+                                          double p32, double s, bool has_rowscale,
+                                          bool has_x1, bool has_residual, int64_t row_lo,
+                                          int64_t row_hi);
+const char* const DROPOUT_ADD_BACKWARD_SIGNATURE =
+    "dh:i64,dh_stride:i64,rowscale:i64,dx0:i64,dx1:i64,dresidual:i64,m:i64,n:i64,k0:i64,"
+    "k1:i64,p32:f64,s:f64,has_rowscale:bool,has_x1:bool,has_residual:bool,row_lo:i64,"
+    "row_hi:i64";
+
 // (the *_parallel entries run one span of a call's rows: see run_spans)
 enum Entry {
     FORWARD_SERIAL,
@@ -139,10 +151,12 @@ enum Entry {
     COLUMN_SUMS,
     DROPOUT_ADD,
     SUM3,
+    DROPOUT_ADD_BACKWARD,
     ENTRIES
 };
-const char* const ENTRY_NAMES[] = {"forward_serial", "forward_parallel", "backward_serial",
-                                   "backward_parallel", "column_sums", "dropout_add", "sum3"};
+const char* const ENTRY_NAMES[] = {"forward_serial",    "forward_parallel", "backward_serial",
+                                   "backward_parallel", "column_sums",      "dropout_add",
+                                   "sum3",              "dropout_add_backward"};
 using ColumnSums = void (*)(int64_t partial, int64_t blocks, int64_t n, int64_t out);
 constexpr int DTYPES = 4;  // the kernels' input dtypes, in compiled.DTYPES' order
 
@@ -165,6 +179,7 @@ struct State {
     int64_t max_bytes = 0;     // numba_.STREAM_BYTES: larger inputs go through Python
     int64_t seed_draw_high = 0;  // _philox.SEED_DRAW_HIGH: a seed drawn is below it
     PyObject* dropout_constants = nullptr;  // compiled._dropout_constants: p -> (s, p32)
+    PyObject* dropout_gradients = nullptr;  // compiled._dropout_gradients: Python's backward
     double layer_norm_eps = 0;              // _op.LAYER_NORM_EPS: fused_norm's eps=None
     int64_t kernels[DTYPES][ENTRIES] = {};  // C addresses: 0 not asked yet, -1 none
     // the forward entries (serial, parallel) whose y has a narrower dtype, by x's and y's
@@ -1137,20 +1152,86 @@ std::pair<double, double> dropout_constants(double p) {
     return {s, p32};
 }
 
+// Runs rows(lo, hi) over the m rows of n (a dropout-add kernel's spans): in spans over
+// the threads _threads lends, else in the calling thread.
+void run_rows(int64_t m, int64_t n, const std::function<void(int64_t, int64_t)>& rows) {
+    int64_t lent = 0;
+    const Ranges ranges = span_ranges(m, n, &lent);  // (rows are _threads.run's blocks)
+    if (ranges.empty())
+        rows(0, m);
+    else
+        run_spans(ranges, lent, rows);
+}
+
+// The autograd of fused's dropout-add h = RN(k0·s·x + k1·s·x1 + residual), every tensor
+// of one dtype: fused.gradients' formula (EagerDropoutAdd's backward), the masks
+// regenerated from the key. Its inputs are (x, x1, residual), an absent one without an
+// edge. The numba entry computes dx and dx1, the residual's gradient is dh itself; a
+// backward that builds a graph (create_graph), that a mechanism would see, or that the
+// entry was not built for goes to Python's fused.gradients.
+struct DropoutAddBackward : public torch::autograd::Node {
+    int64_t seed = 0, k0 = 0, k1 = 0;
+    double p = 0, s = 1, p32 = 0;
+    bool has_x1 = false, has_residual = false;
+    int d = 0;  // the tensors' dtype index
+    std::vector<int64_t> sizes;
+
+    std::string name() const override { return "layernorm::DropoutAddBackward"; }
+
+    variable_list apply(variable_list&& grads) override {
+        variable_list out(3);
+        const Tensor& dh = grads[0];
+        if (!dh.defined()) return out;
+        const int64_t address = kernel(d, DROPOUT_ADD_BACKWARD);
+        Tensor dx, dx1;
+        if (torch::GradMode::is_enabled() || at::hasCallbacks() || address < 0 ||
+            !(dh.is_cpu() && dh.scalar_type() == state.dtypes[d] && dh.sizes() == sizes) ||
+            mechanism_active({&dh})) {
+            const auto [gx, gx1, gresidual] =
+                call_python<std::tuple<Tensor, OptionalTensor, OptionalTensor>>(
+                    state.dropout_gradients, dh, seed, p, d, has_x1, has_residual);
+            dx = gx;
+            dx1 = value(gx1);
+            out[2] = value(gresidual);
+        } else {
+            const Tensor g = dh.contiguous();
+            const int64_t n = sizes.back(), m = g.numel() / n;
+            dx = empty(g.sizes(), g.scalar_type());
+            if (has_x1) dx1 = empty(g.sizes(), g.scalar_type());
+            run_rows(m, n, [&](int64_t lo, int64_t hi) {
+                reinterpret_cast<DropoutAddBackwardKernel>(address)(
+                    reinterpret_cast<int64_t>(g.data_ptr()), n,
+                    reinterpret_cast<int64_t>(g.data_ptr()) /* rowscale: none */,
+                    reinterpret_cast<int64_t>(dx.data_ptr()),
+                    reinterpret_cast<int64_t>((has_x1 ? dx1 : dx).data_ptr()),
+                    reinterpret_cast<int64_t>(dx.data_ptr()) /* dresidual: dh itself */, m, n,
+                    k0, k1, p32, s, false, has_x1, false, lo, hi);
+            });
+            if (has_residual) out[2] = dh;  // (RN to dh's own dtype: dh, as Python passes it)
+        }
+        if (task_should_compute_output(0)) out[0] = dx;
+        if (has_x1 && task_should_compute_output(1)) out[1] = dx1;
+        if (!(has_residual && task_should_compute_output(2))) out[2] = Tensor();
+        return out;
+    }
+};
+
 // fused(x, normalized_shape, weight, bias, eps, rms, residual, x1, weight1, bias1,
 // dropout_p, rowscale, seed, generator, residual_dtype, out_dtype, offset,
 // return_dropout_mask, backend), layernorm.fused_norm's arguments in its order, is its
-// front door for the inference call with dropout or x1: plain contiguous CPU tensors of
-// x's dtype and shape (x1, residual) and plain (N,) parameters, an int or 1-tuple
+// front door for the call with dropout or x1: plain contiguous CPU tensors of x's dtype
+// and shape (x1, residual) and plain (N,) parameters, an int or 1-tuple
 // normalized_shape, a float dropout_p in [0, 1), an int64 seed or None, a float or None
-// eps, bools rms and return_dropout_mask, none of the other options, no gradient asked
-// and no mechanism that would see the call (the dropout-add's autograd and transforms
-// are Python's). It runs what fused_norm runs, in its order: the seed drawn (one
-// torch.randint of the default CPU generator, fused.py's _seed_tensor), the numba
-// backend's dropout-add entry on h (the same kernel as _numba_dropout.dropout_add, in
-// spans over the threads as _threads lends them), then the norm of h once per weight
-// set, as the norm's front door runs it; so the bits, the masks and the generator's
-// state are the same. Any other call gets None before any work.
+// eps, bools rms and return_dropout_mask, none of the other options, and no mechanism
+// that would see the call (forward AD and the transforms are Python's). It runs what
+// fused_norm runs, in its order: the seed drawn (one torch.randint of the default CPU
+// generator, fused.py's _seed_tensor), the numba backend's dropout-add entry on h (the
+// same kernel as _numba_dropout.dropout_add, in spans over the threads as _threads lends
+// them), recorded by a DropoutAddBackward node when x, x1 or residual requires grad
+// (EagerDropoutAdd's place), then the norm of h once per weight set, as the norm's front
+// door runs it (NormBackward recorded with a gradient); so the bits, the masks, the
+// gradients and the generator's state are the same. Any other call gets None before any
+// work.
 PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     HANDLE_TH_ERRORS
     if (nargs != 19) {
@@ -1198,13 +1279,13 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
                        : rms                 ? state.default_eps[d]
                                              : state.layer_norm_eps;
     if (!(eps >= 0)) Py_RETURN_NONE;
-    auto requires_grad = [](const Tensor& t) { return t.defined() && t.requires_grad(); };
-    if ((torch::GradMode::is_enabled() &&
-         (x.requires_grad() || requires_grad(residual) || requires_grad(x1) ||
-          requires_grad(weight) || requires_grad(bias) || requires_grad(weight1) ||
-          requires_grad(bias1))) ||
-        mechanism_active({&x, &residual, &x1, &weight, &bias, &weight1, &bias1}))
+    if (mechanism_active({&x, &residual, &x1, &weight, &bias, &weight1, &bias1}))
         Py_RETURN_NONE;
+    auto requires_grad = [](const Tensor& t) { return t.defined() && t.requires_grad(); };
+    const bool grad_mode = torch::GradMode::is_enabled();
+    // whether autograd records the dropout-add (fused's _op.records_gradient(x, x1, residual))
+    const bool record_h =
+        grad_mode && (x.requires_grad() || requires_grad(residual) || requires_grad(x1));
     const int64_t norm_address = entry_for(x, "", FORWARD_SERIAL);
     if (norm_address < 0) Py_RETURN_NONE;  // (h, of x's dtype and shape, is x's case)
     const auto [s, p32] = dropout_constants(p);
@@ -1249,16 +1330,37 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
                 x1.defined(), residual.defined(), false /* rowscale */, want_masks, lo, hi);
         };
     }
-    int64_t lent = 0;
-    const Ranges ranges = span_ranges(m, n, &lent);  // (rows are _threads.run's blocks)
-    if (ranges.empty())
-        rows(0, m);
-    else
-        run_spans(ranges, lent, rows);
-    const Tensor y = run_forward(h, Tensor(), weight, bias, eps, rms, false, norm_address).y;
+    run_rows(m, n, rows);
+    if (record_h) {  // EagerDropoutAdd's autograd, as a node of torch's own kind
+        auto node = c10::make_intrusive<DropoutAddBackward>();
+        node->set_next_edges(torch::autograd::collect_next_edges(x, x1, residual));
+        node->seed = seed;
+        node->k0 = k0;
+        node->k1 = k1;
+        node->p = p;
+        node->s = s;
+        node->p32 = p32;
+        node->has_x1 = x1.defined();
+        node->has_residual = residual.defined();
+        node->d = d;
+        node->sizes = x.sizes().vec();
+        torch::autograd::set_history(h, node);
+    }
+    // the norm of h per weight set: with a gradient the norm's front door records
+    // NormBackward (record_forward), without one it runs the kernel alone
+    auto norm_of_h = [&](const Tensor& w, const Tensor& b) {
+        if (grad_mode && (h.requires_grad() || requires_grad(w) || requires_grad(b))) {
+            auto optional = [](const Tensor& t) {
+                return t.defined() ? OptionalTensor(t) : OptionalTensor();
+            };
+            return std::get<0>(record_forward(h, OptionalTensor(), optional(w), optional(b), eps,
+                                              rms, "", at::hasCallbacks()));
+        }
+        return run_forward(h, Tensor(), w, b, eps, rms, false, norm_address).y;
+    };
+    const Tensor y = norm_of_h(weight, bias);
     Tensor y1;
-    if (weight1.defined())
-        y1 = run_forward(h, Tensor(), weight1, bias1, eps, rms, false, norm_address).y;
+    if (weight1.defined()) y1 = norm_of_h(weight1, bias1);
     PyObject* result = PyTuple_New(5);
     if (result == nullptr) return nullptr;
     PyTuple_SET_ITEM(result, 0, THPVariable_Wrap(y));
@@ -1298,7 +1400,9 @@ void set_up(pybind11::dict rules) {
     const std::map<std::string, std::string> own = {{"forward", FORWARD_SIGNATURE},
                                                     {"backward", BACKWARD_SIGNATURE},
                                                     {"dropout_add", DROPOUT_ADD_SIGNATURE},
-                                                    {"sum3", SUM3_SIGNATURE}};
+                                                    {"sum3", SUM3_SIGNATURE},
+                                                    {"dropout_add_backward",
+                                                     DROPOUT_ADD_BACKWARD_SIGNATURE}};
     for (const auto& [name, signature] : own) {
         const auto found = signatures.find(name);
         TORCH_CHECK(found != signatures.end() && found->second == signature,
@@ -1338,6 +1442,7 @@ void set_up(pybind11::dict rules) {
     state.max_bytes = rules["max_bytes"].cast<int64_t>();
     state.seed_draw_high = rules["seed_draw_high"].cast<int64_t>();
     replace(&state.dropout_constants, rules["dropout_constants"]);
+    replace(&state.dropout_gradients, rules["dropout_gradients"]);
     state.layer_norm_eps = rules["layer_norm_eps"].cast<double>();
     forget_kernels();
     register_kernels();

@@ -29,9 +29,9 @@ autocast, forward AD); with a gradient it calls the op through the dispatcher, w
 one the CPU kernel's own function (without statistics). Any other call gets None and
 goes through Python. The kernels are the ones the Python path calls, so the bits are the
 same either way. Its ``fused`` is the front door of :func:`layernorm.fused_norm` in the
-same way, for the inference call with dropout or ``x1``: the seed drawn as Python draws
-it, the dropout-add's numba entry (:func:`layernorm.backends.numba_.entry_address`), the
-norm of ``h`` per weight set. Everything C++ needs to know (the Python kernels, the exact fallback,
+same way, for the call with dropout or ``x1``: the seed drawn as Python draws it, the
+dropout-add's numba entry (:func:`layernorm.backends.numba_.entry_address`) with a C++
+autograd node in ``EagerDropoutAdd``'s place, the norm of ``h`` per weight set. Everything C++ needs to know (the Python kernels, the exact fallback,
 the eps default, the kernel signatures, ``LAYERNORM_BACKEND``) is handed to it by
 :func:`_use` from its one home here in Python.
 
@@ -160,8 +160,8 @@ norm: Callable[..., tuple[torch.Tensor, torch.Tensor | None] | None] = _first_ca
 
 #: ``fused(...)``, the arguments of :func:`layernorm.fused_norm` in its order: ``(y, y1,
 #: residual_out, dropout_mask, dropout_mask1)`` when the extension runs the call (with
-#: dropout or ``x1``, no gradient, none of its other options: ``_compiled.cpp`` says
-#: which), else None
+#: dropout or ``x1`` and none of its other options: ``_compiled.cpp`` says which), else
+#: None
 fused: Callable[..., tuple[Any, ...] | None] = _first_fused_call
 
 
@@ -309,6 +309,7 @@ def _use(module: ModuleType) -> None:
             "row_block": numba_._kernels().ROW_BLOCK,
             "max_bytes": numba_.STREAM_BYTES,
             "dropout_constants": _dropout_constants,
+            "dropout_gradients": _dropout_gradients,
             "layer_norm_eps": _op.LAYER_NORM_EPS,
             "signatures": {name: _kernel_abi.signature(name) for name in _kernel_abi.KERNELS},
             "seed_draw_high": _philox.SEED_DRAW_HIGH,
@@ -336,6 +337,25 @@ def _dropout_constants(p: float) -> tuple[float, float]:
     from .backends import _philox
 
     return _philox.dropout_scale(p), _philox.threshold(p)
+
+
+def _dropout_gradients(
+    dh: torch.Tensor, seed: int, p: float, index: int, has_x1: bool, has_residual: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`layernorm.fused.gradients` for ``fused``'s autograd node where it hands a
+    backward back to Python (a graph of it, a mechanism): every input of
+    ``DTYPES[index]``, no rowscale, the automatic backend; ``dh`` and the gradients in the
+    input's shape (the formula's rows are its last dim)."""
+    from . import fused
+
+    dtype = DTYPES[index]
+    grads = fused.gradients(
+        dh.reshape(-1, dh.shape[-1]), None, torch.tensor(seed, dtype=torch.int64), p, "",
+        dtype, dtype if has_x1 else None, dtype if has_residual else None,
+    )  # fmt: skip
+    dx, dx1, dresidual = (None if g is None else g.reshape(dh.shape) for g in grads)
+    assert dx is not None
+    return dx, dx1, dresidual
 
 
 def _fix_forward_rows(

@@ -3,9 +3,11 @@ and a second weight set, the residual add and the norm, on every backend
 (docs/contract.md §2, "fused_norm"; the dropout-add's definition:
 :mod:`layernorm.backends._dropout_add`).
 
-The inference call with dropout or ``x1`` (tensors of ``x``'s dtype, none of the other
+The eager call with dropout or ``x1`` (tensors of ``x``'s dtype, none of the other
 options) goes whole to the C++ front door (:mod:`layernorm.compiled`'s ``fused``), which
-runs the steps below in C++, with their bits; every other call takes them in Python.
+runs the steps below in C++, with their bits and gradients (its autograd node calls
+:func:`gradients` where it does not compute them itself); every other call takes them in
+Python.
 
 Data flow: checks (all before any work) → the dropout-add ``h`` (the custom op
 ``layernorm::dropout_add``, one rounding into ``residual_dtype``) → the norm of ``h``
@@ -174,24 +176,42 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(output[1], output[2])
 
 
-def _backward(ctx, dh, _dmask0=None, _dmask1=None):
-    rowscale, seed = ctx.saved_tensors
+def gradients(
+    dh: Tensor,
+    rowscale: Tensor | None,
+    seed: Tensor,
+    p: float,
+    backend: str,
+    x0_dtype: torch.dtype,
+    x1_dtype: torch.dtype | None,
+    residual_dtype: torch.dtype | None,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The dropout-add's backward: ``(dx0, dx1, dresidual)`` of the inputs' dtypes (None
+    for an absent ``x1`` or residual), the formula of every autograd of the op (its own,
+    :class:`EagerDropoutAdd`'s, the compiled front door's node where it hands a call back)."""
     # dresidual = RN(dh) is dh itself in dh's dtype: passed on as torch's add does (no
     # copy), unless a double backward is recorded (create_graph: the grad mode is on),
     # whose d(dh) must be the one rounding of the backward op's transpose.
-    passed = ctx.residual_dtype == dh.dtype and not torch.is_grad_enabled()
+    passed = residual_dtype == dh.dtype and not torch.is_grad_enabled()
     dx0, dx1, dresidual = dropout_add_backward(
-        dh.contiguous(), rowscale, seed, ctx.p, ctx.x0_dtype, ctx.x1_dtype,
-        None if passed else ctx.residual_dtype, ctx.backend,
+        dh.contiguous(), rowscale, seed, p, x0_dtype, x1_dtype,
+        None if passed else residual_dtype, backend,
     )  # fmt: skip
     if passed:
         dresidual = dh
     return (
         dx0,
-        None if ctx.x1_dtype is None else dx1,
-        None if ctx.residual_dtype is None else dresidual,
-        None, None, None, None, None, None,
-    )  # fmt: skip
+        None if x1_dtype is None else dx1,
+        None if residual_dtype is None else dresidual,
+    )
+
+
+def _backward(ctx, dh, _dmask0=None, _dmask1=None):
+    rowscale, seed = ctx.saved_tensors
+    grads = gradients(
+        dh, rowscale, seed, ctx.p, ctx.backend, ctx.x0_dtype, ctx.x1_dtype, ctx.residual_dtype
+    )
+    return (*grads, None, None, None, None, None, None)
 
 
 dropout_add_op.register_autograd(_backward, setup_context=_setup_context)

@@ -18,7 +18,17 @@ This module imports nothing but the standard library: it can be read without num
 
 from __future__ import annotations
 
-__all__ = ["BACKWARD", "CTYPES", "DROPOUT_ADD", "FORWARD", "KERNELS", "SUM3", "names", "signature"]
+__all__ = [
+    "BACKWARD",
+    "CTYPES",
+    "DROPOUT_ADD",
+    "DROPOUT_ADD_BACKWARD",
+    "FORWARD",
+    "KERNELS",
+    "SUM3",
+    "names",
+    "signature",
+]
 
 #: the forward entry: rows ``i`` of x and residual start ``i * x_stride`` and
 #: ``i * residual_stride`` elements after their addresses; ``residual_out``, ``y`` are
@@ -141,7 +151,39 @@ SUM3: tuple[tuple[str, str], ...] = (
     ("row_hi", "i64"),
 )
 
-KERNELS = {"forward": FORWARD, "backward": BACKWARD, "dropout_add": DROPOUT_ADD, "sum3": SUM3}
+#: the dropout-add's backward (``_numba_dropout.entry("dropout_add_backward")``): rows
+#: ``row_lo .. row_hi - 1`` of ``dx0 = RN(dh·k0·s·rowscale)``, ``dx1 = RN(dh·k1·s)``
+#: (``has_x1``) and ``dresidual = RN(dh)`` (``has_residual``: a residual of another
+#: dtype than ``dh``'s; of the same one its gradient is ``dh`` itself), with
+#: :data:`DROPOUT_ADD`'s layout and key; the gradients are contiguous, each in the dtype of
+#: the entry.
+DROPOUT_ADD_BACKWARD: tuple[tuple[str, str], ...] = (
+    ("dh", "i64"),
+    ("dh_stride", "i64"),
+    ("rowscale", "i64"),
+    ("dx0", "i64"),
+    ("dx1", "i64"),
+    ("dresidual", "i64"),
+    ("m", "i64"),
+    ("n", "i64"),
+    ("k0", "i64"),
+    ("k1", "i64"),
+    ("p32", "f64"),
+    ("s", "f64"),
+    ("has_rowscale", "bool"),
+    ("has_x1", "bool"),
+    ("has_residual", "bool"),
+    ("row_lo", "i64"),
+    ("row_hi", "i64"),
+)
+
+KERNELS = {
+    "forward": FORWARD,
+    "backward": BACKWARD,
+    "dropout_add": DROPOUT_ADD,
+    "sum3": SUM3,
+    "dropout_add_backward": DROPOUT_ADD_BACKWARD,
+}
 #: the C type of each type name
 CTYPES = {"i64": "int64_t", "f64": "double", "bool": "bool"}
 

@@ -698,14 +698,15 @@ def _rows_size(m, stride, n):  # pragma: no cover - compiled
 
 
 def entry(name: str, storage_tag: np.ndarray):
-    """The C entry ``name`` of this module's forward for compiled callers: "dropout_add"
-    (:func:`_forward_rows`) or "sum3" (:func:`_sum3_rows`, :func:`_sum3_rows_single` for
-    16-bit terms, as :func:`_sum3` picks), on the arguments of
-    ``_kernel_abi.DROPOUT_ADD`` / ``SUM3`` (addresses, sizes, flags; one span of rows),
-    for ``x0``, ``x1``, ``residual`` and ``h`` all of ``storage_tag``'s dtype; compiled
-    now (or loaded from the on-disk cache). It calls the kernel :func:`dropout_add`
-    calls, with arrays of the types that one passes, so the bits are the same; the
-    address: ``_numba_kernels.address``."""
+    """The C entry ``name`` of this module's kernels for compiled callers: "dropout_add"
+    (:func:`_forward_rows`), "sum3" (:func:`_sum3_rows`, :func:`_sum3_rows_single` for
+    16-bit terms, as :func:`_sum3` picks) or "dropout_add_backward"
+    (:func:`_backward_rows`), on the arguments of ``_kernel_abi.DROPOUT_ADD`` / ``SUM3`` /
+    ``DROPOUT_ADD_BACKWARD`` (addresses, sizes, flags; one span of rows), every tensor but
+    the rowscale and the masks of ``storage_tag``'s dtype; compiled
+    now (or loaded from the on-disk cache). It calls the kernel :func:`dropout_add` (or
+    :func:`dropout_add_backward`) calls, with arrays of the types that one passes, so the
+    bits are the same; the address: ``_numba_kernels.address``."""
     from ._numba_kernels import _check_parameters, entry_type
 
     tag = storage_tag
@@ -728,6 +729,20 @@ def entry(name: str, storage_tag: np.ndarray):
             )  # fmt: skip
 
         run = dropout_add
+    elif name == "dropout_add_backward":
+
+        def dropout_add_backward(dh, dh_stride, rowscale, dx0, dx1, dresidual, m, n, k0, k1, p32, s, has_rowscale, has_x1, has_residual, row_lo, row_hi):  # fmt: skip  # pragma: no cover - compiled
+            _backward_rows(
+                view(dh, _rows_size(m, dh_stride, n), tag), dh_stride,
+                view(rowscale, m if has_rowscale else 0, _F64_TAG),
+                view(dx0, m * n, tag),
+                view(dx1, m * n if has_x1 else 0, tag),
+                view(dresidual, m * n if has_residual else 0, tag),
+                n, k0, k1, np.float32(p32), s, has_rowscale, has_x1, has_residual,
+                nearest, nearest, row_lo, row_hi,
+            )  # fmt: skip
+
+        run = dropout_add_backward
     elif name == "sum3" and tag.dtype in (np.int16, np.uint16):  # every term 16-bit
 
         def sum3(x0, x0_stride, x1, x1_stride, residual, residual_stride, h, m, n, row_lo, row_hi):  # fmt: skip  # pragma: no cover - compiled

@@ -133,7 +133,7 @@ def _scratch(size: int) -> tuple[np.ndarray, int]:
 ENTRIES = ("forward_serial", "forward_parallel", "backward_serial", "backward_parallel")
 #: the dropout-add's C entries (``_numba_dropout.entry``; all of one dtype), compiled on
 #: their first use, for compiled callers only (:func:`entry_address`)
-DROPOUT_ENTRIES = ("dropout_add", "sum3")
+DROPOUT_ENTRIES = ("dropout_add", "sum3", "dropout_add_backward")
 
 
 def _compiled(
