@@ -752,6 +752,8 @@ def test_fused_front_door_has_the_bits_of_fused_norm(
             if p == 0.0 and not second:
                 continue  # h = x + residual: add_*'s front door
             kw = {"rms": rms, "dropout_p": p, "return_dropout_mask": masks, "seed": seed}
+            if masks:  # (with the masks: the dtype options given as x's own, flash-attn's way)
+                kw["residual_dtype"] = kw["out_dtype"] = dtype
             if residual:
                 kw["residual"] = r
             if second:
@@ -885,6 +887,11 @@ def test_fused_front_door_leaves_other_calls_to_python(in_use, monkeypatch, pyth
         "generator": {"dropout_p": 0.2, "generator": torch.Generator().manual_seed(1)},
         "residual_dtype": {"dropout_p": 0.2, "residual_dtype": torch.float64},
         "out_dtype": {"dropout_p": 0.2, "out_dtype": torch.bfloat16},
+        "residual_dtype of the residual's": {
+            "dropout_p": 0.2,
+            "residual": r.double(),
+            "residual_dtype": torch.float64,
+        },
         "offset": {"dropout_p": 0.2, "offset": 1.0},
         "backend": {"dropout_p": 0.2, "backend": "numba"},
         "int p": {"x1": x1, "dropout_p": 0},

@@ -1222,8 +1222,9 @@ struct DropoutAddBackward : public torch::autograd::Node {
 // front door for the call with dropout or x1: plain contiguous CPU tensors of x's dtype
 // and shape (x1, residual) and plain (N,) parameters, an int or 1-tuple
 // normalized_shape, a float dropout_p in [0, 1), an int64 seed or None, a float or None
-// eps, bools rms and return_dropout_mask, none of the other options, and no mechanism
-// that would see the call (forward AD and the transforms are Python's). It runs what
+// eps, bools rms and return_dropout_mask, residual_dtype and out_dtype None or x's own,
+// offset 0.0, no rowscale, generator or backend, and no mechanism that would see the
+// call (forward AD and the transforms are Python's). It runs what
 // fused_norm runs, in its order: the seed drawn (one torch.randint of the default CPU
 // generator, fused.py's _seed_tensor), the numba backend's dropout-add entry on h (the
 // same kernel as _numba_dropout.dropout_add, in spans over the threads as _threads lends
@@ -1241,9 +1242,9 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     PyObject *x_object = args[0], *eps_object = args[4], *rms_object = args[5];
     PyObject *p_object = args[10], *seed_object = args[12], *offset_object = args[16];
     PyObject* masks_object = args[17];
-    // rowscale, generator, residual_dtype, out_dtype and backend are Python's; offset 0.0
+    // rowscale, generator and backend are Python's; offset 0.0
     if (state.resolve == nullptr || args[11] != Py_None || args[13] != Py_None ||
-        args[14] != Py_None || args[15] != Py_None || args[18] != Py_None ||
+        args[18] != Py_None ||
         !PyFloat_CheckExact(offset_object) || PyFloat_AS_DOUBLE(offset_object) != 0 ||
         !PyFloat_CheckExact(p_object) || !PyBool_Check(rms_object) ||
         !PyBool_Check(masks_object) ||
@@ -1264,7 +1265,12 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     const Tensor& x = THPVariable_Unpack(x_object);
     if (!(x.is_cpu() && x.dim() > 0 && x.size(-1) == n && x.is_contiguous())) Py_RETURN_NONE;
     const int d = dtype_index(x.scalar_type());
-    if (d < 0) Py_RETURN_NONE;
+    // residual_dtype and out_dtype: None or x's own (what None gives here)
+    auto none_or_x_dtype = [&x](PyObject* o) {
+        return o == Py_None ||
+               (THPDtype_Check(o) && reinterpret_cast<THPDtype*>(o)->scalar_type == x.scalar_type());
+    };
+    if (d < 0 || !none_or_x_dtype(args[14]) || !none_or_x_dtype(args[15])) Py_RETURN_NONE;
     Tensor residual, x1, weight, bias, weight1, bias1;
     if (!plain_like(args[6], x, &residual) || !plain_like(args[7], x, &x1) ||
         !plain_param(args[2], n, &weight) || !plain_param(args[3], n, &bias) ||
