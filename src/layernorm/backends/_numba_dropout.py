@@ -743,26 +743,20 @@ def entry(name: str, storage_tag: np.ndarray):
             )  # fmt: skip
 
         run = dropout_add_backward
-    elif name == "sum3" and tag.dtype in (np.int16, np.uint16):  # every term 16-bit
-
-        def sum3(x0, x0_stride, x1, x1_stride, residual, residual_stride, h, m, n, row_lo, row_hi):  # fmt: skip  # pragma: no cover - compiled
-            _sum3_rows_single(
-                view(x0, _rows_size(m, x0_stride, n), tag), x0_stride,
-                view(x1, _rows_size(m, x1_stride, n), tag), x1_stride,
-                view(residual, _rows_size(m, residual_stride, n), tag), residual_stride,
-                view(h, m * n, tag), n, nearest, row_lo, row_hi,
-            )  # fmt: skip
-
-        run = sum3
     elif name == "sum3":
+        single = tag.dtype in (np.int16, np.uint16)  # every term 16-bit: _sum3's choice
 
         def sum3(x0, x0_stride, x1, x1_stride, residual, residual_stride, h, m, n, row_lo, row_hi):  # fmt: skip  # pragma: no cover - compiled
-            _sum3_rows(
+            args = (
                 view(x0, _rows_size(m, x0_stride, n), tag), x0_stride,
                 view(x1, _rows_size(m, x1_stride, n), tag), x1_stride,
                 view(residual, _rows_size(m, residual_stride, n), tag), residual_stride,
                 view(h, m * n, tag), n, nearest, row_lo, row_hi,
             )  # fmt: skip
+            if single:
+                _sum3_rows_single(*args)
+            else:
+                _sum3_rows(*args)
 
         run = sum3
     else:
