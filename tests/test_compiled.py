@@ -565,10 +565,10 @@ def test_options_front_door_takes_out_dtype(in_use, monkeypatch, options_norm_ca
     """``out_dtype`` (with ``offset`` and ``out=`` too) through the C++ front door, bit for
     bit ``options.norm``'s (the fast paths off: for a narrower one the op
     ``layernorm::forward_to``), ``residual_out`` in the input's dtype: a narrower one
-    without a gradient (the kernels of that dtype pair), the input's own (the plain
-    call), a wider one without a residual (the input converted first). One asking for a
-    gradient while narrower, a wider one with a residual, and one with a casting mode
-    (norm's ValueError) are left to Python."""
+    (the kernels of that dtype pair; with a gradient recorded by the C++ node, every
+    gradient bitwise too), the input's own (the plain call), a wider one without a
+    residual (the input converted first). A wider one with a residual and one with a
+    casting mode (norm's ValueError) are left to Python."""
     from layernorm import ops, options
 
     seen = options_norm_calls
@@ -590,10 +590,11 @@ def test_options_front_door_takes_out_dtype(in_use, monkeypatch, options_norm_ca
                     if grad:
                         continue  # (torch's error: test_options_front_door_writes_out_...)
                 x_in = x.clone().requires_grad_(grad)
+                leaves = [x_in, *(p.clone().requires_grad_(grad) for p in params)]
                 del seen[:]
                 try:
                     got = getattr(layernorm, op)(
-                        *((x_in, r) if residual else (x_in,)), (n,), *params, **kw
+                        *((x_in, r) if residual else (x_in,)), (n,), *leaves[1:], **kw
                     )
                 except ValueError as error:  # casting_mode with out_dtype: Python's error
                     assert "does not combine with out_dtype" in str(error)
@@ -601,13 +602,18 @@ def test_options_front_door_takes_out_dtype(in_use, monkeypatch, options_norm_ca
                     continue
                 got = list(got) if residual else [got]
                 assert got[0].dtype == y_dtype and (not residual or got[1].dtype == dtype)
+                if grad:
+                    torch.manual_seed(1)
+                    loss = sum((o.double() * torch.randn(o.shape, dtype=torch.float64)).sum()
+                               for o in got)  # fmt: skip
+                    got += torch.autograd.grad(loss, leaves)
                 results.append(([_bits(g.detach()).clone() for g in got], not seen))
             if len(results) < 2:
                 continue
             (fast_out, fast_taken), (slow_out, _) = results
             case = (shape, y_dtype, extra, grad)
             wider = y_dtype != dtype and not narrower
-            takes = (narrower and not grad) or y_dtype == dtype or (wider and not residual)
+            takes = narrower or y_dtype == dtype or (wider and not residual)
             assert fast_taken == (takes and "casting_mode" not in extra), case
             for a, c in zip(fast_out, slow_out, strict=True):
                 assert torch.equal(a, c), case
@@ -655,7 +661,8 @@ def test_options_front_door_takes_the_norm_of_a_wider_residual_stream(
     """``add_*`` with the residual stream in a wider dtype (a float32 or float64 residual,
     or ``residual_dtype``): without a gradient, the norm of ``h`` (rounded into ``x``'s
     dtype, or ``out_dtype``, ``offset`` and ``out=`` too) through the C++ front door, bit
-    for bit ``options.norm``'s (the fast paths off); with one, Python's as before."""
+    for bit ``options.norm``'s (the fast paths off); with one too (the norm's y narrower
+    than h: recorded by the C++ node), every gradient bitwise."""
     from layernorm import ops
 
     seen = options_norm_calls
@@ -680,11 +687,17 @@ def test_options_front_door_takes_the_norm_of_a_wider_residual_stream(
                 del seen[:]
                 y, h = getattr(layernorm, op)(x_in, r_in, (n,), *params, **kw)
                 assert y.dtype == dtype and h.dtype == rdtype
+                got = [y, h]
+                if grad:
+                    torch.manual_seed(1)
+                    loss = sum((o.double() * torch.randn(o.shape, dtype=torch.float64)).sum()
+                               for o in got)  # fmt: skip
+                    got += torch.autograd.grad(loss, (x_in, r_in))
                 # options.norm runs the stream (once); again for its norm unless C++ did
-                results.append(([_bits(y.detach()).clone(), _bits(h.detach())], len(seen) == 1))
+                results.append(([_bits(g.detach()).clone() for g in got], len(seen) == 1))
             (fast_out, fast_taken), (slow_out, _) = results
             case = (shape, rdtype, extra, grad)
-            assert fast_taken == (not grad), case
+            assert fast_taken, case
             for a, c in zip(fast_out, slow_out, strict=True):
                 assert torch.equal(a, c), case
 

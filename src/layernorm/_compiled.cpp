@@ -28,8 +28,9 @@
 // kernel's own function, without statistics. Any other call gets None before any work.
 // norm(..., backend, offset, mode, out, residual_out, y_dtype) is the front door of
 // layernorm.options.call for the options `offset`, `casting_mode` "gemma" and "llama"
-// (mode 0, 1, 2), the preallocated outputs and a narrower `out_dtype` (y_dtype, without
-// a gradient: the kernels of that pair round into it, as layernorm::forward_to's): the
+// (mode 0, 1, 2), the preallocated outputs and a narrower `out_dtype` (y_dtype: the
+// kernels of that pair round into it, as layernorm::forward_to's; with a gradient
+// NormBackward records it, dy widened exactly to x's dtype as forward_to's backward): the
 // same torch operations around the same kernel call as options.norm (the gain, the llama
 // product), where their arithmetic is one IEEE operation (an offset that is a float32
 // value), with the kernels writing into `out` and `residual_out` (options.write_into's
@@ -664,20 +665,25 @@ Forward run_forward(const Tensor& x, const Tensor& residual, const Tensor& weigh
 // layernorm::forward on CPU; without a residual, residual_out is the schema's empty
 // tensor, or undefined where `schema_outputs` is false (record_forward's direct call,
 // which never reads it).
+// yd: y's dtype index when narrower than x's (the front door's forward_to calls, which
+// it makes only where the kernel runs them), else -1.
 Outputs forward_cpu_outputs(const Tensor& x, const OptionalTensor& residual,
                             const OptionalTensor& weight, const OptionalTensor& bias, double eps,
-                            bool rms, c10::string_view backend, bool schema_outputs) {
+                            bool rms, c10::string_view backend, bool schema_outputs,
+                            int yd = -1) {
     const Tensor r = value(residual), w = value(weight), b = value(bias);
     const int64_t n = x.dim() > 0 ? x.size(-1) : 0;
     int64_t kernel_address = -1;
     if ((!r.defined() || (r.sizes() == x.sizes() && r.scalar_type() == x.scalar_type() &&
                           kernel_rows_of(r, n > 0 ? r.numel() / n : 0, n))) &&
         kernel_ready_param(w, n) && kernel_ready_param(b, n))
-        kernel_address = entry_for(x, backend, FORWARD_SERIAL);
-    if (kernel_address < 0)
+        kernel_address = entry_for(x, backend, FORWARD_SERIAL, yd);
+    if (kernel_address < 0) {
+        TORCH_CHECK(yd < 0, "layernorm: forward_to's C++ call without its kernel");
         return call_python<Outputs>(state.python_forward, x, residual, weight, bias, eps, rms,
                                     std::string(backend));
-    Forward out = run_forward(x, r, w, b, eps, rms, true, kernel_address);
+    }
+    Forward out = run_forward(x, r, w, b, eps, rms, true, kernel_address, Tensor(), Tensor(), yd);
     // the schema has no optional outputs: an absent one is empty
     if (!r.defined() && schema_outputs) out.residual_out = empty({0}, x.scalar_type());
     return {out.y, out.residual_out, rms ? empty({0}, out.rstd.scalar_type()) : out.mean,
@@ -857,6 +863,8 @@ struct NormBackward : public torch::autograd::Node {
         };
         // an unused output's gradient is undefined: zeros for y, nothing for residual_out
         Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(zt);
+        // y in a narrower dtype (forward_to): widened exactly to z's, as _op._backward does
+        if (dy.scalar_type() != zt.scalar_type()) dy = as_dtype(dy, zt.scalar_type());
         Tensor dres;
         if (has_residual && grads.size() > 1 && grads[1].defined()) dres = grads[1];
         dy = rows(dy);
@@ -889,10 +897,12 @@ struct NormBackward : public torch::autograd::Node {
 
 // The forward recorded by autograd (when an input requires grad), its kernel run below
 // autograd by the dispatcher or, for the front door's call that no mechanism would see,
-// called directly (the CPU kernel the dispatcher would pick, without the lookups).
+// called directly (the CPU kernel the dispatcher would pick, without the lookups). yd:
+// y's dtype index when narrower than x's (layernorm::forward_to's values and autograd;
+// the front door's calls only, never dispatched), else -1.
 Outputs record_forward(const Tensor& x, const OptionalTensor& residual,
                        const OptionalTensor& weight, const OptionalTensor& bias, double eps,
-                       bool rms, c10::string_view backend, bool dispatch) {
+                       bool rms, c10::string_view backend, bool dispatch, int yd = -1) {
     using namespace torch::autograd;
     const bool grad = compute_requires_grad(x, residual, weight, bias);
     Outputs out;
@@ -900,7 +910,7 @@ Outputs record_forward(const Tensor& x, const OptionalTensor& residual,
         at::AutoDispatchBelowADInplaceOrView guard;  // (the kernel is below autograd)
         out = dispatch ? forward_op().call(x, residual, weight, bias, eps, rms, backend)
                        : forward_cpu_outputs(x, residual, weight, bias, eps, rms, backend,
-                                             false);
+                                             false, yd);
     }
     if (!grad) return out;
     auto& [y, residual_out, mean, rstd] = out;
@@ -1084,7 +1094,11 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
                           {&x, &residual, &weight, &bias, &out}, &residual_out_given))
             Py_RETURN_NONE;
     }
-    if (yd >= 0 && grad_asked()) Py_RETURN_NONE;  // forward_to's autograd is Python's
+    // forward_to with a gradient: recorded here where the kernel of the pair runs it and no
+    // profiler would look for the op
+    if (yd >= 0 && grad_asked() &&
+        (at::hasCallbacks() || entry_for(x, "", FORWARD_SERIAL, yd) < 0))
+        Py_RETURN_NONE;
     if (mechanism_active({&x, &residual, &weight, &bias, &out, &residual_out_given}))
         Py_RETURN_NONE;
     const bool rms = args[6] == Py_True;
@@ -1110,7 +1124,7 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
         };
         // (through the dispatcher when a profiler listens, so it sees layernorm::forward)
         Outputs out = record_forward(x, optional(residual), optional(weight), optional(bias),
-                                     eps, rms, "", at::hasCallbacks());
+                                     eps, rms, "", at::hasCallbacks(), yd);
         y = std::get<0>(out);
         if (residual.defined()) residual_out = std::get<1>(out);
     } else {
