@@ -231,7 +231,8 @@ def announce_compile(what: str) -> None:
     _announced = True
     _log.warning(
         "layernorm: compiling the numba kernels for %s (half a minute for a forward, once per "
-        "machine; %s). `layernorm build` compiles them all ahead of time.",
+        "machine; %s). `layernorm build` compiles every dtype's plain entries ahead of time "
+        "(an out_dtype's and the fused dropout's compile on first use).",
         what,
         location(),
     )

@@ -47,7 +47,8 @@ forward whose ``y`` has a narrower dtype than ``x`` (``out_dtype``: float32 from
 a 16-bit dtype from a wider or the other 16-bit one) has entries of its own per (x's
 dtype, y's dtype), compiled (or loaded) on their first use only, so the build and the
 same-dtype calls' cold start do not grow; the compiled front door asks for them
-(:func:`entry_address`) on their first use too. Where
+(:func:`entry_address`) on their first use too, as for the fused dropout-add's C entries
+(:data:`DROPOUT_ENTRIES`, whose Python path compiles its kernels on first use as well). Where
 the cache lives, and the lock that lets processes starting together share it:
 :mod:`layernorm.backends._numba_cache` (:func:`cache_location` says where).
 
