@@ -332,6 +332,10 @@ bool params_in_x_dtype(at::ScalarType x, at::ScalarType acc, const Tensor& w, co
 }
 
 Tensor value(const OptionalTensor& t) { return t.has_value() ? *t : Tensor(); }
+OptionalTensor as_optional(const Tensor& t) {
+    return t.defined() ? OptionalTensor(t) : OptionalTensor();
+}
+bool requires_grad(const Tensor& t) { return t.defined() && t.requires_grad(); }
 
 // A plain contiguous (N,) floating parameter, or absent.
 bool kernel_ready_param(const Tensor& p, int64_t n) {
@@ -1081,7 +1085,6 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     Tensor out, residual_out_given;  // preallocated outputs
     // whether autograd records a call on the arguments (as they are when it is asked)
     auto grad_asked = [&]() {
-        auto requires_grad = [](const Tensor& t) { return t.defined() && t.requires_grad(); };
         return torch::GradMode::is_enabled() &&
                (x.requires_grad() || requires_grad(residual) || requires_grad(weight) ||
                 requires_grad(bias));
@@ -1119,12 +1122,9 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     if (grad_asked()) {  // (of the kernel's arguments: a llama gain's is the product's)
         // the op's autograd kernel and CPU kernel, which the dispatcher would pick here
         // (no mechanism is active): autograd records NormBackward
-        auto optional = [](const Tensor& t) {
-            return t.defined() ? OptionalTensor(t) : OptionalTensor();
-        };
         // (through the dispatcher when a profiler listens, so it sees layernorm::forward)
-        Outputs out = record_forward(x, optional(residual), optional(weight), optional(bias),
-                                     eps, rms, "", at::hasCallbacks(), yd);
+        Outputs out = record_forward(x, as_optional(residual), as_optional(weight),
+                                     as_optional(bias), eps, rms, "", at::hasCallbacks(), yd);
         y = std::get<0>(out);
         if (residual.defined()) residual_out = std::get<1>(out);
     } else {
@@ -1196,9 +1196,9 @@ struct DropoutAddBackward : public torch::autograd::Node {
         variable_list out(3);
         const Tensor& dh = grads[0];
         if (!dh.defined()) return out;
-        const int64_t address = kernel(d, DROPOUT_ADD_BACKWARD);
+        const int64_t entry = kernel(d, DROPOUT_ADD_BACKWARD);
         Tensor dx, dx1;
-        if (torch::GradMode::is_enabled() || at::hasCallbacks() || address < 0 ||
+        if (torch::GradMode::is_enabled() || at::hasCallbacks() || entry < 0 ||
             !(dh.is_cpu() && dh.scalar_type() == state.dtypes[d] && dh.sizes() == sizes) ||
             mechanism_active({&dh})) {
             const auto [gx, gx1, gresidual] =
@@ -1213,12 +1213,9 @@ struct DropoutAddBackward : public torch::autograd::Node {
             dx = empty(g.sizes(), g.scalar_type());
             if (has_x1) dx1 = empty(g.sizes(), g.scalar_type());
             run_rows(m, n, [&](int64_t lo, int64_t hi) {
-                reinterpret_cast<DropoutAddBackwardKernel>(address)(
-                    reinterpret_cast<int64_t>(g.data_ptr()), n,
-                    reinterpret_cast<int64_t>(g.data_ptr()) /* rowscale: none */,
-                    reinterpret_cast<int64_t>(dx.data_ptr()),
-                    reinterpret_cast<int64_t>((has_x1 ? dx1 : dx).data_ptr()),
-                    reinterpret_cast<int64_t>(dx.data_ptr()) /* dresidual: dh itself */, m, n,
+                reinterpret_cast<DropoutAddBackwardKernel>(entry)(
+                    address(g), n, address(g) /* rowscale: none */, address(dx),
+                    address(has_x1 ? dx1 : dx), address(dx) /* dresidual: dh itself */, m, n,
                     k0, k1, p32, s, false, has_x1, false, lo, hi);
             });
             if (has_residual) out[2] = dh;  // (RN to dh's own dtype: dh, as Python passes it)
@@ -1301,7 +1298,6 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     if (!(eps >= 0)) Py_RETURN_NONE;
     if (mechanism_active({&x, &residual, &x1, &weight, &bias, &weight1, &bias1}))
         Py_RETURN_NONE;
-    auto requires_grad = [](const Tensor& t) { return t.defined() && t.requires_grad(); };
     const bool grad_mode = torch::GradMode::is_enabled();
     // whether autograd records the dropout-add (fused's _op.records_gradient(x, x1, residual))
     const bool record_h =
@@ -1369,13 +1365,9 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     // the norm of h per weight set: with a gradient the norm's front door records
     // NormBackward (record_forward), without one it runs the kernel alone
     auto norm_of_h = [&](const Tensor& w, const Tensor& b) {
-        if (grad_mode && (h.requires_grad() || requires_grad(w) || requires_grad(b))) {
-            auto optional = [](const Tensor& t) {
-                return t.defined() ? OptionalTensor(t) : OptionalTensor();
-            };
-            return std::get<0>(record_forward(h, OptionalTensor(), optional(w), optional(b), eps,
-                                              rms, "", at::hasCallbacks()));
-        }
+        if (grad_mode && (h.requires_grad() || requires_grad(w) || requires_grad(b)))
+            return std::get<0>(record_forward(h, OptionalTensor(), as_optional(w),
+                                              as_optional(b), eps, rms, "", at::hasCallbacks()));
         return run_forward(h, Tensor(), w, b, eps, rms, false, norm_address).y;
     };
     const Tensor y = norm_of_h(weight, bias);

@@ -148,7 +148,7 @@ def _front_door(
 ) -> tuple[Tensor, Tensor | None] | None:
     """The call in C++ (``layernorm.compiled``'s ``norm`` with the options) when its only
     options are ``offset``, a ``casting_mode`` of None, "gemma" or "llama", ``out``,
-    ``residual_out``, a narrower ``out_dtype`` (without a gradient), a wider one
+    ``residual_out``, a narrower ``out_dtype`` (with a gradient too), a wider one
     (without a residual or casting mode: the input converted to it first, as here) and
     ``memory_efficient`` alone without a gradient (the plain call, as
     :func:`layernorm.recompute.norm` makes it): the torch operations of :func:`norm` (the gain of
