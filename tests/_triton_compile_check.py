@@ -17,11 +17,29 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from layernorm.backends import triton_
+from layernorm.backends import _triton_dropout, triton_
 
 TARGET = GPUTarget("cuda", 90, 32)
+#: the kernels' scalar arguments that are not i32 (strides are i64 too)
+SCALARS = {"n_f": "fp32", "eps": "fp32", "p": "fp32", "eps_bits": "i64", "s_bits": "i64",
+           "seed": "i64"}  # fmt: skip
 MAX_STACK = 32  # bytes: a kernel may keep a few values on the stack
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def specialized_to_one(fn, pointers: dict[str, str], constexprs: dict) -> dict:
+    """``constexprs`` plus every integer argument as the constant 1, as a launch that
+    passes 1 (one row, one chunk, a unit stride) compiles it: Triton specializes an
+    integer equal to 1 to a constexpr unless the kernel lists it in ``do_not_specialize``,
+    and a method call on it (``M.to(tl.int64)``) then fails to compile."""
+    ones = dict(constexprs)
+    for param in fn.params:
+        name = param.name
+        if name in constexprs or name in pointers or SCALARS.get(name) == "fp32":
+            continue
+        if not param.do_not_specialize:
+            ones[name] = 1
+    return ones
 
 
 def compile_kernel(fn, pointers: dict[str, str], constexprs: dict, num_warps: int) -> str:
@@ -32,10 +50,8 @@ def compile_kernel(fn, pointers: dict[str, str], constexprs: dict, num_warps: in
             signature[name] = "constexpr"
         elif name.startswith("stride"):
             signature[name] = "i64"
-        elif name in ("n_f", "eps"):
-            signature[name] = "fp32"
-        elif name == "eps_bits":
-            signature[name] = "i64"
+        elif name in SCALARS:
+            signature[name] = SCALARS[name]
         else:
             signature[name] = pointers.get(name, "i32")
     names = list(signature)
@@ -153,10 +169,42 @@ def variants():
                 )
 
 
+def dropout_variants():
+    k = _triton_dropout._kernels()
+    p = {name: "*fp32" for name in ("X0", "X1", "RES", "RS", "H", "DH", "DX0", "DX1", "DRES")}
+    p.update({"M0": "*i1", "M1": "*i1"})
+    block = _triton_dropout.MAX_BLOCK
+    yield (
+        k.forward_kernel,
+        p,
+        {"HAS_X1": True, "HAS_RES": True, "HAS_RS": True, "WANT_MASKS": True,
+         "NEAREST": False, "BLOCK": block},
+        _triton_dropout.LAUNCH["num_warps"],
+    )  # fmt: skip
+    yield (
+        k.backward_kernel,
+        p,
+        {"HAS_RS": True, "HAS_X1": True, "HAS_RES": True, "NEAREST0": False,
+         "NEAREST1": False, "BLOCK": block},
+        _triton_dropout.LAUNCH["num_warps"],
+    )  # fmt: skip
+
+
 def main() -> int:
     assert not triton_._triton_interprets(), "run without TRITON_INTERPRET"
     failures = 0
-    for fn, pointers, constexprs, num_warps in variants():
+    seen = set()
+    for fn, pointers, constexprs, num_warps in (*variants(), *dropout_variants()):
+        if fn not in seen:  # each kernel once more, as a launch with M = 1 compiles it
+            seen.add(fn)
+            ones = specialized_to_one(fn, pointers, constexprs)
+            label = f"{fn.__name__} with {sorted(set(ones) - set(constexprs))} = 1"
+            try:
+                compile_kernel(fn, pointers, ones, num_warps)
+                print(f"ok {label}")
+            except Exception as error:
+                print(f"FAIL {label}: {type(error).__name__}: {str(error)[-300:]}")
+                failures += 1
         label = f"{fn.__name__} {pointers.get('X', '')} {constexprs} warps={num_warps}"
         try:
             usage = compile_kernel(fn, pointers, constexprs, num_warps)

@@ -1079,7 +1079,7 @@ def _backward_output(
     return _round_once(y, DTYPE), _max2d(open_.to(tl.int32)), c
 
 
-@triton.jit(do_not_specialize=["N"])
+@triton.jit(do_not_specialize=["M", "N"])
 def backward_sums_kernel(
     DY, Z, W, MEAN, PART,
     stride_dy, stride_z,
@@ -1104,7 +1104,7 @@ def backward_sums_kernel(
     tl.store(PART + 4 * plane + slot, sums[4])
 
 
-@triton.jit(do_not_specialize=["N", "eps_bits", "depth"])
+@triton.jit(do_not_specialize=["M", "N", "eps_bits", "depth"])
 def backward_kernel(
     DY, Z, W, MEAN, DRES, DX, DW_PART, DB_PART, PART, CHUNK_FLAGS, SCALARS, WEIGHT_FLAGS,
     stride_dy, stride_z, stride_dres, stride_dx,
@@ -1292,7 +1292,7 @@ def _precise_sums(
     return s_d, e_d, s_dd, e_dd, s_g, e_g, s_gd, e_gd
 
 
-@triton.jit(do_not_specialize=["N", "eps_bits", "depth"])
+@triton.jit(do_not_specialize=["M", "N", "eps_bits", "depth"])
 def backward_scalars_kernel(
     DY, Z, W, MEAN, PART, SCALARS, WEIGHT_FLAGS,
     stride_dy, stride_z,
@@ -1343,7 +1343,7 @@ def backward_scalars_kernel(
     tl.store(WEIGHT_FLAGS + row, w_open)
 
 
-@triton.jit(do_not_specialize=["N", "eps_bits", "depth"])
+@triton.jit(do_not_specialize=["M", "N", "eps_bits", "depth"])
 def backward_precise_kernel(
     DY, Z, W, MEAN, DRES, DX, PART, CHUNK_FLAGS, FLAGS,
     stride_dy, stride_z, stride_dres, stride_dx,
