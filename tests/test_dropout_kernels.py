@@ -448,6 +448,23 @@ def test_triton_forward_is_numbas_and_torchs(tdrop, dtype, p):
             assert_same_bits(a, b)
 
 
+def test_triton_keeps_the_sign_of_a_zero_rowscale(tdrop):
+    # x0·(-0.0)·s is a zero of x0's opposite sign, as numba and the oracle have it: the
+    # kernels widen the row's scale onto -0.0, IEEE's additive identity (on an H200,
+    # +0.0 + rowscale turned a -0.0 scale into +0.0: 198 h and 4500 dx0 zeros of the
+    # wrong sign in test_gpu_dropout_add_is_the_cpu_result)
+    x0 = torch.tensor([[1.0, -2.0, 0.0, -0.0, 3.0, -0.0]] * 4)
+    x1 = torch.tensor([[-0.0, 0.0, -0.0, -0.0, 1.0, 0.0]] * 4)
+    res = torch.tensor([[-0.0, -0.0, 0.0, -0.0, -0.0, -0.0]] * 4)
+    dh = torch.tensor([[1.5, -2.0, 0.0, -0.0, 2.0**-30, -7.0]] * 4)
+    rs = torch.tensor([-0.0, 0.0, -1.0, 2.0])
+    f32 = torch.float32
+    for p in (0.0, 0.5):
+        for args in ((x1, res), (None, res), (x1, None), (None, None)):
+            check_forward(x0, *args, rs, 5, p, f32, backend=tdrop.dropout_add)
+        check_backward(dh, rs, 5, p, f32, f32, f32, backend=tdrop.dropout_add_backward)
+
+
 def test_triton_special_values_midpoints_and_wider_residual(tdrop):
     inf, nan = math.inf, math.nan
     x0 = torch.tensor([[inf, -inf, nan, inf, 1.0, 2.0, -0.0, -0.0, 0.0, 1.0, 1.0, 1.0]] * 4)

@@ -152,7 +152,7 @@ def _store(PTR, where, v, inside, NEAREST: tl.constexpr):
         tl.store(PTR + where, _round_once(v, PTR.dtype.element_ty), mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_bits"])
 def forward_kernel(
     X0, X1, RES, RS, H, M0, M1,
     stride_x0, stride_x1, stride_res, n_cols, seed, p, s_bits,
@@ -167,11 +167,12 @@ def forward_kernel(
     s = s_bits.to(tl.int64).to(tl.float64, bitcast=True)
     keep0, keep1 = _keep_pair(seed, _dropout_offsets(row, cols, n_cols), p)
     zero = tl.zeros([BLOCK], dtype=tl.float64)
+    lanes = -zero  # IEEE's additive identity: lanes + v is v in every lane, -0.0 included
     x0 = _wide(tl.load(X0 + row * stride_x0 + cols, mask=inside, other=0.0))
     scale = tl.load(RS + row) if HAS_RS else 1.0
-    a, b = _two_prod(x0, zero + scale)
-    c0, c1 = _two_prod(a, zero + s)
-    c2, c3 = _two_prod(b, zero + s)
+    a, b = _two_prod(x0, lanes + scale)
+    c0, c1 = _two_prod(a, lanes + s)
+    c2, c3 = _two_prod(b, lanes + s)
     n0 = a * s
     c0 = tl.where(keep0, c0, 0.0)
     c1 = tl.where(keep0, c1, 0.0)
@@ -180,7 +181,7 @@ def forward_kernel(
     n0 = tl.where(keep0, n0, 0.0)
     if HAS_X1:
         x1 = _wide(tl.load(X1 + row * stride_x1 + cols, mask=inside, other=0.0))
-        c4, c5 = _two_prod(x1, zero + s)
+        c4, c5 = _two_prod(x1, lanes + s)
         c4 = tl.where(keep1, c4, 0.0)
         c5 = tl.where(keep1, c5, 0.0)
         n1 = c4
@@ -202,7 +203,7 @@ def forward_kernel(
             tl.store(M1 + where, keep1, mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_bits"])
 def backward_kernel(
     DH, RS, DX0, DX1, DRES, stride_dh, n_cols, seed, p, s_bits,
     HAS_RS: tl.constexpr, HAS_X1: tl.constexpr, HAS_RES: tl.constexpr,
@@ -215,11 +216,12 @@ def backward_kernel(
     s = s_bits.to(tl.int64).to(tl.float64, bitcast=True)
     keep0, keep1 = _keep_pair(seed, _dropout_offsets(row, cols, n_cols), p)
     zero = tl.zeros([BLOCK], dtype=tl.float64)
+    lanes = -zero  # IEEE's additive identity: lanes + v is v in every lane, -0.0 included
     g = _wide(tl.load(DH + row * stride_dh + cols, mask=inside, other=0.0))
     scale = tl.load(RS + row) if HAS_RS else 1.0
-    a, b = _two_prod(g, zero + scale)
-    c0, c1 = _two_prod(a, zero + s)
-    c2, c3 = _two_prod(b, zero + s)
+    a, b = _two_prod(g, lanes + scale)
+    c0, c1 = _two_prod(a, lanes + s)
+    c2, c3 = _two_prod(b, lanes + s)
     n0 = tl.where(keep0, a * s, 0.0)
     c0 = tl.where(keep0, c0, 0.0)
     c1 = tl.where(keep0, c1, 0.0)
@@ -229,7 +231,7 @@ def backward_kernel(
     t, u, rest = _scan(c0, c1, c2, c3, zero, zero, zero)
     _store(DX0, where, _finish(t, u, rest, n0, n0 == 0.0, NEAREST0), inside, NEAREST0)
     if HAS_X1:
-        c4, c5 = _two_prod(g, zero + s)
+        c4, c5 = _two_prod(g, lanes + s)
         c4 = tl.where(keep1, c4, 0.0)
         c5 = tl.where(keep1, c5, 0.0)
         t, u, rest = _scan(c4, c5, zero, zero, zero, zero, zero)
