@@ -16,10 +16,13 @@ bitwise the same alone or in any batch. The forward holds rows of at most
 :data:`FUSED_FORWARD_N` elements in one program and spreads wider rows (any width, tested
 past 1M elements) over chunks of :data:`CHUNK_N` columns. The backward holds rows of at
 most :data:`FUSED_BACKWARD_N` elements and chunks wider ones (:data:`BACKWARD_CHUNK_N`
-columns). These limits keep every kernel free of register spills on sm_90 (but 32 bytes
-of stack in the fused RMSNorm backward), as ``tests/_triton_compile_check.py`` checks on
-the compiled cubins without a GPU. They are module constants so that tests can shrink them, and untuned: the GPU
-benchmark (``benchmarks/gpu_bench.py --set NAME=INT``) is the judge. No autotuning.
+columns). These limits keep every kernel free of register spills on sm_90 with Triton 3.6
+and 3.9, as ``tests/_triton_compile_check.py`` checks on the compiled cubins without a
+GPU (Triton 3.6 spilled 152-160 bytes in the fused forward of 4096 columns and 40-72 in
+the fused backward of 1024, so the limits are half those). They are module constants so
+that tests can shrink them, and untuned beyond one measurement (benchmarks/RESULTS.md,
+"The triton backend on an H200"): ``benchmarks/gpu_bench.py --set NAME=INT`` is the
+judge. No autotuning.
 
 The forward is correctly rounded (docs/contract.md §3; the stages are in
 :mod:`layernorm.backends._triton_kernels`). It computes in float64 on every device; the
@@ -49,11 +52,12 @@ from . import _weight_terms, torch_
 from .torch_ import contiguous_rows, matrix
 
 #: rows of at most this many elements are held whole in one program's registers (forward;
-#: float64 arithmetic: 16 elements per thread at 8 warps, 254 registers, no spill on sm_90)
-FUSED_FORWARD_N = 1 << 12
-#: the backward's fused limit (float64, with stage 2 in the same program: 4 elements per
-#: thread at 8 warps, no spill on sm_90; 2048 spilled 32-56 bytes)
-FUSED_BACKWARD_N = 1 << 10
+#: float64 arithmetic: 8 elements per thread at 8 warps, 240 registers on sm_90; 4096 at
+#: 16 per thread spilled with Triton 3.6 and ran slower than the wide path on an H200)
+FUSED_FORWARD_N = 1 << 11
+#: the backward's fused limit (float64, with stage 2 in the same program: 2 elements per
+#: thread at 8 warps, no spill on sm_90; 1024 at 4 per thread spilled with Triton 3.6)
+FUSED_BACKWARD_N = 1 << 9
 #: the backward splits wider rows into chunks of this many columns (a power of two)
 BACKWARD_CHUNK_N = 1 << 11
 #: wider rows are split into chunks of this many columns (a power of two)
@@ -160,14 +164,16 @@ def _next_power_of_2(n: int) -> int:
 
 
 def _num_warps_forward(block: int) -> int:
-    # about 16 elements per thread in float64 (8 warps hold a 4096-element row or chunk)
-    return max(4, min(8, block // 512))
+    # about 8 elements per thread in float64 (8 warps hold a 2048-element row), 16 in a
+    # 4096-column chunk of the wide path
+    return max(4, min(8, block // 256))
 
 
 def _num_warps_backward(block: int) -> int:
-    # 4 elements per thread (8 in a chunk of 2048): the backward keeps z, dy, gamma, c,
-    # dweight, dbias, ... live in float64 (at 16 warps a thread gets 128 registers)
-    return max(4, min(8, block // 128))
+    # 2 elements per thread in a fused row of 512 (8 in a chunk of 2048): the backward
+    # keeps z, dy, gamma, c, dweight, dbias, ... live in float64 (at 16 warps a thread
+    # gets 128 registers)
+    return max(4, min(8, block // 64))
 
 
 def forward_path(n: int, dtype: torch.dtype) -> str:
