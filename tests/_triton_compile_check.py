@@ -173,21 +173,12 @@ def dropout_variants():
     k = _triton_dropout._kernels()
     p = {name: "*fp32" for name in ("X0", "X1", "RES", "RS", "H", "DH", "DX0", "DX1", "DRES")}
     p.update({"M0": "*i1", "M1": "*i1"})
-    block = _triton_dropout.MAX_BLOCK
-    yield (
-        k.forward_kernel,
-        p,
-        {"HAS_X1": True, "HAS_RES": True, "HAS_RS": True, "WANT_MASKS": True,
-         "NEAREST": False, "BLOCK": block},
-        _triton_dropout.LAUNCH["num_warps"],
-    )  # fmt: skip
-    yield (
-        k.backward_kernel,
-        p,
-        {"HAS_RS": True, "HAS_X1": True, "HAS_RES": True, "NEAREST0": False,
-         "NEAREST1": False, "BLOCK": block},
-        _triton_dropout.LAUNCH["num_warps"],
-    )  # fmt: skip
+    every = {"HAS_X1": True, "HAS_RES": True, "HAS_RS": True, "BLOCK": _triton_dropout.MAX_BLOCK}
+    for fn, own in (
+        (k.forward_kernel, {"WANT_MASKS": True, "NEAREST": False}),
+        (k.backward_kernel, {"NEAREST0": False, "NEAREST1": False}),
+    ):
+        yield fn, p, {**every, **own}, _triton_dropout.LAUNCH["num_warps"]
 
 
 def main() -> int:
