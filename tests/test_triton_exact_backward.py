@@ -20,6 +20,9 @@ plus numba's compile on a cold cache).
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -261,6 +264,26 @@ def test_only_open_rows_go_to_the_host(path, monkeypatch):
     dx = _dx("triton", dy, z, None, rho, 0.75, False)
     assert rewritten == [2]
     assert dx[1].tolist() == dx[3].tolist() == want
+
+
+def test_gpu_open_rows_counts_the_rows_each_stage_settles(path):
+    # benchmarks/gpu_open_rows.py (what a GPU session runs to see where the host's time
+    # goes) counts the kernels' flags: the two tie rows open, the random ones settled
+    spec = importlib.util.spec_from_file_location(
+        "gpu_open_rows", Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_open_rows.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    g = torch.Generator().manual_seed(26)
+    z, dy, _, rho = _random_batch(torch.float32, g, 4, path)
+    tie_z, tie_dy, tie_rho, _ = _tie_row(torch.float32, path)
+    for i in (1, 3):
+        z[i], dy[i], rho[i] = tie_z, tie_dy, tie_rho
+    counts = module.count_rows(z, dy, None, None, 0.75, False, rho)
+    assert counts["rows"] == 4 and counts["backward host (dx rows)"] == 2
+    assert counts["backward host (dweight scalars)"] == 0  # no weight: no scalars
+    random = module.count(torch.float32, 3, path, "cpu")
+    assert random["rows"] == 3 and random["forward host"] == random["backward host (dx rows)"] == 0
 
 
 def test_random_rows_reach_the_host_only_when_flagged(path, monkeypatch):

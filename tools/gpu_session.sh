@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One lent GPU, one call: versions, the test files that run the triton backend on the
-# device, then benchmarks/gpu_bench.py. Everything lands in $OUT (default /tmp/gpu-out).
+# device, the rows each stage settles (benchmarks/gpu_open_rows.py), then
+# benchmarks/gpu_bench.py. Everything lands in $OUT (default /tmp/gpu-out).
 #
 #   TESTS_S=220 BENCH_S=180 bash tools/gpu_session.sh
 #
@@ -37,6 +38,10 @@ timeout "$TESTS_S" python3 -m pytest -p no:cacheprovider -p no:benchmark -q -n 8
     --junitxml "$OUT/gpu-tests.xml" "${tests[@]}" >"$OUT/gpu-tests.txt" 2>&1
 echo "tests: rc $? in $(($(date +%s) - start)) s"
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.txt" | tail -40
+
+timeout 120 python3 benchmarks/gpu_open_rows.py >"$OUT/open_rows.md" 2>&1
+echo "open rows: rc $?"
+cat "$OUT/open_rows.md"
 
 [ "$BENCH_S" -gt 0 ] || exit 0
 start=$(date +%s)
