@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One lent GPU, one call: versions, the test files that run the triton backend on the
-# device, the rows each stage settles (benchmarks/gpu_open_rows.py), then
-# benchmarks/gpu_bench.py. Everything lands in $OUT (default /tmp/gpu-out).
+# device, the rows each stage settles (benchmarks/gpu_open_rows.py), the host time of a
+# wide float32 backward, then benchmarks/gpu_bench.py. Everything lands in $OUT (default
+# /tmp/gpu-out).
 #
 #   TESTS_S=220 BENCH_S=180 bash tools/gpu_session.sh
 #
@@ -42,6 +43,25 @@ grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.txt" | tail -40
 timeout 120 python3 benchmarks/gpu_open_rows.py >"$OUT/open_rows.md" 2>&1
 echo "open rows: rc $?"
 cat "$OUT/open_rows.md"
+
+# where the host time of a wide float32 backward goes (1.45 s per 3 calls on the H200,
+# benchmarks/RESULTS.md): Python's profile of one call after two warm-ups
+timeout 120 python3 - >"$OUT/host_time.txt" 2>&1 <<'PY'
+import cProfile, pstats, torch, layernorm
+n = 262144
+x = torch.randn(256, n, device="cuda", requires_grad=True)
+w = torch.ones(n, device="cuda", requires_grad=True)
+b = torch.zeros(n, device="cuda", requires_grad=True)
+dy = torch.randn_like(x)
+def call():
+    layernorm.layer_norm(x, (n,), w, b, backend="triton").backward(dy)
+    torch.cuda.synchronize()
+call(); call()
+cProfile.run("call()", "/tmp/host.prof")
+pstats.Stats("/tmp/host.prof").sort_stats("tottime").print_stats(25)
+PY
+echo "host time: rc $?"
+head -40 "$OUT/host_time.txt"
 
 [ "$BENCH_S" -gt 0 ] || exit 0
 start=$(date +%s)
