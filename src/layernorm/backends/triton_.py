@@ -18,11 +18,9 @@ past 1M elements) over chunks of :data:`CHUNK_N` columns. The backward holds row
 most :data:`FUSED_BACKWARD_N` elements and chunks wider ones (:data:`BACKWARD_CHUNK_N`
 columns). These limits keep every kernel free of register spills on sm_90 with Triton 3.6
 and 3.9, as ``tests/_triton_compile_check.py`` checks on the compiled cubins without a
-GPU (Triton 3.6 spilled 152-160 bytes in the fused forward of 4096 columns and 40-72 in
-the fused backward of 1024, so the limits are half those). They are module constants so
-that tests can shrink them, and untuned beyond one measurement (benchmarks/RESULTS.md,
-"The triton backend on an H200"): ``benchmarks/gpu_bench.py --set NAME=INT`` is the
-judge. No autotuning.
+GPU. They are module constants so that tests can shrink them, and untuned beyond one
+measurement (benchmarks/RESULTS.md, "The triton backend on an H200"):
+``benchmarks/gpu_bench.py --set NAME=INT`` is the judge. No autotuning.
 
 The forward is correctly rounded (docs/contract.md §3; the stages are in
 :mod:`layernorm.backends._triton_kernels`). It computes in float64 on every device; the
@@ -52,11 +50,10 @@ from . import _weight_terms, torch_
 from .torch_ import contiguous_rows, matrix
 
 #: rows of at most this many elements are held whole in one program's registers (forward;
-#: float64 arithmetic: 8 elements per thread at 8 warps, 240 registers on sm_90; 4096 at
-#: 16 per thread spilled with Triton 3.6 and ran slower than the wide path on an H200)
+#: float64 arithmetic: 8 elements per thread at 8 warps; 16, at 4096, spill with Triton 3.6)
 FUSED_FORWARD_N = 1 << 11
 #: the backward's fused limit (float64, with stage 2 in the same program: 2 elements per
-#: thread at 8 warps, no spill on sm_90; 1024 at 4 per thread spilled with Triton 3.6)
+#: thread at 8 warps; 4, at 1024, spill with Triton 3.6)
 FUSED_BACKWARD_N = 1 << 9
 #: the backward splits wider rows into chunks of this many columns (a power of two)
 BACKWARD_CHUNK_N = 1 << 11
