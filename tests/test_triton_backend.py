@@ -235,13 +235,18 @@ def test_strided_rows_are_read_in_place(path, dtype):
 
 
 def test_launch_configuration_depends_only_on_width_and_dtype():
-    assert triton_.forward_path(4096, torch.float32) == "fused"
-    assert triton_.forward_path(4097, torch.bfloat16) == "wide"
+    assert triton_.forward_path(2048, torch.float32) == "fused"
+    assert triton_.forward_path(2049, torch.bfloat16) == "wide"
     assert triton_._tile_shape(4096) == (64, 64)
     assert triton_._tile_shape(2048) == (32, 64)
     assert triton_._tile_shape(1) == (1, 1)
-    assert triton_.uses_fused_backward(1024, torch.bfloat16)
-    assert not triton_.uses_fused_backward(1025, torch.float32)
+    assert triton_.uses_fused_backward(512, torch.bfloat16)
+    assert not triton_.uses_fused_backward(513, torch.float32)
+    # float64 elements per thread (32 threads a warp): 8 in a fused forward row, 16 in a
+    # wide chunk, 2 in a fused backward row, 8 in a backward chunk
+    assert triton_._num_warps_forward(2048) == 8 and triton_._num_warps_forward(4096) == 8
+    assert triton_._num_warps_forward(1024) == 4
+    assert triton_._num_warps_backward(512) == 8 and triton_._num_warps_backward(2048) == 8
     # whole blocks of _weight_terms.ROWS (32) rows a program
     assert triton_._row_blocks(10, 1024, 1) == (1, 32)
     assert triton_._row_blocks(100_000, 1024, 1) == (3125, 32)
