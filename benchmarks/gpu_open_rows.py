@@ -17,7 +17,6 @@ Rows are N(3, 1) in the dtype, as gpu_bench.py's; ``dy`` N(0, 1), weight N(1, 0.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -25,9 +24,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-if os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
-    import triton  # noqa: F401  (imported with the variable set: its interpreter)
-
 from layernorm.backends import triton_
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
