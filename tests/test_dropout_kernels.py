@@ -137,7 +137,12 @@ def assert_same_bits(got: torch.Tensor | None, expected: torch.Tensor | None) ->
     nan = expected.isnan()
     assert torch.equal(got.isnan(), nan)
     bits = _BITS.get(got.dtype, torch.int16)
-    assert torch.equal(got[~nan].view(bits), expected[~nan].view(bits))
+    differ = got.isnan().logical_not() & nan.logical_not() & (got.view(bits) != expected.view(bits))
+    where = differ.nonzero()[:4].tolist()
+    assert not differ.any(), (
+        f"{int(differ.sum())} of {got.numel()} differ; first at {where}: got "
+        f"{[got[tuple(i)].item() for i in where]}, expected {[expected[tuple(i)].item() for i in where]}"
+    )
 
 
 def check_forward(x0, x1, res, rs, seed, p, rdtype, backend=None):

@@ -65,6 +65,7 @@ _dropout_offsets = _tphilox.dropout_offsets
 _round_once = _tkernels._round_once
 _two_sum = _tkernels._two_sum
 _two_prod = _tkernels._two_prod
+_neg = _tkernels._neg
 
 
 @triton.jit
@@ -167,7 +168,7 @@ def forward_kernel(
     s = s_bits.to(tl.int64).to(tl.float64, bitcast=True)
     keep0, keep1 = _keep_pair(seed, _dropout_offsets(row, cols, n_cols), p)
     zero = tl.zeros([BLOCK], dtype=tl.float64)
-    lanes = -zero  # IEEE's additive identity: lanes + v is v in every lane, -0.0 included
+    lanes = _neg(zero)  # IEEE's additive identity: lanes + v is v in every lane, -0.0 included
     x0 = _wide(tl.load(X0 + row * stride_x0 + cols, mask=inside, other=0.0))
     scale = tl.load(RS + row) if HAS_RS else 1.0
     a, b = _two_prod(x0, lanes + scale)
@@ -188,8 +189,8 @@ def forward_kernel(
     else:
         c4 = zero
         c5 = zero
-        n1 = -zero  # no term: IEEE's neutral zero, -0.0
-    r = -zero  # no residual: IEEE's neutral zero
+        n1 = _neg(zero)  # no term: IEEE's neutral zero, -0.0
+    r = _neg(zero)  # no residual: IEEE's neutral zero
     if HAS_RES:
         r = _wide(tl.load(RES + row * stride_res + cols, mask=inside, other=0.0))
     t, u, rest = _scan(c0, c1, c2, c3, c4, c5, r)
@@ -216,7 +217,7 @@ def backward_kernel(
     s = s_bits.to(tl.int64).to(tl.float64, bitcast=True)
     keep0, keep1 = _keep_pair(seed, _dropout_offsets(row, cols, n_cols), p)
     zero = tl.zeros([BLOCK], dtype=tl.float64)
-    lanes = -zero  # IEEE's additive identity: lanes + v is v in every lane, -0.0 included
+    lanes = _neg(zero)  # IEEE's additive identity: lanes + v is v in every lane, -0.0 included
     g = _wide(tl.load(DH + row * stride_dh + cols, mask=inside, other=0.0))
     scale = tl.load(RS + row) if HAS_RS else 1.0
     a, b = _two_prod(g, lanes + scale)

@@ -198,6 +198,13 @@ def _accurate(q_total, r_total, sigma, n, g):
 
 
 @triton.jit
+def _neg(x):
+    # IEEE negation (-0.0 from +0.0): Triton 3.6 and older compile ``-x`` as ``0 - x``,
+    # which is +0.0 at x = +0.0; every float negation in the kernels goes through here
+    return x * -1.0
+
+
+@triton.jit
 def _two_sum(a, b):
     # Knuth's TwoSum: t + e == a + b exactly
     t = a + b
@@ -209,7 +216,7 @@ def _two_sum(a, b):
 def _two_prod(a, b):
     # p + e == a·b exactly (no underflow): the error by an explicit fma
     p = a * b
-    return p, tl.fma(a, b, -p)
+    return p, tl.fma(a, b, _neg(p))
 
 
 @triton.jit
@@ -400,7 +407,7 @@ def forward_fused_kernel(
         if RMS:
             delta, var, e_mean, e_var, k_c = _precise_rms(z, mask, n, g)
         else:
-            d, rounding = _two_sum(z, -m1)
+            d, rounding = _two_sum(z, _neg(m1))
             d = tl.where(mask, d, 0.0)
             rounding = tl.where(mask, rounding, 0.0)
             big_d = _max2d(tl.abs(d))
@@ -608,7 +615,7 @@ def forward_precise_kernel(
             if RMS:
                 q, r = _split(z * z, sigma)
             else:
-                d, error = _two_sum(z, -m1)
+                d, error = _two_sum(z, _neg(m1))
                 d = tl.where(mask, d, 0.0)
                 q, r = _split(d, sigma)
                 rounding += _sum2d(tl.where(mask, error, 0.0))
@@ -737,7 +744,7 @@ _TINY = tl.constexpr(0x0170000000000000)  # 2^-1000's float64 pattern
 @triton.jit
 def _dd_difference(z, mask, a):
     # (h, l), h = fl(z - a) and h + l == z - a exactly, 0 past the row
-    h, l = _two_sum(z, -a)
+    h, l = _two_sum(z, _neg(a))
     return tl.where(mask, h, 0.0), tl.where(mask, l, 0.0)
 
 
@@ -761,7 +768,7 @@ def _dd_square_parts(z, mask, a, w_h, w_l, sigma, RMS: tl.constexpr):
         tau = tl.zeros_like(z)
     else:
         h, l = _dd_difference(z, mask, a)
-        p1, e1 = _two_sum(h, -w_h)
+        p1, e1 = _two_sum(h, _neg(w_h))
         d_h, d_l = _two_sum(p1, e1 + (l - w_l))
         d_h = tl.where(mask, d_h, 0.0)
         d_l = tl.where(mask, d_l, 0.0)
@@ -806,7 +813,7 @@ def _dd_mean(q_v, r_v, l_v, sigma, big, n, g):
     v_h, v_l = _two_sum(q_v, c)
     e_v = _C1_02 * (g * n * _U * sigma + g * _U * n * big + _U * tl.abs(c))
     w_h = v_h / n
-    w_l = (tl.fma(-w_h, n, v_h) + v_l) / n  # (the remainder is exact)
+    w_l = (tl.fma(_neg(w_h), n, v_h) + v_l) / n  # (the remainder is exact)
     mu = _C1_02 * (e_v / n + _C2_01 * _U * tl.abs(w_l))
     return v_h, v_l, e_v, w_h, w_l, mu
 
@@ -867,7 +874,7 @@ def _dd_verdict(v_h, v_l, e_v, w_h, s_h, s_l, e_s, n, RMS: tl.constexpr):
         ok = ok & (tl.abs(above) > _C1_01 * (error + moved))
         t = tl.where(above < 0.0, m_t + 0.5 * _QUANTUM, m_t - 0.5 * _QUANTUM)
         ok = ok & ((t == 0.0) | (tl.abs(v_h) > 2.0 * e_v))  # V's sign known
-        t = tl.where(t == 0.0, 0.0, tl.where(v_h < 0.0, -t, t))
+        t = tl.where(t == 0.0, 0.0, tl.where(v_h < 0.0, _neg(t), t))
     return r, t, 1 - ok.to(tl.int32)
 
 
