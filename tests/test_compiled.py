@@ -620,13 +620,12 @@ def test_options_front_door_takes_out_dtype(in_use, monkeypatch, options_norm_ca
 
 
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
-def test_options_front_door_takes_memory_efficient_without_a_gradient(
-    in_use, monkeypatch, options_norm_calls, op
-):
-    """``memory_efficient=True`` alone and without a gradient is the plain call (as
-    ``recompute.norm`` makes it): the front door runs it, bit for bit; with a gradient,
-    or with another option, Python's ``recompute`` (or its ValueError) as before."""
-    from layernorm import ops, recompute
+def test_options_front_door_takes_memory_efficient(in_use, monkeypatch, options_norm_calls, op):
+    """``memory_efficient=True`` alone: without a gradient the plain call (as
+    ``recompute.norm`` makes it), with one C++'s ``MemoryEfficientBackward`` node; the
+    front door runs both, bit for bit the Python path's; with another option, Python's
+    ``recompute`` (or its ValueError) as before."""
+    from layernorm import recompute
 
     seen = options_norm_calls
     x, w = torch.randn(2, 3, 50), torch.randn(50)
@@ -634,23 +633,107 @@ def test_options_front_door_takes_memory_efficient_without_a_gradient(
     for kw, grad, taken in [
         ({"memory_efficient": True}, False, True),
         ({"memory_efficient": False}, False, True),
-        ({"memory_efficient": True}, True, False),
+        ({"memory_efficient": True}, True, True),
         ({"memory_efficient": False, "offset": 1.0}, True, True),
         ({"memory_efficient": True, "out_dtype": torch.float64}, False, False),
+        ({"memory_efficient": True, "out_dtype": torch.float64}, True, False),
         ({"memory_efficient": 1}, False, False),
     ]:
         del seen[:]
         y = f(x.clone().requires_grad_(grad), 50, w, **kw)
         assert (not seen) == taken, kw
-        monkeypatch.setattr(ops, "FAST_PATHS", False)
+        monkeypatch.setattr(compiled, "norm", lambda *a: None)
         python = f(x.clone().requires_grad_(grad), 50, w, **kw)
-        monkeypatch.setattr(ops, "FAST_PATHS", True)
+        monkeypatch.setattr(compiled, "norm", in_use)
         assert torch.equal(_bits(y.detach()), _bits(python.detach())), kw
-        if grad and kw["memory_efficient"]:
-            assert "MemoryEfficientNorm" in type(y.grad_fn).__name__
+        if grad and kw["memory_efficient"] and taken:
+            assert y.grad_fn.name() == "layernorm::MemoryEfficientBackward"
+            assert python.grad_fn.name() == "MemoryEfficientNormBackward"
     with pytest.raises(ValueError, match="does not combine"):
         f(x, 50, w, memory_efficient=True, offset=1.0)
     assert recompute.applies(x.requires_grad_(), w, None)
+
+
+def _recorder(saved):
+    """A saved-tensors pack hook that keeps what autograd saves in ``saved``."""
+    return lambda t: saved.append(t) or t
+
+
+#: (shape, normalized_shape, whether the front door takes it)
+MEMORY_EFFICIENT_SHAPES = [
+    ((64,), 64, True), ((4, 64), 64, True), ((2, 3, 96), (96,), True),
+    ((2, 2, 3, 40), 40, True), ((1, 5), 5, True), ((300, 1024), 1024, True),
+    ((2, 3, 4, 16), (4, 16), False), ((0, 8), 8, False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_memory_efficient_node_is_python_s_bits(in_use, monkeypatch, dtype, op):
+    """With a gradient, ``memory_efficient=True`` through the front door (float32 and
+    bfloat16: C++'s ``MemoryEfficientBackward``, the numba entry of
+    ``_numba_recompute``; float16 and float64: Python's ``MemoryEfficientNorm``) gives the
+    Python path's output and gradients bit for bit, for every shape, with and without
+    the parameters, at 1 and 2 threads; it saves ``y``, not ``x``; an in-place change of
+    ``y`` makes the backward raise, as a saved output does; a backward that builds a
+    graph builds none (once differentiable), and a batched gradient (vmap over the
+    backward) runs the torch operations, as Python's does."""
+    f = getattr(layernorm, op)
+    node = "layernorm::MemoryEfficientBackward"
+    threads = torch.get_num_threads()
+    for (shape, nshape, takes), affine in itertools.product(MEMORY_EFFICIENT_SHAPES, (True, False)):
+        g = torch.Generator().manual_seed(len(shape) + shape[-1])
+        p_shape = (nshape,) if isinstance(nshape, int) else nshape
+        x = (torch.randn(shape, generator=g) * 2 + 0.5).to(dtype)
+        w = (torch.randn(p_shape, generator=g) + 2).to(dtype) if affine else None
+        b = torch.randn(p_shape, generator=g).to(dtype) if affine and op == "layer_norm" else None
+        dy = torch.randn(shape, generator=g).to(dtype)
+        results = []
+        for python, count in ((False, 2), (False, 1), (True, 1)):
+            torch.set_num_threads(count)
+            monkeypatch.setattr(compiled, "norm", (lambda *a: None) if python else in_use)
+            leaves = [t.clone().requires_grad_() for t in (x, w, b) if t is not None]
+            params = leaves[1:] + [None] * (3 - len(leaves))
+            saved: list[torch.Tensor] = []
+            with torch.autograd.graph.saved_tensors_hooks(_recorder(saved), lambda t: t):
+                if op == "layer_norm":
+                    y = f(leaves[0], nshape, params[0], params[1], memory_efficient=True)
+                else:
+                    y = f(leaves[0], nshape, params[0], memory_efficient=True)
+            monkeypatch.setattr(compiled, "norm", in_use)
+            torch.set_num_threads(threads)
+            name = y.grad_fn.name()
+            if x.numel():
+                assert not any(t.data_ptr() == leaves[0].data_ptr() for t in saved)
+                assert any(t.data_ptr() == y.data_ptr() for t in saved)
+            grads = torch.autograd.grad(y, leaves, dy)
+            results.append((name, [y.detach(), *grads]))
+        entry = dtype in (torch.float32, torch.bfloat16) and takes
+        assert results[0][0] == (node if entry else "MemoryEfficientNormBackward"), shape
+        assert results[2][0] == "MemoryEfficientNormBackward"
+        for got in (results[0][1], results[1][1]):
+            for a, e in zip(got, results[2][1], strict=True):
+                assert a.dtype == e.dtype and torch.equal(_bits(a), _bits(e)), (shape, affine)
+
+    x = torch.randn(3, 2, 40, dtype=dtype, requires_grad=True)
+    w = (torch.randn(40) + 2).to(dtype).requires_grad_()
+    dys = torch.randn(4, 3, 2, 40, dtype=dtype)
+    batched = []
+    for norm in ((lambda *a: None), in_use):  # Python's MemoryEfficientNorm, then C++'s
+        monkeypatch.setattr(compiled, "norm", norm)
+        y = f(x, 40, w, memory_efficient=True)
+        batched.append(torch.autograd.grad(y, (x, w), dys, retain_graph=True,
+                                           is_grads_batched=True))  # fmt: skip
+    assert y.grad_fn.name() == (node if dtype in (torch.float32, torch.bfloat16) else
+                                "MemoryEfficientNormBackward")  # fmt: skip
+    for a, e in zip(*batched, strict=True):
+        assert a.shape == e.shape and torch.equal(_bits(a), _bits(e))
+    (gx,) = torch.autograd.grad(y, x, dys[0], create_graph=True, retain_graph=True)
+    assert not gx.requires_grad
+    with torch.no_grad():
+        y.add_(1)
+    with pytest.raises(RuntimeError, match=r"modified by an inplace|modified inplace"):
+        torch.autograd.grad(y, x, dys[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
@@ -948,7 +1031,7 @@ def test_errors_are_python_s(in_use):
         layernorm.layer_norm(x, 4)
     with pytest.raises(ValueError, match="eps must be non-negative"):
         layernorm.layer_norm(x, 8, eps=-1.0)
-    with pytest.raises(TypeError, match="norm takes 8 or 13 arguments"):
+    with pytest.raises(TypeError, match="norm takes 8 or 14 arguments"):
         in_use(x)
 
 

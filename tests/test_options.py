@@ -770,8 +770,11 @@ def test_memory_efficient_dx_is_within_its_stated_bound(
     assert torch.equal(y, (layernorm.rms_norm(x, nshape, w) if rms else
                            layernorm.layer_norm(x, nshape, w, b)))  # fmt: skip
     leaves = [t for t in (x, w, b) if t is not None]
+    # the numba kernel: called by Python's MemoryEfficientNorm, or as its C entry by the
+    # compiled front door's node (the same bits: tests/test_compiled.py)
+    entry = y.grad_fn.name() == "layernorm::MemoryEfficientBackward"
     grads = torch.autograd.grad(y, leaves, dy)
-    assert len(kernel_calls) == (backend is None)
+    assert (len(kernel_calls) == 1 or entry) == (backend is None)
 
     n = int(np.prod(nshape))
     z = _np(x).reshape(-1, n)

@@ -26,9 +26,11 @@
 // answers (y, residual_out) itself: with a gradient
 // by the op's autograd kernel (so autograd records NormBackward), without one by the CPU
 // kernel's own function, without statistics. Any other call gets None before any work.
-// norm(..., backend, offset, mode, out, residual_out, y_dtype) is the front door of
-// layernorm.options.call for the options `offset`, `casting_mode` "gemma" and "llama"
-// (mode 0, 1, 2), the preallocated outputs and a narrower `out_dtype` (y_dtype: the
+// norm(..., backend, offset, mode, out, residual_out, y_dtype, memory_efficient) is the
+// front door of layernorm.options.call for the options `offset`, `casting_mode` "gemma"
+// and "llama" (mode 0, 1, 2), `memory_efficient` alone (with a gradient: a
+// MemoryEfficientBackward node in the place of Python's MemoryEfficientNorm; without one
+// the plain call), the preallocated outputs and a narrower `out_dtype` (y_dtype: the
 // kernels of that pair round into it, as layernorm::forward_to's; with a gradient
 // NormBackward records it, dy widened exactly to x's dtype as forward_to's backward): the
 // same torch operations around the same kernel call as options.norm (the gain, the llama
@@ -143,6 +145,19 @@ const char* const DROPOUT_ADD_BACKWARD_SIGNATURE =
     "k1:i64,p32:f64,s:f64,has_rowscale:bool,has_x1:bool,has_residual:bool,row_lo:i64,"
     "row_hi:i64";
 
+// The memory-efficient backward's entry (layernorm.backends._numba_recompute.entry):
+// rows [row_lo, row_hi) (whole blocks of recompute_block rows) of dx and their blocks'
+// float64 partial sums, from dy, the saved output y, gamma and beta (float64) and rstd
+// (float32); dy, y and dx in the entry's dtype.
+using MemoryEfficientBackwardKernel = void (*)(int64_t dy, int64_t dy_stride, int64_t y,
+                                               int64_t gamma, int64_t beta, int64_t rstd,
+                                               int64_t dx, int64_t dw_part, int64_t db_part,
+                                               int64_t m, int64_t n, bool rms, bool need_dw,
+                                               bool need_db, int64_t row_lo, int64_t row_hi);
+const char* const MEMORY_EFFICIENT_BACKWARD_SIGNATURE =
+    "dy:i64,dy_stride:i64,y:i64,gamma:i64,beta:i64,rstd:i64,dx:i64,dw_part:i64,db_part:i64,"
+    "m:i64,n:i64,rms:bool,need_dw:bool,need_db:bool,row_lo:i64,row_hi:i64";
+
 // (the *_parallel entries run one span of a call's rows: see run_spans)
 enum Entry {
     FORWARD_SERIAL,
@@ -153,11 +168,13 @@ enum Entry {
     DROPOUT_ADD,
     SUM3,
     DROPOUT_ADD_BACKWARD,
+    MEMORY_EFFICIENT_BACKWARD,
     ENTRIES
 };
 const char* const ENTRY_NAMES[] = {"forward_serial",    "forward_parallel", "backward_serial",
                                    "backward_parallel", "column_sums",      "dropout_add",
-                                   "sum3",              "dropout_add_backward"};
+                                   "sum3",              "dropout_add_backward",
+                                   "memory_efficient_backward"};
 using ColumnSums = void (*)(int64_t partial, int64_t blocks, int64_t n, int64_t out);
 constexpr int DTYPES = 4;  // the kernels' input dtypes, in compiled.DTYPES' order
 
@@ -182,6 +199,8 @@ struct State {
     PyObject* dropout_constants = nullptr;  // compiled._dropout_constants: p -> (s, p32)
     PyObject* dropout_gradients = nullptr;  // compiled._dropout_gradients: Python's backward
     double layer_norm_eps = 0;              // _op.LAYER_NORM_EPS: fused_norm's eps=None
+    PyObject* memory_efficient_gradients = nullptr;  // recompute.gradients: torch's ops
+    int64_t recompute_block = 0;  // _numba_recompute.BLOCK: rows per partial-sum block
     int64_t kernels[DTYPES][ENTRIES] = {};  // C addresses: 0 not asked yet, -1 none
     // the forward entries (serial, parallel) whose y has a narrower dtype, by x's and y's
     int64_t narrow_kernels[DTYPES][DTYPES][2] = {};
@@ -950,6 +969,141 @@ Outputs forward_autograd(const Tensor& x, const OptionalTensor& residual,
     return record_forward(x, residual, weight, bias, eps, rms, backend, true);
 }
 
+// The autograd of the front door's memory_efficient=True call, in the place of
+// layernorm.recompute's MemoryEfficientNorm: it saves y (an output), the parameters and
+// rstd, not x. Its inputs are (x, weight, bias), an absent one without an edge. The
+// backward is the numba entry of backends._numba_recompute (the kernel that
+// _numba_recompute.backward runs, over the same blocks of rows, their partials added by
+// the column_sums entry as there: the same bits), or recompute.gradients' torch
+// operations where a mechanism would see it or the entry was not built for it. Once
+// differentiable, as MemoryEfficientNorm: a backward that builds a graph computes
+// without one.
+struct MemoryEfficientBackward : public torch::autograd::Node {
+    torch::autograd::SavedVariable y, weight, bias, rstd;
+    bool rms = false;
+    int d = 0;  // x's dtype index
+    at::ScalarType weight_dtype = at::kFloat, bias_dtype = at::kFloat;
+
+    std::string name() const override { return "layernorm::MemoryEfficientBackward"; }
+
+    void release_variables() override {
+        y.reset_data();
+        weight.reset_data();
+        bias.reset_data();
+        rstd.reset_data();
+    }
+
+    variable_list apply(variable_list&& grads) override {
+        const Tensor yt = y.unpack(getptr()), w = weight.unpack(), b = bias.unpack(),
+                     r = rstd.unpack();
+        const bool need_x = task_should_compute_output(0);
+        const bool need_dweight = w.defined() && task_should_compute_output(1);
+        const bool need_dbias = b.defined() && task_should_compute_output(2);
+        variable_list out(3);
+        if (!(need_x || need_dweight || need_dbias)) return out;
+        torch::NoGradGuard once_differentiable;
+        const Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(yt);
+        const int64_t n = yt.size(-1), m = yt.numel() / n;
+        const int64_t entry = kernel(d, MEMORY_EFFICIENT_BACKWARD);
+        const int64_t sums = kernel(d, COLUMN_SUMS);
+        Tensor dx, dweight, dbias;
+        const bool python = entry < 0 || sums < 0 || at::hasCallbacks() ||
+                            !(dy.is_cpu() && dy.scalar_type() == yt.scalar_type() &&
+                              dy.sizes() == yt.sizes()) ||
+                            mechanism_active({&dy});
+        if (python) {
+            const auto [gx, gw, gb] =
+                call_python<std::tuple<OptionalTensor, OptionalTensor, OptionalTensor>>(
+                    state.memory_efficient_gradients, dy, yt, as_optional(w), as_optional(b), r,
+                    n, rms, need_x, need_dweight, need_dbias);
+            dx = value(gx);
+            dweight = value(gw);
+            dbias = value(gb);
+        } else {
+            const Tensor g = dy.contiguous();
+            dx = empty(yt.sizes(), yt.scalar_type());
+            const int64_t block = state.recompute_block, blocks = (m + block - 1) / block;
+            // the partials of dweight and dbias, zeros (one double when not wanted)
+            const int64_t stretch = need_dweight || need_dbias ? blocks * n : 1;
+            const Tensor part = empty({2 * stretch}, at::kDouble);
+            std::fill_n(part.data_ptr<double>(), 2 * stretch, 0.0);
+            const int64_t dw_part = address(part), db_part = dw_part + stretch * 8;
+            const Tensor gamma = w.defined() ? converted(w, at::kDouble)
+                                             : constant(n, at::kDouble, 1.0);
+            const Tensor beta = b.defined() ? converted(b, at::kDouble)
+                                            : constant(n, at::kDouble, 0.0);
+            auto rows = [&](int64_t start, int64_t stop) {  // blocks [start, stop)
+                reinterpret_cast<MemoryEfficientBackwardKernel>(entry)(
+                    address(g), n, address(yt), address(gamma), address(beta), address(r),
+                    address(dx), dw_part, db_part, m, n, rms, need_dweight, need_dbias,
+                    start * block, std::min(m, stop * block));
+            };
+            int64_t lent = 0;
+            const Ranges ranges = span_ranges(blocks, block * n, &lent);
+            if (ranges.empty())
+                rows(0, blocks);
+            else
+                run_spans(ranges, lent, rows);
+            for (auto [need, partial, sum] :
+                 {std::make_tuple(need_dweight, dw_part, &dweight),
+                  std::make_tuple(need_dbias, db_part, &dbias)}) {
+                if (!need) continue;
+                *sum = empty({n}, at::kFloat);
+                reinterpret_cast<ColumnSums>(sums)(partial, blocks, n, address(*sum));
+            }
+        }
+        // (the torch operations' sums may be a mechanism's tensors: converted by .to)
+        auto in_dtype = [python](const Tensor& t, at::ScalarType dtype) {
+            return python ? t.to(dtype) : as_dtype(t, dtype);
+        };
+        if (need_x) out[0] = dx;
+        if (need_dweight) out[1] = in_dtype(dweight, weight_dtype);
+        if (need_dbias) out[2] = in_dtype(dbias, bias_dtype);
+        return out;
+    }
+};
+
+// Whether a plain contiguous floating tensor (or an undefined one) holds no zero (NaN is
+// not one): recompute.applies' test of gamma, without the dispatcher.
+bool no_zero(const Tensor& t) {
+    if (!t.defined()) return true;
+    bool none = true;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "no_zero", [&] {
+        const scalar_t* p = t.const_data_ptr<scalar_t>();
+        for (int64_t i = 0, k = t.numel(); i < k; ++i) none &= static_cast<double>(p[i]) != 0.0;
+    });
+    return none;
+}
+
+// The front door's memory_efficient=True call with a gradient: the forward kernel (its
+// statistics kept), recorded by a MemoryEfficientBackward node; an undefined y where the
+// entries are not there to run it (the Python path then runs the call).
+Tensor record_memory_efficient(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                               double eps, bool rms) {
+    const int d = dtype_index(x.scalar_type());
+    const int64_t forward_address = entry_for(x, "", FORWARD_SERIAL);
+    if (forward_address < 0 || kernel(d, MEMORY_EFFICIENT_BACKWARD) < 0 ||
+        kernel(d, COLUMN_SUMS) < 0)
+        return Tensor();
+    Forward forward;
+    {
+        at::AutoDispatchBelowADInplaceOrView guard;
+        forward = run_forward(x, Tensor(), weight, bias, eps, rms, true, forward_address);
+    }
+    auto node = c10::make_intrusive<MemoryEfficientBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(x, weight, bias));
+    node->rms = rms;
+    node->d = d;
+    if (weight.defined()) node->weight_dtype = weight.scalar_type();
+    if (bias.defined()) node->bias_dtype = bias.scalar_type();
+    torch::autograd::set_history(forward.y, node);
+    node->y = torch::autograd::SavedVariable(forward.y, true);
+    if (weight.defined()) node->weight = torch::autograd::SavedVariable(weight, false);
+    if (bias.defined()) node->bias = torch::autograd::SavedVariable(bias, false);
+    node->rstd = torch::autograd::SavedVariable(forward.rstd, false);
+    return forward.y;
+}
+
 // n when normalized_shape is an int, or a tuple (torch.Size too) or list of one int
 // (exactly an int: not a bool, a SymInt or a tracer's proxy).
 int64_t last_dim(PyObject* shape) {
@@ -1039,13 +1193,13 @@ bool writable_out(PyObject* o, const Tensor& x, at::ScalarType dtype,
 
 PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     HANDLE_TH_ERRORS
-    if (nargs != 8 && nargs != 13) {
-        PyErr_SetString(PyExc_TypeError, "norm takes 8 or 13 arguments");
+    if (nargs != 8 && nargs != 14) {
+        PyErr_SetString(PyExc_TypeError, "norm takes 8 or 14 arguments");
         return nullptr;
     }
     double offset = 0;
     long mode = ONE_ROUNDING;
-    if (nargs == 13) {  // the options' front door: a float32 value and a known mode
+    if (nargs == 14) {  // the options' front door: a float32 value and a known mode
         if (!PyFloat_CheckExact(args[8]) || !PyLong_CheckExact(args[9])) Py_RETURN_NONE;
         offset = PyFloat_AS_DOUBLE(args[8]);
         mode = PyLong_AsLong(args[9]);
@@ -1053,10 +1207,12 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
             (mode != ONE_ROUNDING && args[6] != Py_True))
             Py_RETURN_NONE;
     }
-    PyObject* out_object = nargs == 13 ? args[10] : Py_None;
-    PyObject* residual_out_object = nargs == 13 ? args[11] : Py_None;
+    PyObject* out_object = nargs == 14 ? args[10] : Py_None;
+    PyObject* residual_out_object = nargs == 14 ? args[11] : Py_None;
     // y's dtype when narrower than x's (options._front_door says so), else None
-    PyObject* y_dtype_object = nargs == 13 ? args[12] : Py_None;
+    PyObject* y_dtype_object = nargs == 14 ? args[12] : Py_None;
+    // memory_efficient=True, alone (options._front_door says so)
+    const bool memory_efficient = nargs == 14 && args[13] == Py_True;
     if (y_dtype_object != Py_None && (!THPDtype_Check(y_dtype_object) || mode != ONE_ROUNDING))
         Py_RETURN_NONE;
     PyObject *x_object = args[0], *residual_object = args[1], *eps_object = args[5];
@@ -1119,7 +1275,13 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
         weight = gain_of(weight, acc, offset);
     }
     Tensor y, residual_out;
-    if (grad_asked()) {  // (of the kernel's arguments: a llama gain's is the product's)
+    if (memory_efficient && grad_asked() && no_zero(weight)) {  // (recompute.applies)
+        if (mode != ONE_ROUNDING || offset != 0 || residual.defined() || yd >= 0 ||
+            out.defined() || residual_out_given.defined() || at::hasCallbacks())
+            Py_RETURN_NONE;  // (options.norm raises, or Python's recompute runs it)
+        y = record_memory_efficient(x, weight, bias, eps, rms);
+        if (!y.defined()) Py_RETURN_NONE;
+    } else if (grad_asked()) {  // (of the kernel's arguments: a llama gain's is the product's)
         // the op's autograd kernel and CPU kernel, which the dispatcher would pick here
         // (no mechanism is active): autograd records NormBackward
         // (through the dispatcher when a profiler listens, so it sees layernorm::forward)
@@ -1414,7 +1576,9 @@ void set_up(pybind11::dict rules) {
                                                     {"dropout_add", DROPOUT_ADD_SIGNATURE},
                                                     {"sum3", SUM3_SIGNATURE},
                                                     {"dropout_add_backward",
-                                                     DROPOUT_ADD_BACKWARD_SIGNATURE}};
+                                                     DROPOUT_ADD_BACKWARD_SIGNATURE},
+                                                    {"memory_efficient_backward",
+                                                     MEMORY_EFFICIENT_BACKWARD_SIGNATURE}};
     for (const auto& [name, signature] : own) {
         const auto found = signatures.find(name);
         TORCH_CHECK(found != signatures.end() && found->second == signature,
@@ -1456,6 +1620,8 @@ void set_up(pybind11::dict rules) {
     replace(&state.dropout_constants, rules["dropout_constants"]);
     replace(&state.dropout_gradients, rules["dropout_gradients"]);
     state.layer_norm_eps = rules["layer_norm_eps"].cast<double>();
+    replace(&state.memory_efficient_gradients, rules["memory_efficient_gradients"]);
+    state.recompute_block = rules["recompute_block"].cast<int64_t>();
     forget_kernels();
     register_kernels();
 }

@@ -282,8 +282,8 @@ def _load() -> ModuleType | None:
 
 def _use(module: ModuleType) -> None:
     global _extension, _reason, norm, fused
-    from . import _op, backends
-    from .backends import _kernel_abi, _philox, _threads, numba_
+    from . import _op, backends, recompute
+    from .backends import _kernel_abi, _numba_recompute, _philox, _threads, numba_
     from .backends.torch_ import accumulation_dtype
 
     # Everything the C++ part needs to know is handed over here, from its one home.
@@ -311,6 +311,8 @@ def _use(module: ModuleType) -> None:
             "dropout_constants": _dropout_constants,
             "dropout_gradients": _dropout_gradients,
             "layer_norm_eps": _op.LAYER_NORM_EPS,
+            "memory_efficient_gradients": recompute.gradients,
+            "recompute_block": _numba_recompute.BLOCK,
             "signatures": {name: _kernel_abi.signature(name) for name in _kernel_abi.KERNELS},
             "seed_draw_high": _philox.SEED_DRAW_HIGH,
             "default_eps": [_op.default_eps(dtype) for dtype in DTYPES],
@@ -407,6 +409,11 @@ def _resolve(index: int, name: str, y_index: int | None = None) -> int | None:
     module = backends.pick(torch.empty(0, dtype=dtype))
     if module.__name__ != backends.BACKENDS["numba"]:
         return None
+    if name == "memory_efficient_backward":
+        from .backends import _numba_recompute
+
+        if dtype not in _numba_recompute.ENTRY_DTYPES:
+            return None
     y_dtype = None if y_index is None else DTYPES[y_index]
     return module.entry_address(dtype, name, y_dtype)  # type: ignore[no-any-return]
 

@@ -150,8 +150,9 @@ def _front_door(
     options are ``offset``, a ``casting_mode`` of None, "gemma" or "llama", ``out``,
     ``residual_out``, a narrower ``out_dtype`` (with a gradient too), a wider one
     (without a residual or casting mode: the input converted to it first, as here) and
-    ``memory_efficient`` alone without a gradient (the plain call, as
-    :func:`layernorm.recompute.norm` makes it): the torch operations of :func:`norm` (the gain of
+    ``memory_efficient`` alone (without a gradient the plain call, as
+    :func:`layernorm.recompute.norm` makes it; with one, C++'s autograd node in the place
+    of ``recompute.MemoryEfficientNorm``, the same bits): the torch operations of :func:`norm` (the gain of
     :func:`offset_gain` or :func:`cast_rms_norm`, the llama product) around the same
     kernel call, where each is one IEEE operation (an offset that is a float32 value, and
     for the one rounding and "gemma" a weight of float32 values or a float64
@@ -167,10 +168,8 @@ def _front_door(
     if not (mode is None or type(mode) is str) or mode not in _FRONT_DOOR_MODES:
         return None
     memory_efficient = options.get("memory_efficient", False)
-    if memory_efficient is not False and (  # alone, and without a gradient: the plain call
-        memory_efficient is not True or len(options) > 1 or _op.records_gradient(x, weight, bias)
-    ):
-        return None
+    if memory_efficient is not False and (memory_efficient is not True or len(options) > 1):
+        return None  # (alone: without a gradient the plain call, with one C++'s node)
     y_dtype = options.get("out_dtype")
     if y_dtype is not None and mode is not None:  # norm's ValueError
         return None
@@ -190,7 +189,7 @@ def _front_door(
     return _compiled.norm(
         x, residual, normalized_shape, weight, bias, eps, rms, backend,
         options.get("offset", 0.0), _FRONT_DOOR_MODES[mode], options.get("out"),
-        options.get("residual_out"), y_dtype,
+        options.get("residual_out"), y_dtype, memory_efficient,
     )  # fmt: skip
 
 

@@ -48,7 +48,14 @@ from torch.autograd.function import once_differentiable
 from . import _op, backends, ops
 from .backends.torch_ import accumulation_dtype
 
-__all__ = ["MemoryEfficientNorm", "NormLinear", "applies", "layer_norm_linear", "norm"]
+__all__ = [
+    "MemoryEfficientNorm",
+    "NormLinear",
+    "applies",
+    "gradients",
+    "layer_norm_linear",
+    "norm",
+]
 
 
 def applies(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
@@ -130,33 +137,58 @@ class MemoryEfficientNorm(torch.autograd.Function):
                 _op.rows(dy, n), y.view(-1, n), w, b, rstd, ctx.rms,
                 need[1], need[2] and b is not None,
             )  # fmt: skip
-            return (
-                dx.view(x_shape) if need[0] else None,
-                None if dweight is None else dweight.reshape(p_shape).to(ctx.dtypes[0]),
-                None if dbias is None else dbias.reshape(p_shape).to(ctx.dtypes[1]),
-                None, None, None, None, None, None,
-            )  # fmt: skip
-        acc = accumulation_dtype(y.dtype)
-        g = dy.reshape(-1, n).to(acc)
-        xhat = y.reshape(-1, n).to(acc)
-        if b is not None:
-            xhat = xhat - b.to(acc)
-        gh = g
-        if w is not None:
-            gamma = w.to(acc)
-            xhat = xhat / gamma
-            gh = g * gamma
-        r = rstd.to(acc).unsqueeze(-1)
+            dx = dx if need[0] else None
+        else:
+            dx, dweight, dbias = gradients(
+                dy, y, w, b, rstd, n, ctx.rms, need[0], need[1], need[2] and b is not None
+            )
+        return (
+            None if dx is None else dx.view(x_shape),
+            None if dweight is None else dweight.reshape(p_shape).to(ctx.dtypes[0]),
+            None if dbias is None else dbias.reshape(p_shape).to(ctx.dtypes[1]),
+            None, None, None, None, None, None,
+        )  # fmt: skip
+
+
+def gradients(
+    dy: Tensor,
+    y: Tensor,
+    w: Tensor | None,
+    b: Tensor | None,
+    rstd: Tensor,
+    n: int,
+    rms: bool,
+    need_dx: bool,
+    need_dweight: bool,
+    need_dbias: bool,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The memory-efficient backward by torch operations (module docstring), in the
+    accumulation dtype: ``dx`` in ``y``'s shape and dtype, ``dweight`` and ``dbias``
+    ``(n,)`` in the accumulation dtype (None where not needed). ``y``: the saved output,
+    rows of ``n``; ``w``, ``b``: ``(n,)`` or None; ``rstd``: one per row. What
+    :class:`MemoryEfficientNorm` runs where the numba kernel does not, and the compiled
+    front door's node (``MemoryEfficientBackward``) where its entry does not."""
+    acc = accumulation_dtype(y.dtype)
+    g = dy.reshape(-1, n).to(acc)
+    xhat = y.reshape(-1, n).to(acc)
+    if b is not None:
+        xhat = xhat - b.to(acc)
+    gh = g
+    if w is not None:
+        gamma = w.to(acc)
+        xhat = xhat / gamma
+        gh = g * gamma
+    r = rstd.to(acc).reshape(-1, 1)
+    dx = dweight = dbias = None
+    if need_dx:
         c1 = (gh * xhat).mean(-1, keepdim=True)
-        c2 = 0.0 if ctx.rms else gh.mean(-1, keepdim=True)
-        dz = r * (gh - c2 - xhat * c1)
-        dx = dz.to(y.dtype).reshape(x_shape) if ctx.needs_input_grad[0] else None
-        dweight = dbias = None
-        if ctx.needs_input_grad[1]:
-            dweight = (g * xhat).sum(0).reshape(p_shape).to(ctx.dtypes[0])
-        if ctx.needs_input_grad[2]:
-            dbias = g.sum(0).reshape(p_shape).to(ctx.dtypes[1])
-        return dx, dweight, dbias, None, None, None, None, None, None
+        c2 = 0.0 if rms else gh.mean(-1, keepdim=True)
+        dx = (r * (gh - c2 - xhat * c1)).to(y.dtype).reshape(y.shape)
+    if need_dweight:
+        dweight = (g * xhat).sum(0)
+    if need_dbias:
+        dbias = g.sum(0)
+    return dx, dweight, dbias
 
 
 def _kernel_backward(y: Tensor, n: int, backend: str) -> bool:

@@ -25,6 +25,7 @@ __all__ = [
     "DROPOUT_ADD_BACKWARD",
     "FORWARD",
     "KERNELS",
+    "MEMORY_EFFICIENT_BACKWARD",
     "SUM3",
     "names",
     "signature",
@@ -177,12 +178,38 @@ DROPOUT_ADD_BACKWARD: tuple[tuple[str, str], ...] = (
     ("row_hi", "i64"),
 )
 
+#: the memory-efficient backward (``_numba_recompute.entry``): rows ``row_lo .. row_hi - 1``
+#: (whole blocks of ``_numba_recompute.BLOCK`` rows) of ``dx`` from ``dy`` (row stride
+#: ``dy_stride``) and the saved output ``y`` (contiguous), ``gamma`` and ``beta`` (float64
+#: rows of ``n``), ``rstd`` (``m`` float32), and their blocks' float64 partial sums of
+#: ``dweight`` (``need_dw``) and ``dbias`` (``need_db``) at ``dw_part`` / ``db_part``
+#: (``blocks · n``, zeros); ``dy``, ``y``, ``dx`` in the entry's dtype.
+MEMORY_EFFICIENT_BACKWARD: tuple[tuple[str, str], ...] = (
+    ("dy", "i64"),
+    ("dy_stride", "i64"),
+    ("y", "i64"),
+    ("gamma", "i64"),
+    ("beta", "i64"),
+    ("rstd", "i64"),
+    ("dx", "i64"),
+    ("dw_part", "i64"),
+    ("db_part", "i64"),
+    ("m", "i64"),
+    ("n", "i64"),
+    ("rms", "bool"),
+    ("need_dw", "bool"),
+    ("need_db", "bool"),
+    ("row_lo", "i64"),
+    ("row_hi", "i64"),
+)
+
 KERNELS = {
     "forward": FORWARD,
     "backward": BACKWARD,
     "dropout_add": DROPOUT_ADD,
     "sum3": SUM3,
     "dropout_add_backward": DROPOUT_ADD_BACKWARD,
+    "memory_efficient_backward": MEMORY_EFFICIENT_BACKWARD,
 }
 #: the C type of each type name
 CTYPES = {"i64": "int64_t", "f64": "double", "bool": "bool"}

@@ -21,10 +21,16 @@ by at most ``(N − 1)·2^-53`` of the sum of their magnitudes, below ``2^-27`` 
 inputs, whose allowance is ``(log2(N) + 8)·2^-53``, keep the torch operations
 (:func:`runs`).
 
-``dweight``, ``dbias``: float64 partial sums per block of :data:`BLOCK` rows, added in
-block order (float64) and rounded to float32: for a given ``M`` the same bits at any
-thread count, since the blocks do not depend on how the rows are split over threads.
-``dx``'s rows depend on their row alone.
+``dweight``, ``dbias``: float64 partial sums per block of :data:`BLOCK` rows, added by
+halving in float64 (``_numba_kernels.column_sum_kernel``, as the plain backward's) and
+rounded to float32: for a given ``M`` the same bits at any thread count, since the
+blocks do not depend on how the rows are split over threads. ``dx``'s rows depend on
+their row alone.
+
+:func:`entry` compiles the same kernels as a C entry (``_kernel_abi.MEMORY_EFFICIENT_BACKWARD``)
+for the compiled front door's autograd node (``layernorm._compiled.cpp``,
+``MemoryEfficientBackward``), which adds the partials with the plain backward's
+``column_sums`` entry: the same bits as :func:`backward`.
 """
 
 from __future__ import annotations
@@ -34,14 +40,17 @@ import torch
 from numba import njit
 
 from . import _numba_cache, _threads
+from ._numba_vectors import view
 from .numba_ import SERIAL_NUMEL
 
-__all__ = ["BLOCK", "MAX_N", "backward", "runs"]
+__all__ = ["BLOCK", "ENTRY_DTYPES", "MAX_N", "backward", "entry", "runs"]
 
 #: rows per block of the parameters' partial sums
 BLOCK = 64
 #: the longest row whose float64 evaluation stays within the float32 allowance (above)
 MAX_N = 1 << 26
+#: the dtypes :func:`entry` compiles for (float16 goes through float32 copies in Python)
+ENTRY_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _jit(**options):
@@ -149,16 +158,6 @@ def _backward_rows_bf16(
             dx_i[c] = _QNAN if nan else np.uint16(rounded)
 
 
-@_jit()
-def _column_sums(part, blocks, n, out):  # pragma: no cover - compiled
-    """``out[c] = RN_32(Σ_b part[b·N + c])``, the sum in block order (float64)."""
-    for c in range(n):
-        total = 0.0
-        for b in range(blocks):
-            total += part[b * n + c]
-        out[c] = total
-
-
 def runs(y: torch.Tensor, n: int) -> bool:
     """Whether :func:`backward` takes a backward whose saved output is ``y``, of rows of
     ``n`` elements: a CPU float32 or 16-bit tensor (float32 arithmetic in the torch
@@ -230,6 +229,66 @@ def backward(
     for k, need in enumerate((need_dweight, need_dbias)):
         if need:
             total = torch.empty(n, dtype=torch.float32)
-            _column_sums(part[k], blocks, n, total.numpy())
+            _kernels().column_sum_kernel(part[k], blocks, n, total.numpy())
             sums[k] = total
     return dx if dx.dtype == dtype else dx.to(dtype), sums[0], sums[1]
+
+
+def _kernels():
+    from . import numba_
+
+    return numba_._kernels()
+
+
+_F32_TAG = np.empty(0, np.float32)
+_F64_TAG = np.empty(0, np.float64)
+
+
+@_jit(inline="always")
+def _entry_views(
+    tag, dy, dy_stride, y, gamma, beta, rstd, dx, dw_part, db_part, m, n
+):  # pragma: no cover - compiled
+    """The arrays :func:`backward` passes the kernels, as views of the entry's addresses
+    (the partials' views whole: a kernel that does not need one never reads it)."""
+    blocks = (m + BLOCK - 1) // BLOCK
+    return (
+        view(dy, (m - 1) * dy_stride + n, tag), dy_stride, view(y, m * n, tag),
+        view(gamma, n, _F64_TAG), view(beta, n, _F64_TAG), view(rstd, m, _F32_TAG),
+        view(dx, m * n, tag), view(dw_part, blocks * n, _F64_TAG),
+        view(db_part, blocks * n, _F64_TAG),
+    )  # fmt: skip
+
+
+def entry(name: str, storage_tag: np.ndarray):
+    """The C entry "memory_efficient_backward" (``_kernel_abi.MEMORY_EFFICIENT_BACKWARD``)
+    for ``storage_tag``'s dtype (float32, or bfloat16 as its uint16 patterns:
+    :data:`ENTRY_DTYPES`): :func:`_backward_rows` (:func:`_backward_rows_bf16`) on views of
+    the addresses, the arrays :func:`backward` passes, so the bits are the same; compiled
+    now (or loaded from the on-disk cache); the address: ``_numba_kernels.address``."""
+    from ._numba_kernels import _check_parameters, entry_type
+
+    if name != "memory_efficient_backward":
+        raise ValueError(f"unknown memory-efficient entry {name!r}")
+    if storage_tag.dtype not in (np.float32, np.uint16):
+        raise ValueError(f"no memory-efficient entry for {storage_tag.dtype}")
+    tag = storage_tag
+    # the kernels as globals (a compiled function in the closure would defeat the cache)
+    if tag.dtype == np.float32:
+
+        def memory_efficient_backward(dy, dy_stride, y, gamma, beta, rstd, dx, dw_part, db_part, m, n, rms, need_dw, need_db, row_lo, row_hi):  # fmt: skip  # pragma: no cover - compiled
+            _backward_rows(*_entry_views(tag, dy, dy_stride, y, gamma, beta, rstd, dx, dw_part, db_part, m, n), n, rms, need_dw, need_db, row_lo, row_hi)  # fmt: skip
+
+    else:
+
+        def memory_efficient_backward(dy, dy_stride, y, gamma, beta, rstd, dx, dw_part, db_part, m, n, rms, need_dw, need_db, row_lo, row_hi):  # fmt: skip  # pragma: no cover - compiled
+            _backward_rows_bf16(*_entry_views(tag, dy, dy_stride, y, gamma, beta, rstd, dx, dw_part, db_part, m, n), n, rms, need_dw, need_db, row_lo, row_hi)  # fmt: skip
+
+    _check_parameters(memory_efficient_backward, name)
+    # one name per entry and dtype (numba_kernels.entry says why)
+    memory_efficient_backward.__name__ = memory_efficient_backward.__qualname__ = (
+        f"{name}_{tag.dtype.name}"
+    )
+    dispatcher = _jit()(memory_efficient_backward)
+    dispatcher.compile(entry_type(name))
+    dispatcher.disable_compile()
+    return dispatcher

@@ -48,7 +48,8 @@ a 16-bit dtype from a wider or the other 16-bit one) has entries of its own per 
 dtype, y's dtype), compiled (or loaded) on their first use only, so the build and the
 same-dtype calls' cold start do not grow; the compiled front door asks for them
 (:func:`entry_address`) on their first use too, as for the fused dropout-add's C entries
-(:data:`DROPOUT_ENTRIES`, whose Python path compiles its kernels on first use as well). Where
+(:data:`DROPOUT_ENTRIES`, whose Python path compiles its kernels on first use as well)
+and the memory-efficient backward's (:data:`RECOMPUTE_ENTRIES`, likewise). Where
 the cache lives, and the lock that lets processes starting together share it:
 :mod:`layernorm.backends._numba_cache` (:func:`cache_location` says where).
 
@@ -135,6 +136,9 @@ ENTRIES = ("forward_serial", "forward_parallel", "backward_serial", "backward_pa
 #: the dropout-add's C entries (``_numba_dropout.entry``; all of one dtype), compiled on
 #: their first use, for compiled callers only (:func:`entry_address`)
 DROPOUT_ENTRIES = ("dropout_add", "sum3", "dropout_add_backward")
+#: the memory-efficient backward's C entry (``_numba_recompute.entry``: float32 and
+#: bfloat16 only), compiled on its first use, for compiled callers only
+RECOMPUTE_ENTRIES = ("memory_efficient_backward",)
 
 
 def _compiled(
@@ -162,8 +166,9 @@ def _load(key: tuple, wait: bool) -> Callable[..., None] | None:
     y_tag = None if len(key) == 2 else _TYPES[key[2]].storage
     to = "" if y_tag is None else f" to {key[2]}"
     dropout = name in DROPOUT_ENTRIES
+    recompute = name in RECOMPUTE_ENTRIES
     # one lock per compiled kernel: entries that share one compile it once
-    compiles = name if dropout else kernels.COMPILES[name]
+    compiles = name if dropout or recompute else kernels.COMPILES[name]
     with _numba_cache.locked(f"{dtype} {compiles}{to}", wait) as held:
         if not held:
             return None
@@ -174,6 +179,10 @@ def _load(key: tuple, wait: bool) -> Callable[..., None] | None:
                     from . import _numba_dropout
 
                     kernel = _numba_dropout.entry(name, types.storage)
+                elif recompute:
+                    from . import _numba_recompute
+
+                    kernel = _numba_recompute.entry(name, types.storage)
                 else:
                     kernel = kernels.entry(name, types.storage, types.acc, y_tag)
             _entries[key] = kernel
@@ -200,7 +209,8 @@ def entry(dtype: torch.dtype, name: str, y_dtype: torch.dtype | None = None) -> 
 def entry_address(dtype: torch.dtype, name: str, y_dtype: torch.dtype | None = None) -> int:
     """The C address of the compiled ``_numba_kernels`` entry ``name`` (one of
     :data:`ENTRIES` or ``column_sums``) for ``dtype`` (a forward's ``y`` in ``y_dtype``,
-    as :func:`entry`), or of the dropout-add's entry ``name`` (:data:`DROPOUT_ENTRIES`),
+    as :func:`entry`), or of the dropout-add's entry ``name`` (:data:`DROPOUT_ENTRIES`)
+    or the memory-efficient backward's (:data:`RECOMPUTE_ENTRIES`),
     for compiled callers. A
     ``*_parallel`` entry runs one span of a call's rows, as :func:`entry`'s threaded
     entries hand them out; a compiled caller that spreads a call over threads of its own
