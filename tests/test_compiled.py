@@ -4,6 +4,7 @@ Python autograd, in a process with LAYERNORM_COMPILED=0), and every other call (
 PyTorch mechanism, the uncommon calls) left to the dispatcher or to Python."""
 
 import itertools
+import math
 import os
 import shutil
 import subprocess
@@ -734,6 +735,79 @@ def test_memory_efficient_node_is_python_s_bits(in_use, monkeypatch, dtype, op):
         y.add_(1)
     with pytest.raises(RuntimeError, match=r"modified by an inplace|modified inplace"):
         torch.autograd.grad(y, x, dys[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_norm_linear_node_is_python_s_bits(in_use, monkeypatch, dtype, rms):
+    """``layer_norm_linear`` with a gradient through ``compiled.norm_linear`` (C++'s
+    ``layernorm::NormLinearBackward``) gives Python's ``NormLinear`` output and every
+    gradient bit for bit: 1-D to 4-D, zero-size, with and without the norm's parameters
+    and the linear's bias, at 1 and 2 threads; it saves x, the parameters, mean and
+    rstd (one value a row), never the norm's output; a multi-dim normalized_shape, a
+    strided input, a backend or a linear weight of another dtype go to Python; batched
+    gradients run the op's vmap rule, as Python's do; once differentiable."""
+    node = "layernorm::NormLinearBackward"
+    threads = torch.get_num_threads()
+    cases = [((8,), 8, True), ((4, 8), 8, True), ((2, 3, 8), (8,), True),
+             ((2, 2, 3, 8), 8, True), ((0, 8), 8, False), ((300, 64), 64, True),
+             ((2, 3, 8), (3, 8), False)]  # fmt: skip
+    for (shape, nshape, takes), affine, linear_bias in itertools.product(
+        cases, (True, False), (True, False)
+    ):
+        g = torch.Generator().manual_seed(len(shape) + shape[-1])
+        p_shape = (nshape,) if isinstance(nshape, int) else nshape
+        x = torch.randn(shape, generator=g).to(dtype)
+        w = torch.randn(p_shape, generator=g).to(dtype) if affine else None
+        b = torch.randn(p_shape, generator=g).to(dtype) if affine and not rms else None
+        lw = torch.randn(5, shape[-1], generator=g).to(dtype)
+        lb = torch.randn(5, generator=g).to(dtype) if linear_bias else None
+        dout = torch.randn(*shape[:-1], 5, generator=g).to(dtype)
+        results = []
+        for python, count in ((False, 2), (False, 1), (True, 1)):
+            torch.set_num_threads(count)
+            monkeypatch.setattr(compiled, "norm_linear", (lambda *a: None) if python else
+                                compiled.norm_linear if not results else results[0][2])  # fmt: skip
+            leaves = [t.clone().requires_grad_() if t is not None else None
+                      for t in (x, w, b, lw, lb)]  # fmt: skip
+            saved: list[torch.Tensor] = []
+            with torch.autograd.graph.saved_tensors_hooks(_recorder(saved), lambda t: t):
+                out = layernorm.layer_norm_linear(leaves[0], nshape, *leaves[1:], rms=rms)
+            torch.set_num_threads(threads)
+            present = [t for t in leaves if t is not None]
+            kept = {t.data_ptr() for t in leaves[:4] if t is not None}  # x, w, b, lw
+            m = x.numel() // math.prod(p_shape)  # the norm's rows: mean and rstd
+            assert all(t.data_ptr() in kept or t.numel() in (0, m) for t in saved), shape
+            grads = torch.autograd.grad(out, present, dout)
+            results.append((out.grad_fn.name(), [out.detach(), *grads], compiled.norm_linear))
+        monkeypatch.setattr(compiled, "norm_linear", results[0][2])
+        assert results[0][0] == (node if takes else "NormLinearBackward"), shape
+        assert results[2][0] == "NormLinearBackward"
+        for got in (results[0][1], results[1][1]):
+            for a, e in zip(got, results[2][1], strict=True):
+                assert a.dtype == e.dtype and torch.equal(_bits(a), _bits(e)), (shape, affine)
+
+    x = torch.randn(3, 2, 8, dtype=dtype, requires_grad=True)
+    w = torch.randn(8, dtype=dtype, requires_grad=True)
+    lw = torch.randn(4, 8, dtype=dtype, requires_grad=True)
+    for args, kw in (((x[..., ::1].transpose(0, 1), 8, w, None, lw), {}),
+                     ((x, 8, w, None, lw), {"backend": "torch"}),
+                     ((x, 8, w, None, lw.to(torch.float32 if dtype == torch.float64 else
+                                              torch.float64)), {})):  # fmt: skip
+        assert compiled.norm_linear(*args, None, None, rms, kw.get("backend")) is None
+    out = layernorm.layer_norm_linear(x, 8, w, None, lw, rms=rms)
+    assert out.grad_fn.name() == node
+    douts = torch.randn(3, *out.shape, dtype=dtype)
+    batched = []
+    for norm_linear in ((lambda *a: None), results[0][2]):  # Python's NormLinear, then C++'s
+        monkeypatch.setattr(compiled, "norm_linear", norm_linear)
+        out = layernorm.layer_norm_linear(x, 8, w, None, lw, rms=rms)
+        batched.append(torch.autograd.grad(out, (x, w, lw), douts, retain_graph=True,
+                                           is_grads_batched=True))  # fmt: skip
+    for a, e in zip(*batched, strict=True):
+        assert a.shape == e.shape and torch.equal(_bits(a), _bits(e))
+    (gx,) = torch.autograd.grad(out, x, douts[0], create_graph=True)
+    assert not gx.requires_grad
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)

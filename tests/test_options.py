@@ -907,8 +907,10 @@ def test_memory_efficient_is_the_plain_call_where_it_does_not_apply():
 @pytest.mark.parametrize(("shape", "nshape"), SHAPES[1:], ids=SHAPE_IDS[1:])
 def test_layer_norm_linear_is_the_composition(rms, dtype, shape, nshape):
     """The output is ``F.linear(norm(x))`` bit for bit, the gradients of every input are
-    the composition's (up to the linear backward's summation order), and autograd keeps
-    x, the norm's parameters and the linear weight, never the norm's output."""
+    the composition's (``dx``, ``dweight``, ``dbias`` bit for bit: the same backward
+    kernel on the same ``dy``; the linear's up to its summation order), and autograd
+    keeps x, the norm's parameters, its ``mean`` and ``rstd`` (one value a row) and the
+    linear weight, never the norm's output."""
     g = torch.Generator().manual_seed(7)
     x = torch.randn(shape, generator=g).to(dtype).requires_grad_()
     w = torch.randn(nshape, generator=g).to(dtype).requires_grad_()
@@ -918,17 +920,57 @@ def test_layer_norm_linear_is_the_composition(rms, dtype, shape, nshape):
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = layernorm.layer_norm_linear(x, nshape, w, b, lw, lb, rms=rms)
-    assert "NormLinear" in type(out.grad_fn).__name__
-    assert {t.data_ptr() for t in saved} == {t.data_ptr() for t in (x, w, b, lw) if t is not None}
+    assert "NormLinear" in out.grad_fn.name()
+    kept = {t.data_ptr() for t in (x, w, b, lw) if t is not None}
+    m = x.numel() // w.numel()
+    assert kept <= {t.data_ptr() for t in saved}
+    assert all(t.data_ptr() in kept or t.numel() in (0, m) for t in saved)
     norm = layernorm.rms_norm(x, nshape, w) if rms else layernorm.layer_norm(x, nshape, w, b, 1e-5)
     want = torch.nn.functional.linear(norm, lw, lb)
     assert torch.equal(out, want)
     dout = torch.randn(out.shape, generator=g).to(dtype)
     leaves = [t for t in (x, w, b, lw, lb) if t is not None]
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
-    for a, e in zip(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(want, leaves, dout),
-                    strict=True):  # fmt: skip
-        assert_close(a, e, **tol)
+    got, expected = torch.autograd.grad(out, leaves, dout), torch.autograd.grad(want, leaves, dout)
+    for k, (a, e) in enumerate(zip(got, expected, strict=True)):
+        if k < len(leaves) - 2:  # the norm's inputs
+            assert a.dtype == e.dtype and torch.equal(a, e)
+        else:
+            assert_close(a, e, **tol)
+
+
+@pytest.mark.parametrize("shape", [(8,), (4, 8), (2, 3, 8), (2, 2, 3, 8), (0, 8), (2, 0, 8)])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_layer_norm_linear_gradients_on_every_shape(shape, strided):
+    """1-D to 4-D, strided and zero-size inputs: the output is the composition's bit for
+    bit, its gradients the composition's (the norm's bit for bit), batched gradients
+    (``is_grads_batched``: the op's vmap rule) too; the backward builds no graph (once
+    differentiable)."""
+    g = torch.Generator().manual_seed(len(shape))
+    x = torch.randn(*shape[:-1], 16, generator=g)
+    x = (x[..., ::2] if strided else x[..., :8].contiguous()).requires_grad_()
+    w, b = (torch.randn(8, generator=g).requires_grad_() for _ in range(2))
+    lw, lb = torch.randn(5, 8, generator=g).requires_grad_(), torch.randn(5, generator=g)
+    lb.requires_grad_()
+    leaves = (x, w, b, lw, lb)
+    out = layernorm.layer_norm_linear(x, 8, w, b, lw, lb)
+    want = torch.nn.functional.linear(layernorm.layer_norm(x, 8, w, b), lw, lb)
+    assert "NormLinear" in out.grad_fn.name() and torch.equal(out, want)
+    douts = torch.randn(3, *out.shape, generator=g)
+    for batched, dout in ((False, douts[0]), (True, douts)):
+        if batched and not x.numel():
+            continue
+        got = torch.autograd.grad(out, leaves, dout, retain_graph=True, is_grads_batched=batched)
+        expected = torch.autograd.grad(want, leaves, dout, retain_graph=True,
+                                       is_grads_batched=batched)  # fmt: skip
+        for k, (a, e) in enumerate(zip(got, expected, strict=True)):
+            assert a.shape == e.shape
+            if k < 3:
+                assert torch.equal(a, e), (k, batched)
+            else:
+                assert_close(a, e)
+    (gx,) = torch.autograd.grad(out, x, douts[0], create_graph=True)
+    assert not gx.requires_grad
 
 
 def test_layer_norm_linear_under_transforms_is_the_composition():

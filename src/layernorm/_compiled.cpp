@@ -41,6 +41,9 @@
 // the call with dropout or x1: the seed draw, the numba dropout-add entry (with a C++
 // autograd node, DropoutAddBackward) and the norm of h per weight set, as fused_norm
 // runs them; every other call gets None.
+// norm_linear(...) is the front door of layernorm.layer_norm_linear with a gradient: the
+// norm's forward kernel and at::linear, recorded by a NormLinearBackward node in the
+// place of Python's NormLinear; every other call gets None.
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
@@ -200,6 +203,7 @@ struct State {
     PyObject* dropout_gradients = nullptr;  // compiled._dropout_gradients: Python's backward
     double layer_norm_eps = 0;              // _op.LAYER_NORM_EPS: fused_norm's eps=None
     PyObject* memory_efficient_gradients = nullptr;  // recompute.gradients: torch's ops
+    PyObject* norm_linear_gradients = nullptr;       // recompute.norm_linear_gradients
     int64_t recompute_block = 0;  // _numba_recompute.BLOCK: rows per partial-sum block
     int64_t kernels[DTYPES][ENTRIES] = {};  // C addresses: 0 not asked yet, -1 none
     // the forward entries (serial, parallel) whose y has a narrower dtype, by x's and y's
@@ -1546,6 +1550,173 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     END_HANDLE_TH_ERRORS
 }
 
+// The autograd of the front door's layer_norm_linear call, in the place of
+// layernorm.recompute's NormLinear: out = F.linear(norm(x), linear_weight, linear_bias),
+// saving x, the norm's parameters, mean, rstd and linear_weight, not the norm's output.
+// Its inputs are (x, weight, bias, linear_weight, linear_bias), an absent one without an
+// edge. The backward runs what NormLinear's does: dy = dout · linear_weight and the
+// norm's backward kernel on it (backward_cpu, the plain call's), y again (the forward
+// kernel, the same bits) for linear_weight's gradient only; recompute's
+// norm_linear_gradients where a mechanism would see it. Once differentiable.
+struct NormLinearBackward : public torch::autograd::Node {
+    torch::autograd::SavedVariable x, weight, bias, linear_weight, mean, rstd;
+    bool rms = false, has_linear_bias = false;
+    double eps = 0;
+    at::ScalarType weight_dtype = at::kFloat, bias_dtype = at::kFloat;
+
+    std::string name() const override { return "layernorm::NormLinearBackward"; }
+
+    void release_variables() override {
+        for (auto* v : {&x, &weight, &bias, &linear_weight, &mean, &rstd}) v->reset_data();
+    }
+
+    variable_list apply(variable_list&& grads) override {
+        const Tensor xt = x.unpack(), w = weight.unpack(), b = bias.unpack(),
+                     lw = linear_weight.unpack(), mu = mean.unpack(), r = rstd.unpack();
+        bool need[5];
+        for (int k = 0; k < 5; ++k) need[k] = task_should_compute_output(k);
+        need[1] = need[1] && w.defined();
+        need[2] = need[2] && b.defined();
+        need[4] = need[4] && has_linear_bias;
+        variable_list out(5);
+        torch::NoGradGuard once_differentiable;
+        const int64_t n = xt.size(-1), out_features = lw.size(0);
+        Tensor dout = grads[0];
+        if (!dout.defined()) {
+            std::vector<int64_t> sizes = xt.sizes().vec();
+            sizes.back() = out_features;
+            dout = at::zeros(sizes, xt.options());
+        }
+        const int64_t entry = entry_for(xt, "", FORWARD_SERIAL);
+        Tensor dx, dweight, dbias, dlinear_weight, dlinear_bias;
+        const bool python = entry < 0 || at::hasCallbacks() || mechanism_active({&dout}) ||
+                            !(dout.is_cpu() && dout.scalar_type() == xt.scalar_type());
+        if (python) {
+            const auto [gx, gw, gb, glw, glb] =
+                call_python<std::tuple<OptionalTensor, OptionalTensor, OptionalTensor,
+                                       OptionalTensor, OptionalTensor>>(
+                    state.norm_linear_gradients, dout, xt.view({-1, n}), as_optional(w),
+                    as_optional(b), lw, as_optional(mu), r, xt.sizes().vec(),
+                    std::make_tuple(std::vector<int64_t>{n}, eps, rms, std::string()), false,
+                    std::make_tuple(need[0], need[1], need[2], need[3], need[4]));
+            dx = value(gx);
+            dweight = value(gw);
+            dbias = value(gb);
+            dlinear_weight = value(glw);
+            dlinear_bias = value(glb);
+        } else {
+            const Tensor d2 = dout.reshape({-1, out_features});
+            if (need[3]) {
+                const Tensor y = run_forward(xt, Tensor(), w, b, eps, rms, false, entry).y;
+                dlinear_weight = d2.t().mm(y.view({-1, n}));
+            }
+            if (need[4]) dlinear_bias = d2.sum(0);
+            if (need[0] || need[1] || need[2]) {
+                const Tensor dy = at::matmul(dout, lw).contiguous();
+                const Tensor m_arg = mu.defined() ? mu : empty({0}, r.scalar_type());
+                auto [dz, dw, db] = backward_cpu(dy, xt, as_optional(w), m_arg, r, std::nullopt,
+                                                 rms, need[1], need[2], "", eps);
+                dx = dz;
+                dweight = dw;
+                dbias = db;
+            }
+        }
+        auto in_dtype = [python](const Tensor& t, at::ScalarType dtype) {
+            return python ? t.to(dtype) : as_dtype(t, dtype);
+        };
+        if (need[0]) out[0] = dx;
+        if (need[1]) out[1] = in_dtype(dweight, weight_dtype);
+        if (need[2]) out[2] = in_dtype(dbias, bias_dtype);
+        if (need[3]) out[3] = dlinear_weight;
+        if (need[4]) out[4] = dlinear_bias;
+        return out;
+    }
+};
+
+// A plain contiguous CPU tensor of `dtype` and `dims` dimensions (or Parameter), or None
+// (undefined) where `optional`.
+bool plain_tensor(PyObject* o, at::ScalarType dtype, int64_t dims, bool optional, Tensor* out) {
+    if (o == Py_None) return optional;
+    if (Py_TYPE(o) != reinterpret_cast<PyTypeObject*>(state.tensor_type) &&
+        Py_TYPE(o) != reinterpret_cast<PyTypeObject*>(state.parameter_type))
+        return false;
+    const Tensor& t = THPVariable_Unpack(o);
+    if (!(t.is_cpu() && t.dim() == dims && t.scalar_type() == dtype && t.is_contiguous()))
+        return false;
+    *out = t;
+    return true;
+}
+
+// norm_linear(x, normalized_shape, weight, bias, linear_weight, linear_bias, eps, rms,
+// backend), the arguments of recompute.layer_norm_linear after its checks (eps None only
+// for rms_norm), is its front door with a gradient: plain contiguous CPU tensors (x of a
+// kernel dtype, the linear's of x's dtype, linear_weight (out_features, n)), an int or
+// 1-tuple normalized_shape, plain (N,) norm parameters, no backend and no mechanism that
+// would see the call. It runs the forward kernel (statistics kept) and at::linear, and
+// records a NormLinearBackward node; any other call gets None before any work.
+PyObject* norm_linear(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+    HANDLE_TH_ERRORS
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "norm_linear takes 9 arguments");
+        return nullptr;
+    }
+    PyObject *x_object = args[0], *eps_object = args[6];
+    if (state.resolve == nullptr || args[8] != Py_None ||
+        !(eps_object == Py_None || PyFloat_CheckExact(eps_object)) ||
+        Py_TYPE(x_object) != reinterpret_cast<PyTypeObject*>(state.tensor_type))
+        Py_RETURN_NONE;
+    const int64_t n = last_dim(args[1]);
+    if (n <= 0) Py_RETURN_NONE;
+    const Tensor& x = THPVariable_Unpack(x_object);
+    if (!(x.is_cpu() && x.dim() > 0 && x.size(-1) == n && x.is_contiguous())) Py_RETURN_NONE;
+    const int d = dtype_index(x.scalar_type());
+    if (d < 0) Py_RETURN_NONE;
+    const double eps = eps_object != Py_None ? PyFloat_AS_DOUBLE(eps_object) : state.default_eps[d];
+    if (!(eps >= 0)) Py_RETURN_NONE;
+    const bool rms = args[7] == Py_True;
+    Tensor weight, bias, linear_weight, linear_bias;
+    if (!plain_param(args[2], n, &weight) || !plain_param(args[3], n, &bias) ||
+        (rms && bias.defined()) ||
+        !plain_tensor(args[4], x.scalar_type(), 2, false, &linear_weight) ||
+        linear_weight.size(1) != n ||
+        !plain_tensor(args[5], x.scalar_type(), 1, true, &linear_bias) ||
+        (linear_bias.defined() && linear_bias.size(0) != linear_weight.size(0)))
+        Py_RETURN_NONE;
+    const bool grad = torch::GradMode::is_enabled() &&
+                      (x.requires_grad() || requires_grad(weight) || requires_grad(bias) ||
+                       linear_weight.requires_grad() || requires_grad(linear_bias));
+    if (!grad || at::hasCallbacks() ||
+        mechanism_active({&x, &weight, &bias, &linear_weight, &linear_bias}))
+        Py_RETURN_NONE;
+    const int64_t entry = entry_for(x, "", FORWARD_SERIAL);
+    if (entry < 0) Py_RETURN_NONE;
+    Forward forward;
+    Tensor out;
+    {
+        torch::NoGradGuard no_graph;  // (the node below records the whole call)
+        forward = run_forward(x, Tensor(), weight, bias, eps, rms, true, entry);
+        out = at::linear(forward.y, linear_weight, as_optional(linear_bias));
+    }
+    using torch::autograd::SavedVariable;
+    auto node = c10::make_intrusive<NormLinearBackward>();
+    node->set_next_edges(
+        torch::autograd::collect_next_edges(x, weight, bias, linear_weight, linear_bias));
+    node->rms = rms;
+    node->eps = eps;
+    node->has_linear_bias = linear_bias.defined();
+    if (weight.defined()) node->weight_dtype = weight.scalar_type();
+    if (bias.defined()) node->bias_dtype = bias.scalar_type();
+    torch::autograd::set_history(out, node);
+    node->x = SavedVariable(x, false);
+    if (weight.defined()) node->weight = SavedVariable(weight, false);
+    if (bias.defined()) node->bias = SavedVariable(bias, false);
+    node->linear_weight = SavedVariable(linear_weight, false);
+    if (forward.mean.defined()) node->mean = SavedVariable(forward.mean, false);
+    node->rstd = SavedVariable(forward.rstd, false);
+    return THPVariable_Wrap(out);
+    END_HANDLE_TH_ERRORS
+}
+
 // The kernels, registered in torch's dispatcher by the first set_up that succeeds (not
 // when the library loads: a build that refuses the kernels' signatures registers none).
 void register_kernels() {
@@ -1621,6 +1792,7 @@ void set_up(pybind11::dict rules) {
     replace(&state.dropout_gradients, rules["dropout_gradients"]);
     state.layer_norm_eps = rules["layer_norm_eps"].cast<double>();
     replace(&state.memory_efficient_gradients, rules["memory_efficient_gradients"]);
+    replace(&state.norm_linear_gradients, rules["norm_linear_gradients"]);
     state.recompute_block = rules["recompute_block"].cast<int64_t>();
     forget_kernels();
     register_kernels();
@@ -1638,6 +1810,10 @@ PyMethodDef NORM_DEF = {"norm", reinterpret_cast<PyCFunction>(reinterpret_cast<v
 PyMethodDef FUSED_DEF = {"fused", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(fused)),
                          METH_FASTCALL, "fused(...): layernorm.fused_norm's arguments"};
 
+PyMethodDef NORM_LINEAR_DEF = {
+    "norm_linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(norm_linear)),
+    METH_FASTCALL, "norm_linear(...): layernorm.layer_norm_linear's arguments"};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     static const int at_fork = pthread_atfork(nullptr, nullptr, after_fork_in_child);
     (void)at_fork;
@@ -1647,4 +1823,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              PyCFunction_NewEx(&NORM_DEF, nullptr, m.ptr())));
     m.add_object("fused", pybind11::reinterpret_steal<pybind11::object>(
                               PyCFunction_NewEx(&FUSED_DEF, nullptr, m.ptr())));
+    m.add_object("norm_linear", pybind11::reinterpret_steal<pybind11::object>(
+                                    PyCFunction_NewEx(&NORM_LINEAR_DEF, nullptr, m.ptr())));
 }

@@ -131,11 +131,11 @@ def _off(*args: Any) -> None:
 def _load_once() -> None:
     """Loads the extension (the first time only) and puts its function, or :func:`_off`,
     in :data:`norm`'s place."""
-    global norm, fused
+    global norm, fused, norm_linear
     if norm is _first_call:
         module = _load()
         if module is None:
-            norm = fused = _off
+            norm = fused = norm_linear = _off
         else:
             _use(module)
 
@@ -150,10 +150,15 @@ def _first_fused_call(*args: Any) -> tuple[Any, ...] | None:
     return fused(*args)
 
 
+def _first_norm_linear_call(*args: Any) -> torch.Tensor | None:
+    _load_once()
+    return norm_linear(*args)
+
+
 #: ``norm(x, residual, normalized_shape, weight, bias, eps, rms, backend)``, the
-#: arguments of ``ops._norm``, or with ``offset, mode, out, residual_out, y_dtype`` after
-#: them (``options.call``'s options; ``mode`` 0 for no casting_mode, 1 "gemma", 2
-#: "llama"; ``y_dtype`` a narrower ``out_dtype``, or None):
+#: arguments of ``ops._norm``, or with ``offset, mode, out, residual_out, y_dtype,
+#: memory_efficient`` after them (``options.call``'s options; ``mode`` 0 for no
+#: casting_mode, 1 "gemma", 2 "llama"; ``y_dtype`` a narrower ``out_dtype``, or None):
 #: ``(y, residual_out)`` when the extension runs the call, else None (the extension's own
 #: function once it is loaded)
 norm: Callable[..., tuple[torch.Tensor, torch.Tensor | None] | None] = _first_call
@@ -163,6 +168,12 @@ norm: Callable[..., tuple[torch.Tensor, torch.Tensor | None] | None] = _first_ca
 #: dropout or ``x1`` and none of its other options: ``_compiled.cpp`` says which), else
 #: None
 fused: Callable[..., tuple[Any, ...] | None] = _first_fused_call
+
+#: ``norm_linear(x, normalized_shape, weight, bias, linear_weight, linear_bias, eps, rms,
+#: backend)``, :func:`layernorm.layer_norm_linear`'s arguments after its checks: the
+#: output, recorded by the extension's autograd node, when it runs the call (with a
+#: gradient, plain tensors: ``_compiled.cpp`` says which), else None
+norm_linear: Callable[..., torch.Tensor | None] = _first_norm_linear_call
 
 
 def status() -> str:
@@ -281,7 +292,7 @@ def _load() -> ModuleType | None:
 
 
 def _use(module: ModuleType) -> None:
-    global _extension, _reason, norm, fused
+    global _extension, _reason, norm, fused, norm_linear
     from . import _op, backends, recompute
     from .backends import _kernel_abi, _numba_recompute, _philox, _threads, numba_
     from .backends.torch_ import accumulation_dtype
@@ -312,6 +323,7 @@ def _use(module: ModuleType) -> None:
             "dropout_gradients": _dropout_gradients,
             "layer_norm_eps": _op.LAYER_NORM_EPS,
             "memory_efficient_gradients": recompute.gradients,
+            "norm_linear_gradients": recompute.norm_linear_gradients,
             "recompute_block": _numba_recompute.BLOCK,
             "signatures": {name: _kernel_abi.signature(name) for name in _kernel_abi.KERNELS},
             "seed_draw_high": _philox.SEED_DRAW_HIGH,
@@ -323,7 +335,7 @@ def _use(module: ModuleType) -> None:
     if _extension is None:
         backends.on_forget(_forget)
     _extension, _reason = module, None
-    norm, fused = module.norm, module.fused
+    norm, fused, norm_linear = module.norm, module.fused, module.norm_linear
 
 
 def _constant(n: int, index: int, value: float) -> torch.Tensor:

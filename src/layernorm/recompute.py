@@ -40,12 +40,14 @@ second-order gradient through it raises.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import _op, backends, ops
+from . import compiled as _compiled
 from .backends.torch_ import accumulation_dtype
 
 __all__ = [
@@ -224,11 +226,13 @@ def layer_norm_linear(
 
     ``norm`` is :func:`layernorm.layer_norm` (``rms=False``) or :func:`layernorm.rms_norm`
     (``rms=True``; ``bias`` must be ``None``). Autograd keeps ``input``, the norm's
-    parameters and ``linear_weight``, not the norm's output ``y`` (the size of ``input``);
-    the backward computes ``y`` again, the same bits (the kernels are deterministic and
-    batch invariant), so the values and gradients are those of the unfused composition
-    ``F.linear(layer_norm(...), ...)``: the output bit for bit, the gradients up to the
-    summation order of the linear's backward
+    parameters, its ``mean`` and ``rstd`` (one value a row) and ``linear_weight``, not the
+    norm's output ``y`` (the size of ``input``); the backward runs the norm's backward
+    kernel on ``dy = dout · linear_weight`` and computes ``y`` again for
+    ``linear_weight``'s gradient, the same bits (the kernels are deterministic and batch
+    invariant), so the values and gradients are those of the unfused composition
+    ``F.linear(layer_norm(...), ...)``: the output and the norm's gradients bit for bit,
+    the linear's up to the summation order of its backward
     (``tests/test_options.py::test_layer_norm_linear_is_the_composition``).
 
     Where the saving does not apply (no gradient, ``torch.func`` transforms, forward AD,
@@ -253,14 +257,24 @@ def layer_norm_linear(
         raise ValueError("layer_norm_linear: rms=True takes no bias")
     if eps is None and not rms:
         eps = 1e-5
+    if ops.FAST_PATHS and isinstance(input, Tensor) and not torch.compiler.is_compiling():
+        # the call in C++ (compiled.norm_linear: a node of its own), where it takes it
+        out = _compiled.norm_linear(input, normalized_shape, weight, bias, linear_weight,
+                                    linear_bias, eps, rms, backend)  # fmt: skip
+        if out is not None:
+            return out
     tensors = (input, weight, bias, linear_weight, linear_bias)
     if not isinstance(input, Tensor) or not _eager_gradient(*tensors):
         y = ops._norm(op, input, None, normalized_shape, weight, bias, eps, rms, backend)[0]
         return torch.nn.functional.linear(y, linear_weight, linear_bias)
     shape = ops._normalized_shape(normalized_shape, op)
     ops._check_input("input", input, shape, op)
-    return NormLinear.apply(input, weight, bias, linear_weight, linear_bias,
-                            (shape, eps, rms, backend))  # fmt: skip
+    w = None if weight is None else ops._param("weight", weight, shape, input, op)
+    b = None if bias is None else ops._param("bias", bias, shape, input, op)
+    eps = ops._check_eps(_op.default_eps(input.dtype) if eps is None else eps)
+    name = "" if backend is None else ops._check_backend(backend)
+    return NormLinear.apply(input, weight, bias, linear_weight, linear_bias, w, b,
+                            (shape, eps, rms, name))  # fmt: skip
 
 
 def _eager_gradient(*tensors: object) -> bool:
@@ -272,43 +286,99 @@ def _eager_gradient(*tensors: object) -> bool:
 
 
 class NormLinear(torch.autograd.Function):
-    """The forward without a graph; the backward recomputes the norm with one and
-    differentiates through it (the op's exact backward) and through the linear. Eager
-    autograd only (:func:`_eager_gradient`), so ``forward`` takes the context itself, as
-    :class:`MemoryEfficientNorm`'s does."""
+    """The norm's kernel, then ``F.linear``; autograd keeps the norm's input rows, its
+    parameters, ``mean`` and ``rstd`` (one each a row) and ``linear_weight``, not ``y``.
+    The backward computes ``dy = dout · linear_weight`` and calls the norm's backward
+    kernel on it (the op's, as the plain call's autograd does: the same bits), and
+    recomputes ``y`` (the same bits again: the kernels are deterministic and batch
+    invariant) only for ``linear_weight``'s gradient. ``weight`` and ``bias`` are the
+    caller's (their gradients take their shapes and dtypes), ``w`` and ``b`` the same as
+    kernel arguments ((N,), contiguous). Eager autograd only (:func:`_eager_gradient`),
+    so ``forward`` takes the context itself, as :class:`MemoryEfficientNorm`'s does."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, linear_weight, linear_bias, config):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, linear_weight, linear_bias, w, b, config):  # type: ignore[override]
         shape, eps, rms, backend = config
-        op = "rms_norm" if rms else "layer_norm"
-        y = ops._norm(op, x, None, shape, weight, bias, eps, rms, backend)[0]
-        ctx.save_for_backward(x, weight, bias, linear_weight)
+        rows = _op.rows(x, math.prod(shape))
+        # the kernel directly where no mechanism would see the op (as MemoryEfficientNorm)
+        ctx.direct = (
+            ops.FAST_PATHS
+            and not torch._C._is_any_autocast_enabled()
+            and _op.direct_call(rows, w, b)
+        )
+        run = _op.forward if ctx.direct else _op.forward_call
+        y_rows, _, mean, rstd = run(rows, None, w, b, eps, rms, backend)
+        ctx.save_for_backward(rows, w, b, linear_weight, mean, rstd)
         ctx.config = config
         ctx.has_linear_bias = linear_bias is not None
-        return torch.nn.functional.linear(y, linear_weight, linear_bias)
+        ctx.dtypes = (
+            None if weight is None else weight.dtype,
+            None if bias is None else bias.dtype,
+        )
+        ctx.x_shape = x.shape
+        return torch.nn.functional.linear(y_rows.view(x.shape), linear_weight, linear_bias)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):  # type: ignore[override]
-        x, weight, bias, linear_weight = ctx.saved_tensors
-        shape, eps, rms, backend = ctx.config
-        op = "rms_norm" if rms else "layer_norm"
+        rows, w, b, linear_weight, mean, rstd = ctx.saved_tensors
         need = ctx.needs_input_grad
-        leaves = [
-            t.detach().requires_grad_(n) if t is not None else None
-            for t, n in zip((x, weight, bias), need[:3], strict=True)
-        ]
-        with torch.enable_grad():
-            y = ops._norm(op, leaves[0], None, shape, leaves[1], leaves[2], eps, rms, backend)[0]
-        out_features = linear_weight.shape[0]
-        d2 = dout.reshape(-1, out_features)
-        dlinear_weight = d2.t().mm(y.detach().reshape(-1, y.shape[-1])) if need[3] else None
-        dlinear_bias = d2.sum(0) if need[4] and ctx.has_linear_bias else None
-        grads: list[Tensor | None] = [None, None, None]
-        wanted = [t for t, n in zip(leaves, need[:3], strict=True) if t is not None and n]
-        if wanted:
-            dy = dout.matmul(linear_weight.to(dout.dtype))
-            got = iter(torch.autograd.grad(y, wanted, dy))
-            grads = [next(got) if t is not None and n else None
-                     for t, n in zip(leaves, need[:3], strict=True)]  # fmt: skip
-        return (*grads, dlinear_weight, dlinear_bias, None)
+        needs = (need[0], need[1], need[2], need[3], need[4] and ctx.has_linear_bias)
+        dx, dweight, dbias, dlinear_weight, dlinear_bias = norm_linear_gradients(
+            dout, rows, w, b, linear_weight, mean, rstd, ctx.x_shape, ctx.config,
+            ctx.direct, needs,
+        )  # fmt: skip
+        if dweight is not None:
+            dweight = dweight.to(ctx.dtypes[0])
+        if dbias is not None:
+            dbias = dbias.to(ctx.dtypes[1])
+        return dx, dweight, dbias, dlinear_weight, dlinear_bias, None, None, None
+
+
+def norm_linear_gradients(
+    dout: Tensor,
+    rows: Tensor,
+    w: Tensor | None,
+    b: Tensor | None,
+    linear_weight: Tensor,
+    mean: Tensor | None,
+    rstd: Tensor,
+    x_shape: Sequence[int],
+    config: tuple[Sequence[int], float, bool, str],
+    direct: bool,
+    needs: tuple[bool, bool, bool, bool, bool],
+) -> tuple[Tensor | None, ...]:
+    """The backward of :class:`NormLinear` (and of the compiled front door's node where
+    its kernels do not run it): ``(dx, dweight, dbias, dlinear_weight, dlinear_bias)``,
+    None where ``needs`` (those five) says not. ``rows``: the norm's input as (M, N) rows
+    of ``x_shape``; ``w``, ``b``: the norm's parameters as kernel arguments; ``mean``,
+    ``rstd``: its statistics; ``config``: ``(normalized_shape, eps, rms, backend)``;
+    ``direct``: the kernels may be called without the op. ``dweight`` and ``dbias`` in
+    the normalized shape and the kernel's dtype. ``dy = dout · linear_weight`` goes to the
+    norm's backward kernel (the op's: a batched gradient meets its vmap rule); ``y`` is
+    computed again (the same bits) only for ``linear_weight``'s gradient."""
+    shape, eps, rms, backend = config
+    d2 = dout.reshape(-1, linear_weight.shape[0])
+    dlinear_weight = dlinear_bias = None
+    if needs[3]:  # y again, for linear_weight's gradient only
+        run = _op.forward if direct else _op.forward_call
+        y_rows = run(rows, None, w, b, eps, rms, backend)[0]
+        y = y_rows.view(tuple(x_shape)).reshape(d2.shape[0], linear_weight.shape[1])
+        dlinear_weight = d2.t().mm(y)
+    if needs[4]:
+        dlinear_bias = d2.sum(0)
+    need_dweight = w is not None and needs[1]
+    need_dbias = b is not None and needs[2]
+    dx = dweight = dbias = None
+    if needs[0] or need_dweight or need_dbias:
+        dy = _op.rows(dout.matmul(linear_weight.to(dout.dtype)), rows.shape[1])
+        run_backward = _op._backward_impl if direct and _op.direct_call(dy) else _op.backward_call
+        if mean is None:  # (rms_norm: the schema's empty tensor)
+            mean = rstd.new_empty(0)
+        dz, dw, db = run_backward(
+            dy, rows, w, mean, rstd, None, rms, need_dweight, need_dbias, backend, eps
+        )
+        dx = dz.view(tuple(x_shape)) if needs[0] else None
+        dweight = dw.reshape(tuple(shape)) if need_dweight else None
+        dbias = db.reshape(tuple(shape)) if need_dbias else None
+    return dx, dweight, dbias, dlinear_weight, dlinear_bias
