@@ -810,6 +810,49 @@ def test_norm_linear_node_is_python_s_bits(in_use, monkeypatch, dtype, rms):
     assert not gx.requires_grad
 
 
+@pytest.mark.parametrize(
+    ("x_dtype", "p_dtype"),
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+        (torch.float32, torch.float64),
+        (torch.bfloat16, torch.float64),
+        (torch.float32, torch.bfloat16),
+    ],
+    ids=str,
+)
+def test_option_nodes_take_mixed_parameter_dtypes(in_use, monkeypatch, x_dtype, p_dtype):
+    """Parameters of another dtype than the input (apex's ``MixedFused*``): the
+    ``memory_efficient`` and ``layer_norm_linear`` nodes give the Python path's bits,
+    outputs and gradients (the parameters' in their own dtypes)."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 64, generator=g).to(x_dtype)
+    w = (torch.randn(64, generator=g) + 2).to(p_dtype)
+    b = torch.randn(64, generator=g).to(p_dtype)
+    lw = torch.randn(5, 64, generator=g).to(x_dtype)
+    norm, norm_linear = compiled.norm, compiled.norm_linear
+    for kind in ("memory_efficient", "layer_norm_linear"):
+        results = []
+        for python in (False, True):
+            monkeypatch.setattr(compiled, "norm", (lambda *a: None) if python else norm)
+            monkeypatch.setattr(compiled, "norm_linear",
+                                (lambda *a: None) if python else norm_linear)  # fmt: skip
+            leaves = [t.clone().requires_grad_() for t in (x, w, b, lw)]
+            if kind == "memory_efficient":
+                out = layernorm.layer_norm(leaves[0], 64, leaves[1], leaves[2],
+                                           memory_efficient=True)  # fmt: skip
+                leaves = leaves[:3]
+            else:
+                out = layernorm.layer_norm_linear(leaves[0], 64, *leaves[1:])
+            dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+            grads = torch.autograd.grad(out, leaves, dout.to(out.dtype))
+            results.append((out.grad_fn.name(), [out.detach(), *grads]))
+        if not (kind == "memory_efficient" and x_dtype == torch.float16):
+            assert results[0][0].startswith("layernorm::"), (kind, results[0][0])
+        for a, e in zip(results[0][1], results[1][1], strict=True):
+            assert a.dtype == e.dtype and torch.equal(_bits(a), _bits(e)), kind
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("op", ["add_layer_norm", "add_rms_norm"])
 def test_options_front_door_takes_the_norm_of_a_wider_residual_stream(
