@@ -1,7 +1,8 @@
-"""The exact fallback's sums (``_exact._sum``, ``_exact._products``): NumPy's error-free
-extraction and Dekker's products give the rationals that Python's integers give, on rows
-within ``2**±_SPAN``; rows beyond it take the integers. Checked against ``Fraction``
-arithmetic on the same floats, with hypothesis and with constructed cancellations."""
+"""The exact fallback's sums (``_exact._exact_sum``, ``_exact._exact_dot``: the compiled
+superaccumulator of ``backends._numba_exact``) give the rationals that ``Fraction``
+arithmetic gives on the same floats: with hypothesis over the whole float64 range
+(subnormals, the largest values, zeros of both signs), with constructed cancellations
+and with words that carry many times."""
 
 from __future__ import annotations
 
@@ -13,24 +14,30 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from layernorm.backends import _exact
+from layernorm.backends import _exact, _numba_exact
 
-SPAN = _exact._SPAN
+#: float64 values the accumulator's edges meet
+EDGES = [0.0, -0.0, 5e-324, -5e-324, 2.2250738585072014e-308, -2.2250738585072009e-308,
+         1.7976931348623157e308, -1.7976931348623157e308, 1.0, -1.0, 2.0**-1022, 0.1]  # fmt: skip
 
 
 @st.composite
-def _rows(draw, low: int = -SPAN + 60, high: int = SPAN - 60) -> np.ndarray:
-    """float64 rows of 1..300 values, significands of up to 53 bits, exponents in a drawn
-    window within ``[low, high]``, some zeros and repeated values with opposite signs."""
+def _rows(draw) -> np.ndarray:
+    """float64 rows of 1..300 values: significands of up to 53 bits, exponents in a drawn
+    window anywhere in float64's range (subnormals included), some zeros, edge values and
+    a value beside its negation."""
     n = draw(st.integers(1, 300))
-    top = draw(st.integers(low, high))
-    width = draw(st.integers(0, min(top - low, 120)))
+    top = draw(st.integers(-1074, 971))
+    width = draw(st.integers(0, 2045))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    bits = draw(st.sampled_from([24, 53]))
+    bits = draw(st.sampled_from([1, 24, 53]))
     significands = rng.integers(-(2**bits) + 1, 2**bits, n).astype(np.float64)
-    exponents = rng.integers(top - width, top + 1, n)
-    row = np.ldexp(significands, exponents - bits)
+    exponents = rng.integers(max(-1074, top - width), top + 1, n)
+    row = np.ldexp(significands, exponents)
+    row[~np.isfinite(row)] = 1.7976931348623157e308
     row[rng.random(n) < 0.1] = 0.0
+    edges = rng.random(n) < 0.05
+    row[edges] = rng.choice(EDGES, int(edges.sum()))
     if n > 2:  # cancellations: a value and its negation
         row[n // 2] = -row[0]
     return row
@@ -43,59 +50,45 @@ def _fraction_sum(values: np.ndarray) -> Fraction:
 @settings(max_examples=300, deadline=None)
 @given(_rows())
 def test_the_sum_is_exact(row):
-    assert _exact._sum(row) == _fraction_sum(row)
+    assert _exact._exact_sum(row) == _fraction_sum(row)
 
 
 @settings(max_examples=300, deadline=None)
 @given(_rows(), st.integers(0, 2**32 - 1))
-def test_the_products_are_exact(row, seed):
+def test_the_dot_product_is_exact(row, seed):
     other = np.random.default_rng(seed).permutation(row)
-    p, e = _exact._products(row, other)
-    for a, b, high, low in zip(row, other, p, e, strict=True):
-        assert Fraction(float(high)) + Fraction(float(low)) == Fraction(float(a)) * Fraction(
-            float(b)
-        )
+    expected = sum(
+        (Fraction(float(a)) * Fraction(float(b)) for a, b in zip(row, other, strict=True)),
+        Fraction(0),
+    )
+    assert _exact._exact_dot(row, other) == expected
 
 
 def test_cancellations_far_apart_are_exact():
-    big = 2.0 ** (SPAN - 1)
-    row = np.array([big, 1.0, -big, 2.0**-SPAN, 3.0 * 2.0**-60, -(2.0**-SPAN)])
-    assert _exact._sum(row) == Fraction(1) + Fraction(3, 2**60)
-    # a sum whose parts cancel in every pass but the last
-    row = np.array([2.0**100, -(2.0**100) + 2.0**47, -(2.0**47), 2.0**-300])
-    assert _exact._sum(row) == Fraction(2) ** -300
+    # 1e300 + 1e-300 - 1e300: the tiny part survives; products that cancel to it too
+    row = np.array([1e300, 1e-300, -1e300, 5e-324, -5e-324, 2.0**-1074])
+    assert _exact._exact_sum(row) == Fraction(1e-300) + Fraction(2.0**-1074)
+    a = np.array([1e200, 3.0, -1e200, 2.0**-600])
+    b = np.array([1e100, 2.0**-1074, 1e100, 2.0**-474])
+    assert _exact._exact_dot(a, b) == Fraction(3.0) * Fraction(2.0**-1074) + Fraction(2) ** -1074
 
 
-def _integer_sums(z: np.ndarray, gh: np.ndarray) -> tuple[Fraction, ...]:
-    """The sums of the integer path, for comparison."""
-    z_ints, z_exp = _exact._integers(z)
-    g_ints, g_exp = _exact._integers(gh)
-    zu, gu = Fraction(2) ** z_exp, Fraction(2) ** g_exp
-    return (
-        sum(z_ints) * zu,
-        sum(k * k for k in z_ints) * zu * zu,
-        sum(g_ints) * gu,
-        _exact._dot(g_ints, z_ints) * zu * gu,
-    )
+def test_words_that_carry_many_times_stay_exact():
+    # 2^17 copies of the largest significand at one position: each word overflows its
+    # 32 bits many times before the carries move up
+    row = np.full(1 << 17, float(2**53 - 1) * 2.0**-20)
+    assert _exact._exact_sum(row) == Fraction(2**53 - 1, 2**20) * (1 << 17)
+    assert _exact._exact_dot(row, -row) == -(Fraction(2**53 - 1, 2**20) ** 2) * (1 << 17)
+    assert _numba_exact.CHUNKS * 32 > 2 * 971 + 106 + _numba_exact.BIAS
 
 
-@pytest.mark.parametrize("offset", [0.0, 1e2, 1e6])
-@pytest.mark.parametrize("n", [1, 7, 1024, 4096])
-def test_float32_rows_give_the_integers_sums(offset, n):
-    g = torch.Generator().manual_seed(n)
-    z = (torch.randn(n, generator=g) * 3 + offset).double().numpy()
-    gh = (torch.randn(n, generator=g) * torch.randn(n, generator=g)).double().numpy()
-    assert _exact._spanned(z, gh)
-    sums = _exact._row_sums(z)
-    assert (sums.total, sums.squares, *_exact._gradient_sums(gh, z)) == _integer_sums(z, gh)
-
-
-@pytest.mark.parametrize("scale", [2.0**-600, 2.0**600])
-def test_rows_beyond_the_span_take_the_integers(scale):
-    z = np.array([1.0, 3.0, -5.5, 0.0]) * scale
-    gh = np.array([0.25, -1.0, 7.0, 2.0])
-    assert not _exact._spanned(z)
-    sums = _exact._row_sums(z)
-    assert (sums.total, sums.squares, *_exact._gradient_sums(gh, z)) == _integer_sums(z, gh)
+@pytest.mark.parametrize("offset", [0.0, 1e4])
+@pytest.mark.parametrize("n", [1, 17, 4096])
+def test_float32_rows_give_the_row_statistics_of_fractions(offset, n):
+    z = (torch.randn(n, generator=torch.Generator().manual_seed(n)) + offset).numpy()
+    z = z.astype(np.float64)
     stats = _exact.row_statistics(z, 1e-5, False)
-    assert stats.mean == Fraction(-3, 8) * Fraction(scale)
+    mean = _fraction_sum(z) / n
+    squares = sum((Fraction(float(v)) ** 2 for v in z), Fraction(0))
+    assert stats.mean == mean
+    assert stats.s == squares / n - mean * mean + Fraction(1e-5)

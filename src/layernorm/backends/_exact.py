@@ -4,8 +4,9 @@ Every backend computes its output in float64 with an error bound per element and
 it once to the output dtype; where the bound cannot decide the rounding (Ziv's test,
 docs/contract.md §3), the backend flags the row and this module recomputes it exactly,
 with rationals and integer square roots. Everything here is plain Python and NumPy, run
-on the host, and shared by every backend, so a flagged row gets the same bits whichever
-backend flagged it.
+on the host (the row's exact sums in a compiled superaccumulator,
+:mod:`layernorm.backends._numba_exact`), and shared by every backend, so a flagged row
+gets the same bits whichever backend flagged it.
 
 The value of one output element has the form ``beta + w / sqrt(s)`` with rationals ``w``,
 ``s > 0`` and ``beta``: the forward's ``y_i = beta_i + gamma_i * v_i / sqrt(q + eps)``
@@ -229,92 +230,19 @@ class _RowStatistics(NamedTuple):
     s: Fraction
 
 
-def _integers(z: np.ndarray) -> tuple[list[int], int]:
-    """``z`` (finite float64) as integers ``k`` and one exponent ``e``: ``z = k * 2**e``."""
-    mantissa, exponent = np.frexp(z)
-    ints = (mantissa * 2.0**53).astype(np.int64)
-    exponent = exponent.astype(np.int64) - 53
-    nonzero = ints != 0
-    low = int(exponent[nonzero].min()) if nonzero.any() else 0
-    shifts = np.where(nonzero, exponent - low, 0).tolist()
-    return [k << shift for k, shift in zip(ints.tolist(), shifts, strict=True)], low
-
-
-def _dot(a: list[int], b: list[int]) -> int:
-    return sum(x * y for x, y in zip(a, b, strict=True))
-
-
-#: :func:`_sum` and :func:`_products` take nonzero values within ``2**±_SPAN``: there no
-#: product, part of one, or sum's ``sigma`` leaves float64's normal range
-_SPAN = 450
-
-
-def _spanned(*rows: np.ndarray) -> bool:
-    """Whether every nonzero value of ``rows`` (finite float64) lies within ``2**±_SPAN``."""
-    for row in rows:
-        magnitude = np.abs(row[row != 0])
-        if magnitude.size and (magnitude.min() < 2.0**-_SPAN or magnitude.max() > 2.0**_SPAN):
-            return False
-    return True
-
-
-def _sum(*parts: np.ndarray) -> Fraction:
-    """The exact sum of the values of ``parts`` (float64, nonzero ones within
-    ``2**±_SPAN``: :func:`_spanned`), by error-free extraction (Rump, Ogita and Oishi,
-    "Accurate floating-point summation", 2008, Algorithm 3.2): with ``sigma = 2**k``,
-    ``|x_i| <= 2**e`` and ``2**(k - e) >= 2(n + 1)``, each ``q_i = (sigma + x_i) - sigma``
-    is a multiple of ``2**(k - 53)``, ``x_i - q_i`` is exact, and the ``q_i`` add up
-    exactly in any order (every partial sum a multiple of ``2**(k - 53)`` below
-    ``2**k``). Repeated on the remainders until they are zero: each pass takes the top
-    ``52 - log2(2(n + 1))`` bits, so a row of ``n`` values within ``2**±_SPAN`` needs at
-    most ``(2 · _SPAN + 53) / (52 - log2(2(n + 1)))`` passes, usually two or three."""
-    x = np.concatenate(parts) if len(parts) > 1 else parts[0]
-    x = x[x != 0]
-    total = Fraction(0)
-    while x.size:
-        headroom = (2 * (x.size + 1) - 1).bit_length()  # 2**headroom >= 2(n + 1)
-        sigma = 2.0 ** (int(np.frexp(np.abs(x).max())[1]) + headroom)
-        high = (sigma + x) - sigma
-        total += Fraction(float(high.sum()))
-        x = x - high
-        x = x[x != 0]
-    return total
-
-
-def _products(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(p, e)`` with ``a * b = p + e`` exactly for each pair (Dekker's product, with
-    Veltkamp's split: exact where the nonzero values lie within ``2**±_SPAN``)."""
-    p = a * b
-    a_high, a_low = _split(a)
-    b_high, b_low = _split(b)
-    e = ((a_high * b_high - p) + a_high * b_low + a_low * b_high) + a_low * b_low
-    return p, e
-
-
-def _split(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``a = high + low`` with each part of at most 26 significant bits (Veltkamp)."""
-    c = 134217729.0 * a  # 2**27 + 1
-    high = c - (c - a)
-    return high, a - high
-
-
 def _exact_sum(x: np.ndarray) -> Fraction:
-    """``Σx`` exactly, for finite float64 ``x``: :func:`_sum` where the values lie within
-    ``2**±_SPAN`` (every float32 row does), else Python's integers."""
-    if _spanned(x):
-        return _sum(x)
-    ints, e = _integers(x)
-    return sum(ints) * Fraction(2) ** e
+    """``Σx`` exactly, for finite float64 ``x``: integer arithmetic in a compiled
+    superaccumulator (:mod:`layernorm.backends._numba_exact`)."""
+    from . import _numba_exact
+
+    return _numba_exact.exact_sum(x)
 
 
 def _exact_dot(a: np.ndarray, b: np.ndarray) -> Fraction:
-    """``Σa·b`` exactly, for finite float64 ``a`` and ``b``: as :func:`_exact_sum`, with
-    :func:`_products`."""
-    if _spanned(a, b):
-        return _sum(*_products(a, b))
-    a_ints, a_exp = _integers(a)
-    b_ints, b_exp = _integers(b)
-    return _dot(a_ints, b_ints) * Fraction(2) ** (a_exp + b_exp)
+    """``Σa·b`` exactly, for finite float64 ``a`` and ``b``: as :func:`_exact_sum`."""
+    from . import _numba_exact
+
+    return _numba_exact.exact_dot(a, b)
 
 
 class _RowSums(NamedTuple):
