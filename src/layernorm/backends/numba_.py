@@ -48,8 +48,9 @@ a 16-bit dtype from a wider or the other 16-bit one) has entries of its own per 
 dtype, y's dtype), compiled (or loaded) on their first use only, so the build and the
 same-dtype calls' cold start do not grow; the compiled front door asks for them
 (:func:`entry_address`) on their first use too, as for the fused dropout-add's C entries
-(:data:`DROPOUT_ENTRIES`, whose Python path compiles its kernels on first use as well)
-and the memory-efficient backward's (:data:`RECOMPUTE_ENTRIES`, likewise). Where
+(:data:`DROPOUT_ENTRIES`, whose Python path compiles its kernels on first use as well).
+The memory-efficient backward's (:data:`RECOMPUTE_ENTRIES`, a few seconds) are built
+with the plain ones, and compiled on first use where they were not. Where
 the cache lives, and the lock that lets processes starting together share it:
 :mod:`layernorm.backends._numba_cache` (:func:`cache_location` says where).
 
@@ -137,7 +138,7 @@ ENTRIES = ("forward_serial", "forward_parallel", "backward_serial", "backward_pa
 #: their first use, for compiled callers only (:func:`entry_address`)
 DROPOUT_ENTRIES = ("dropout_add", "sum3", "dropout_add_backward")
 #: the memory-efficient backward's C entry (``_numba_recompute.entry``: float32 and
-#: bfloat16 only), compiled on its first use, for compiled callers only
+#: bfloat16 only), for compiled callers only: :func:`build` compiles it, else its first use
 RECOMPUTE_ENTRIES = ("memory_efficient_backward",)
 
 
@@ -321,8 +322,9 @@ def _backward_over_threads(
 
 def build(processes: int = 1) -> list[str]:
     """Compiles every entry of every dtype into the on-disk cache now (or checks that it
-    is there): a later process's first call of each then costs a cache load, not a
-    compile. Processes that build at once share the work: each takes the next entry
+    is there), the memory-efficient backward's entries and the exact fallback's sums
+    (:mod:`layernorm.backends._numba_exact`) too: a later process's first call of each
+    then costs a cache load, not a compile. Processes that build at once share the work: each takes the next entry
     that no other is compiling, and waits only when every entry left is taken; with
     ``processes`` > 1, this one starts ``processes - 1`` more that build beside it (each
     dtype's forward is one unit of about half a minute: more than 4 gain nothing) and
@@ -356,7 +358,13 @@ def build(processes: int = 1) -> list[str]:
         if folder is not None  # (else each would compile for itself)
     ]
     seconds = dict.fromkeys(_DTYPES, 0.0)
+    from . import _numba_recompute
+
     pending = [(dtype, name) for dtype in _DTYPES for name in (*ENTRIES, "column_sums")]
+    # the memory-efficient backward's entry too (the compiled front door's; small)
+    pending += [
+        (dtype, name) for dtype in _numba_recompute.ENTRY_DTYPES for name in RECOMPUTE_ENTRIES
+    ]
     try:
         while pending:
             waiting = []
@@ -374,6 +382,10 @@ def build(processes: int = 1) -> list[str]:
     finally:
         for helper in helpers:
             helper.wait()
+    from . import _numba_exact
+
+    _numba_exact.exact_dot(np.ones(1), np.ones(1))  # the exact fallback's sums (a second)
+    _numba_exact.exact_sum(np.ones(1))
     return [f"{str(dtype).removeprefix('torch.')} {s:.1f} s" for dtype, s in seconds.items()]
 
 
