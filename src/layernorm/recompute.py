@@ -1,6 +1,11 @@
 """Backwards that keep less (``docs/contract.md`` §2 "Options"): apex's
 ``memory_efficient`` norm, which saves the output and recomputes the normalized input from
-it, and :func:`layer_norm_linear`, which saves the norm's input and recomputes its output.
+it, and :func:`layer_norm_linear`, which saves the norm's input (and its statistics)
+instead of its output. The compiled front door records both with C++ autograd nodes of
+their own for the common call (``layernorm._compiled.cpp``, ``MemoryEfficientBackward``
+and ``NormLinearBackward``), which run these backwards' steps on the same kernels (the
+same bits) and hand :func:`gradients` and :func:`norm_linear_gradients` what they were
+not built for.
 
 The plain backward (``docs/contract.md`` §1) saves the input ``z`` and recomputes the
 core ``u`` from it exactly. :class:`MemoryEfficientNorm` saves ``y`` (the output, which
