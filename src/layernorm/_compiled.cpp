@@ -1121,12 +1121,43 @@ int64_t last_dim(PyObject* shape) {
     return overflow != 0 ? 0 : n;
 }
 
+// The input every front door of the norm takes: x a plain contiguous CPU tensor of a
+// kernel dtype (exactly torch.Tensor), normalized_shape its last dim (last_dim), eps a
+// float or None (x's default), no backend named, and the extension set up.
+struct Input {
+    Tensor x;
+    int64_t n = 0;
+    int d = -1;  // x's dtype index
+    double eps = 0;
+};
+
+bool plain_input(PyObject* x_object, PyObject* shape, PyObject* eps_object,
+                 PyObject* backend, Input* in) {
+    if (state.resolve == nullptr || backend != Py_None ||
+        !(eps_object == Py_None || PyFloat_CheckExact(eps_object)) ||
+        Py_TYPE(x_object) != reinterpret_cast<PyTypeObject*>(state.tensor_type))
+        return false;
+    in->n = last_dim(shape);
+    if (in->n <= 0) return false;
+    in->x = THPVariable_Unpack(x_object);
+    const Tensor& x = in->x;
+    if (!(x.is_cpu() && x.dim() > 0 && x.size(-1) == in->n && x.is_contiguous())) return false;
+    in->d = dtype_index(x.scalar_type());
+    if (in->d < 0) return false;
+    in->eps = eps_object != Py_None ? PyFloat_AS_DOUBLE(eps_object) : state.default_eps[in->d];
+    return in->eps >= 0;
+}
+
 // A plain contiguous (N,) floating CPU tensor (or Parameter), or None (undefined).
+// Whether o is exactly a torch.Tensor or a torch.nn.Parameter (no subclass).
+bool tensor_or_parameter(PyObject* o) {
+    return Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(state.tensor_type) ||
+           Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(state.parameter_type);
+}
+
 bool plain_param(PyObject* p, int64_t n, Tensor* out) {
     if (p == Py_None) return true;
-    if (Py_TYPE(p) != reinterpret_cast<PyTypeObject*>(state.tensor_type) &&
-        Py_TYPE(p) != reinterpret_cast<PyTypeObject*>(state.parameter_type))
-        return false;
+    if (!tensor_or_parameter(p)) return false;
     const Tensor& t = THPVariable_Unpack(p);
     if (!(t.is_cpu() && t.dim() == 1 && t.size(0) == n && t.is_floating_point() &&
           t.is_contiguous()))
@@ -1219,27 +1250,19 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     const bool memory_efficient = nargs == 14 && args[13] == Py_True;
     if (y_dtype_object != Py_None && (!THPDtype_Check(y_dtype_object) || mode != ONE_ROUNDING))
         Py_RETURN_NONE;
-    PyObject *x_object = args[0], *residual_object = args[1], *eps_object = args[5];
-    if (state.resolve == nullptr || args[7] != Py_None ||
-        !(eps_object == Py_None || PyFloat_CheckExact(eps_object)) ||
-        Py_TYPE(x_object) != reinterpret_cast<PyTypeObject*>(state.tensor_type))
-        Py_RETURN_NONE;
-    const int64_t n = last_dim(args[2]);
-    if (n <= 0) Py_RETURN_NONE;
-    const Tensor& x = THPVariable_Unpack(x_object);
-    if (!(x.is_cpu() && x.dim() > 0 && x.size(-1) == n && x.is_contiguous())) Py_RETURN_NONE;
-    const int d = dtype_index(x.scalar_type());
-    if (d < 0) Py_RETURN_NONE;
+    Input in;
+    if (!plain_input(args[0], args[2], args[5], args[7], &in)) Py_RETURN_NONE;
+    const Tensor& x = in.x;
+    const int64_t n = in.n;
+    const int d = in.d;
+    const double eps = in.eps;
     const int yd = y_dtype_object == Py_None
                        ? -1
                        : dtype_index(reinterpret_cast<THPDtype*>(y_dtype_object)->scalar_type);
     if (y_dtype_object != Py_None && (yd < 0 || yd == d)) Py_RETURN_NONE;
     const auto y_dtype = yd < 0 ? x.scalar_type() : state.dtypes[yd];
-    const double eps =
-        eps_object != Py_None ? PyFloat_AS_DOUBLE(eps_object) : state.default_eps[d];
-    if (!(eps >= 0)) Py_RETURN_NONE;
     Tensor residual, weight, bias;
-    if (!plain_like(residual_object, x, &residual) || !plain_param(args[3], n, &weight) ||
+    if (!plain_like(args[1], x, &residual) || !plain_param(args[3], n, &weight) ||
         !plain_param(args[4], n, &bias))
         Py_RETURN_NONE;
     Tensor out, residual_out_given;  // preallocated outputs
@@ -1637,9 +1660,7 @@ struct NormLinearBackward : public torch::autograd::Node {
 // (undefined) where `optional`.
 bool plain_tensor(PyObject* o, at::ScalarType dtype, int64_t dims, bool optional, Tensor* out) {
     if (o == Py_None) return optional;
-    if (Py_TYPE(o) != reinterpret_cast<PyTypeObject*>(state.tensor_type) &&
-        Py_TYPE(o) != reinterpret_cast<PyTypeObject*>(state.parameter_type))
-        return false;
+    if (!tensor_or_parameter(o)) return false;
     const Tensor& t = THPVariable_Unpack(o);
     if (!(t.is_cpu() && t.dim() == dims && t.scalar_type() == dtype && t.is_contiguous()))
         return false;
@@ -1660,19 +1681,11 @@ PyObject* norm_linear(PyObject* /*module*/, PyObject* const* args, Py_ssize_t na
         PyErr_SetString(PyExc_TypeError, "norm_linear takes 9 arguments");
         return nullptr;
     }
-    PyObject *x_object = args[0], *eps_object = args[6];
-    if (state.resolve == nullptr || args[8] != Py_None ||
-        !(eps_object == Py_None || PyFloat_CheckExact(eps_object)) ||
-        Py_TYPE(x_object) != reinterpret_cast<PyTypeObject*>(state.tensor_type))
-        Py_RETURN_NONE;
-    const int64_t n = last_dim(args[1]);
-    if (n <= 0) Py_RETURN_NONE;
-    const Tensor& x = THPVariable_Unpack(x_object);
-    if (!(x.is_cpu() && x.dim() > 0 && x.size(-1) == n && x.is_contiguous())) Py_RETURN_NONE;
-    const int d = dtype_index(x.scalar_type());
-    if (d < 0) Py_RETURN_NONE;
-    const double eps = eps_object != Py_None ? PyFloat_AS_DOUBLE(eps_object) : state.default_eps[d];
-    if (!(eps >= 0)) Py_RETURN_NONE;
+    Input in;
+    if (!plain_input(args[0], args[1], args[6], args[8], &in)) Py_RETURN_NONE;
+    const Tensor& x = in.x;
+    const int64_t n = in.n;
+    const double eps = in.eps;
     const bool rms = args[7] == Py_True;
     Tensor weight, bias, linear_weight, linear_bias;
     if (!plain_param(args[2], n, &weight) || !plain_param(args[3], n, &bias) ||

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from . import _numba_cache, _threads
+from . import _numba_cache, _threads, numba_
 from ._numba_vectors import view
 from .numba_ import SERIAL_NUMEL
 
@@ -229,15 +229,9 @@ def backward(
     for k, need in enumerate((need_dweight, need_dbias)):
         if need:
             total = torch.empty(n, dtype=torch.float32)
-            _kernels().column_sum_kernel(part[k], blocks, n, total.numpy())
+            numba_._kernels().column_sum_kernel(part[k], blocks, n, total.numpy())
             sums[k] = total
     return dx if dx.dtype == dtype else dx.to(dtype), sums[0], sums[1]
-
-
-def _kernels():
-    from . import numba_
-
-    return numba_._kernels()
 
 
 _F32_TAG = np.empty(0, np.float32)
