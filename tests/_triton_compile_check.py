@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tempfile
 
-import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -115,18 +114,13 @@ def variants():
                     {"CHUNKS_P2": 256, **tile},
                     triton_._num_warps_forward(chunk),
                 )
-            yield (
-                k.forward_output_kernel,
-                p,
-                {**flags, "CHUNKS_P2": 256, "SUB_ROWS": triton_._sub_rows(rows), **tile},
-                triton_._num_warps_output(chunk, torch.bfloat16 if dt == "bf16" else torch.float32),
-            )
-            yield (
-                k.forward_precise_kernel,
-                p,
-                {**flags, "CHUNKS_P2": 256, **tile},
-                triton_._num_warps_forward(chunk),
-            )
+            for kernel in (k.forward_output_kernel, k.forward_precise_kernel):
+                yield (
+                    kernel,
+                    p,
+                    {**flags, "CHUNKS_P2": 256, **tile},
+                    triton_._num_warps_forward(chunk),
+                )
             rows, cols = triton_._tile_shape(triton_.BACKWARD_CHUNK_N)
             yield (
                 k.backward_sums_kernel,

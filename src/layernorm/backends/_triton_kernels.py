@@ -220,19 +220,12 @@ def _two_prod(a, b):
 
 
 @triton.jit
-def _rstd_error(var, e_var, eps):
-    # (s, e_s, e_r): s = var + eps, its error bound, and that of rstd = 1/sqrt(s)
-    # relative to the exact one (docs/contract.md §3; meaningful where e_s < s/128)
-    s = var + eps
-    e_s = e_var + _C1_01 * _U * s
-    return s, e_s, _C0_51 * (e_s / (s - e_s)) + _C2_01 * _U
-
-
-@triton.jit
 def _row_constants(var, e_var, eps):
     # rstd = 1/sqrt(var + eps) and the bound's per-row factors (docs/contract.md §3)
-    s, e_s, e_r = _rstd_error(var, e_var, eps)
+    s = var + eps
+    e_s = e_var + _C1_01 * _U * s
     loose = (e_s >= _LOOSE * s).to(tl.int32)  # 0 for a NaN row: it stays NaN
+    e_r = _C0_51 * (e_s / (s - e_s)) + _C2_01 * _U
     rstd = 1.0 / tl.sqrt(s)
     k_p = (_C2_01 * _U + _C1_02 * e_r) * _SLACK
     k_w = rstd * (1.0 + _C1_02 * e_r) * _SLACK
@@ -330,96 +323,6 @@ def _output(
     # (a zero bound is an exact value: -0.0 + 0.0 = +0.0 would split a -0.0 in two)
     open_ = (low != high) & (bound != 0.0) & mask
     return _round_once(yh, DTYPE), _max2d(open_.to(tl.int32))
-
-
-# The 16-bit outputs' first pass in float32 lanes (docs/contract.md §3, "float32 lanes"):
-# the numba kernels' arithmetic (_single_bounds, normalize_row_fast_single) with the bound
-# per element; an element it leaves open takes _output's float64 arithmetic and test.
-
-_U32 = tl.constexpr(2.0**-24)  # float32's unit roundoff
-_C5_01 = tl.constexpr(5.015625)  # >= 5.01
-#: the per-element bound's factors, float32 values: K_Q >= 4.001u(1 + 2^-20),
-#: K_Y >= 1.0000001u(1 + 2^-20), and 2^-119 for the underflows
-_K_Q = tl.constexpr(4.0078125 * 2.0**-24)
-_K_Y = tl.constexpr(1.0078125 * 2.0**-24)
-_TINY32 = tl.constexpr(2.0**-119)
-_SINGLE_SLACK = tl.constexpr(1.0 + 2.0**-20)
-_POW2_M126 = tl.constexpr(0x3810000000000000)  # 2^-126's float64 pattern
-_POW2_M120 = tl.constexpr(0x3870000000000000)  # 2^-120's
-_POW2_M148 = tl.constexpr(0x36B0000000000000)  # 2^-148's
-_POW2_120 = tl.constexpr(0x4770000000000000)  # 2^120's
-_F32_INF_BITS = tl.constexpr(0x7F800000)
-_FLOAT16_NORMAL_BITS = tl.constexpr(0x38800000)  # 2^-14 as a float32 pattern
-
-
-@triton.jit
-def _pow2(bits):
-    # a power of two as a float64, from its bit pattern (a float literal is float32)
-    return tl.full([], bits, tl.int64).to(tl.float64, bitcast=True)
-
-
-@triton.jit
-def _single_constants(m1, delta, rstd, e_mean, e_r):
-    """The float32 lanes' row constants ``(m1f, r, neg_t, lam32, usable)``: ``m1f =
-    RN32(m1 + delta)``, ``r = RN32(rstd)``, ``neg_t = RN32(-τ)`` for ``τ = fl(fl(m1 -
-    m1f) + delta)·rstd``, and ``lam32 >= λ(1 + 2^-21)``, a normal float32, for
-    ``λ = rstd(e_mean(1 + 8u) + 7v(|m1 - m1f| + |delta|)) + 5.01u|τ| + 2^-148``
-    (``u = 2^-24``, ``v = 2^-53``; ``|q - q*| <= 4.001u|q| + λ``). ``usable`` is 0
-    (every element takes the float64 test) unless ``e_r <= u`` and
-    ``2^-120 < rstd < 2^120``."""
-    m1f = (m1 + delta).to(tl.float32)
-    rest = m1 - m1f.to(tl.float64)
-    tau = (rest + delta) * rstd
-    lam = rstd * (e_mean * (1.0 + 8.0 * _U32) + 7.0 * _U * (tl.abs(rest) + tl.abs(delta)))
-    lam = lam + _C5_01 * _U32 * tl.abs(tau) + _pow2(_POW2_M148)
-    lam32 = (lam * _SINGLE_SLACK + _pow2(_POW2_M126)).to(tl.float32)
-    usable = (e_r <= _U32) & (rstd > _pow2(_POW2_M120)) & (rstd < _pow2(_POW2_120))
-    return m1f, rstd.to(tl.float32), _neg(tau).to(tl.float32), lam32, usable.to(tl.int32)
-
-
-@triton.jit
-def _single_lanes(z, gamma, beta, m1f, r, neg_t, lam32, DTYPE: tl.constexpr):
-    """float32 ``z``, ``gamma``, ``beta``: ``(y, open)``, ``y`` in DTYPE (bfloat16 or
-    float16) where ``open`` is False::
-
-        q = fma(z - m1f, r, -t);  yh = fma(q, gamma, beta)
-        E = fma(|q|·|gamma|, K_Q, fma(|gamma|, lam32, fma(|yh|, K_Y, 2^-119)))
-        L = |yh| - E;  H = |yh| + E
-
-    open unless ``H`` is finite (so are ``|yh|`` and ``E``) and no rounding boundary
-    of DTYPE lies in ``[L, H]``: with ``H'`` the boundary's low bits (bfloat16 0x8000,
-    float16 0x1000) and ``K`` the mask below them, the boundaries at or below a pattern
-    ``h`` number ``(h + H') >> k``, so ``[L, H]`` holds none when
-    ``(H + H') ^ (L + H' - 1) <= K`` (a negative ``L`` has the sign bit: open);
-    float16 also needs ``L >= 2^-14``."""
-    q = tl.fma(z - m1f, r, neg_t)
-    yh = tl.fma(q, gamma, beta)
-    magnitude = tl.abs(yh)
-    weight = tl.abs(gamma)
-    bound = tl.fma(magnitude, _K_Y, _TINY32)
-    bound = tl.fma(weight, lam32, bound)
-    bound = tl.fma(tl.abs(q) * weight, _K_Q, bound)
-    low = (magnitude - bound).to(tl.uint32, bitcast=True)
-    high = (magnitude + bound).to(tl.uint32, bitcast=True)
-    if DTYPE == tl.bfloat16:
-        open_ = ((high + 0x8000) ^ (low + 0x7FFF)) > 0xFFFF
-    else:
-        open_ = ((high + 0x1000) ^ (low + 0x0FFF)) > 0x1FFF
-        open_ = open_ | (low.to(tl.int32, bitcast=True) < _FLOAT16_NORMAL_BITS)
-    open_ = open_ | (high >= _F32_INF_BITS)
-    return _cast(yh, DTYPE), open_
-
-
-@triton.jit
-def _load_params32(W, B, cols, mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # gamma and beta as float32 (the accumulation dtype)
-    gamma = tl.full(cols.shape, 1.0, tl.float32)
-    beta = tl.full(cols.shape, -0.0, tl.float32)
-    if HAS_WEIGHT:
-        gamma = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        beta = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-    return gamma, beta
 
 
 @triton.jit
@@ -631,17 +534,10 @@ def forward_output_kernel(
     N, eps_bits, depth, num_chunks,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr,
     CHUNKS_P2: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-    SUB_ROWS: tl.constexpr,
 ):  # fmt: skip
     """Wide rows, pass 3, grid (M, chunks): the row's statistics from its partials (every
     program of a row the same bits), then stage 1's output and test for one chunk;
-    ``CHUNK_FLAGS[row, chunk]`` is 1 where the chunk or the row's bound is open.
-
-    A 16-bit output takes the float32 lanes first (:func:`_single_lanes`); where they
-    leave an element open, the chunk's ``SUB_ROWS x COLS`` slices holding one are
-    computed again by the float64 arithmetic and test (:func:`_output`), so that float64
-    tiles stay small (registers, and so occupancy). Both write the correct rounding of
-    every element they decide: the same bits as the float64 pass alone."""
+    ``CHUNK_FLAGS[row, chunk]`` is 1 where the chunk or the row's bound is open."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * (ROWS * COLS) + _tile(ROWS, COLS)
@@ -665,39 +561,11 @@ def forward_output_kernel(
     rstd, k_p, k_w, loose = _row_constants(var, e_var, _eps(eps_bits))
     tl.store(RSTD + row, rstd.to(tl.float32), mask=chunk == 0)
     a, b = _folded(delta, rstd, e_mean, k_c, k_p, k_w)
-    k_y = _C2_1 * _U * _SLACK
-    if Y.dtype.element_ty == tl.float32:
-        z = _load_row(Z, row, stride_z, cols, mask)
-        gamma, beta = _load_params(W, B, cols, mask, HAS_WEIGHT, HAS_BIAS)
-        y, open_ = _output(z, gamma, beta, mask, m1, delta, rstd, a, b, k_y,
-                           Y.dtype.element_ty, HAS_WEIGHT, HAS_BIAS)  # fmt: skip
-        tl.store(Y + row * stride_y + cols, y, mask=mask)
-    else:
-        z = tl.load(Z + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
-        gamma, beta = _load_params32(W, B, cols, mask, HAS_WEIGHT, HAS_BIAS)
-        e_r = _rstd_error(var, e_var, _eps(eps_bits))[2]
-        m1f, r, neg_t, lam32, usable = _single_constants(m1, delta, rstd, e_mean, e_r)
-        y, lanes_open = _single_lanes(z, gamma, beta, m1f, r, neg_t, lam32, Y.dtype.element_ty)
-        tl.store(Y + row * stride_y + cols, y, mask=mask)
-        open_ = tl.zeros([], tl.int32)
-        if (_max2d((lanes_open & mask).to(tl.int32)) != 0) | (usable == 0):
-            tl.debug_barrier()  # the slices below rewrite what other threads stored
-            for first in range(0, ROWS, SUB_ROWS):
-                sub = chunk * (ROWS * COLS) + first * COLS + _tile(SUB_ROWS, COLS)
-                sub_mask = sub < N
-                z_s = tl.load(Z + row * stride_z + sub, mask=sub_mask, other=0.0).to(tl.float32)
-                gamma_s, beta_s = _load_params32(W, B, sub, sub_mask, HAS_WEIGHT, HAS_BIAS)
-                sub_open = _single_lanes(
-                    z_s, gamma_s, beta_s, m1f, r, neg_t, lam32, Y.dtype.element_ty
-                )[1]
-                if (_max2d((sub_open & sub_mask).to(tl.int32)) != 0) | (usable == 0):
-                    y_s, sub_flag = _output(
-                        z_s.to(tl.float64), gamma_s.to(tl.float64), beta_s.to(tl.float64),
-                        sub_mask, m1, delta, rstd, a, b, k_y, Y.dtype.element_ty, HAS_WEIGHT,
-                        HAS_BIAS,
-                    )  # fmt: skip
-                    tl.store(Y + row * stride_y + sub, y_s, mask=sub_mask)
-                    open_ = open_ | sub_flag
+    z = _load_row(Z, row, stride_z, cols, mask)
+    gamma, beta = _load_params(W, B, cols, mask, HAS_WEIGHT, HAS_BIAS)
+    y, open_ = _output(z, gamma, beta, mask, m1, delta, rstd, a, b, _C2_1 * _U * _SLACK,
+                       Y.dtype.element_ty, HAS_WEIGHT, HAS_BIAS)  # fmt: skip
+    tl.store(Y + row * stride_y + cols, y, mask=mask)
     tl.store(CHUNK_FLAGS + row * num_chunks + chunk, open_ | loose)
 
 

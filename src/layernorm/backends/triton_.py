@@ -166,14 +166,6 @@ def _num_warps_forward(block: int) -> int:
     return max(4, min(8, block // 256))
 
 
-def _num_warps_output(block: int, y_dtype: torch.dtype) -> int:
-    # the wide output pass: a 16-bit output's float32 lanes hold 8 elements a thread at
-    # 16 warps in a 4096-column chunk (62 registers on sm_90: two programs an SM)
-    if y_dtype == torch.float32:
-        return _num_warps_forward(block)
-    return max(4, min(16, block // 256))
-
-
 def _num_warps_backward(block: int) -> int:
     # 2 elements per thread in a fused row of 512 (8 in a chunk of 2048): the backward
     # keeps z, dy, gamma, c, dweight, dbias, ... live in float64 (at 16 warps a thread
@@ -192,13 +184,6 @@ def _tile_shape(block: int) -> tuple[int, int]:
     in: about square, so that a sum over it passes few roundings (``_sum2d``)."""
     cols = 1 << (block.bit_length() // 2)
     return block // cols, cols
-
-
-def _sub_rows(rows: int) -> int:
-    """Rows of the slices in which the wide output kernel computes again, in float64,
-    what its float32 lanes leave open: a sixteenth of the tile (a 64 x 64 chunk's
-    slices are 256 elements, one a thread at 8 warps)."""
-    return max(1, rows // 16)
 
 
 def _float64_bits(value: float) -> int:
@@ -358,8 +343,7 @@ def _forward_wide(
         z, w, b, y, rstd if mean is None else mean, rstd, part_a, part_b, part_c, chunk_flags,
         z.stride(0), y.stride(0),
         n, eps_bits, depth, num_chunks,
-        CHUNKS_P2=chunks_p2, SUB_ROWS=_sub_rows(rows), ROWS=rows, COLS=cols, **params,
-        **_launch(_num_warps_output(chunk, y.dtype)),
+        CHUNKS_P2=chunks_p2, **params, **tile,
     )  # fmt: skip
     kernels.forward_precise_kernel[(m,)](
         z, w, b, y, part_a, chunk_flags, flags,
