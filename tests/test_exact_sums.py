@@ -73,6 +73,28 @@ def test_cancellations_far_apart_are_exact():
     assert _exact._exact_dot(a, b) == Fraction(3.0) * Fraction(2.0**-1074) + Fraction(2) ** -1074
 
 
+def test_products_on_both_sides_of_twoprods_range_are_exact():
+    # TwoProd (fl(a·b) and its exact error) where exact: E_a + E_b >= -1074 and a finite
+    # fl(a·b); the four partial products past it: products whose error would fall below
+    # the smallest subnormal, that underflow whole, or that overflow. 53-bit
+    # significands, so that the error term is never zero.
+    odd = float(2**53 - 1)
+    a = np.array([odd * 2.0**-560, odd * 2.0**-561, odd * 2.0**-600, 5e-324, odd * 2.0**480,
+                  1.7976931348623157e308, 3.0, odd * 2.0**-52])  # fmt: skip
+    b = np.array([odd * 2.0**-514, odd * 2.0**-514, odd * 2.0**-600, 0.5, odd * 2.0**500,
+                  -2.0, 5e-324, odd * 2.0**-53])  # fmt: skip
+    exponents = np.frexp(a)[1] - 53 + np.frexp(b)[1] - 53
+    with np.errstate(over="ignore"):
+        twoprod = (exponents >= -1074) & np.isfinite(a * b)
+    assert twoprod.any() and not twoprod.all()  # both paths
+    for i in range(len(a)):
+        assert _exact._exact_dot(a[i : i + 1], b[i : i + 1]) == Fraction(a[i]) * Fraction(b[i])
+    expected = sum(
+        (Fraction(float(x)) * Fraction(float(y)) for x, y in zip(a, b, strict=True)), Fraction(0)
+    )
+    assert _exact._exact_dot(a, b) == expected
+
+
 def test_words_that_carry_many_times_stay_exact():
     # 2^17 copies of the largest significand at one position: each word overflows its
     # 32 bits many times before the carries move up

@@ -230,19 +230,22 @@ class _RowStatistics(NamedTuple):
     s: Fraction
 
 
+def _compiled():
+    """:mod:`layernorm.backends._numba_exact` (imported on first use: numba compiles)."""
+    from . import _numba_exact
+
+    return _numba_exact
+
+
 def _exact_sum(x: np.ndarray) -> Fraction:
     """``Σx`` exactly, for finite float64 ``x``: integer arithmetic in a compiled
     superaccumulator (:mod:`layernorm.backends._numba_exact`)."""
-    from . import _numba_exact
-
-    return _numba_exact.exact_sum(x)
+    return _compiled().exact_sum(x)
 
 
 def _exact_dot(a: np.ndarray, b: np.ndarray) -> Fraction:
     """``Σa·b`` exactly, for finite float64 ``a`` and ``b``: as :func:`_exact_sum`."""
-    from . import _numba_exact
-
-    return _numba_exact.exact_dot(a, b)
+    return _compiled().exact_dot(a, b)
 
 
 class _RowSums(NamedTuple):
@@ -307,12 +310,10 @@ def fix_forward_row(
     mean_high = float(stats.mean)
     mean_low = float(stats.mean - Fraction(mean_high))
     rstd = 1.0 / math.sqrt(float(stats.s))  # within 2.6 units of float64 of 1/sqrt(s)
-    d = z - mean_high
-    c = d - mean_low
-    p = c * rstd * gamma
-    y = p + beta
-    e_c = 1.01 * _U * (np.abs(d) + np.abs(c)) + 1.01 * _U * _U * abs(mean_high)
-    bound = (np.abs(p) * 6 * _U + np.abs(gamma) * rstd * 1.01 * e_c + np.abs(y) * 3 * _U) * 1.01
+    # y = p + beta, p = ((z - mean_high) - mean_low)·rstd·gamma (compiled), within
+    # bound = 1.01(6u|p| + 1.01|gamma|·rstd·e_c + 3u|y|),
+    # e_c = 1.01u(|d| + |c|) + 1.01u²|mean_high| (d = z - mean_high, c = d - mean_low)
+    y, bound = _compiled().forward_estimate(z, gamma, beta, mean_high, mean_low, rstd)
     if special.any():
         y[special], bound[special] = y_special, 0.0
     out = round_once(y, dtype)
@@ -400,21 +401,11 @@ def fix_backward_row(
     rstd = 1.0 / math.sqrt(float(stats.s))  # within 2.6 units of float64
     c2_f, a_f = float(c2), float(a)
     k = rstd * rstd * rstd * a_f  # within 12.1 units of float64 of a / s**1.5
-    d = z - mean_high
-    c = d - mean_low  # v within 1.01u(|d| + |c|) + u^2 |mean|
-    t1 = gh - c2_f  # within u(|t1| + |c2|)
-    t2 = rstd * t1
-    t3 = k * c
-    y = (t2 - t3) + rho + 0.0
-    e_c = 1.01 * _U * (np.abs(d) + np.abs(c)) + 1.01 * _U * _U * abs(mean_high)
-    bound = (
-        rstd * _U * (np.abs(t1) + abs(c2_f)) * 1.01
-        + np.abs(t2) * 4 * _U
-        + abs(k) * e_c * 1.01
-        + np.abs(t3) * 14 * _U
-        + np.abs(y) * 3 * _U
-        + np.abs(t2 - t3) * 2 * _U
-    ) * 1.01
+    # compiled: d = z - mean_high, c = d - mean_low (v within e_c = 1.01u(|d| + |c|) +
+    # 1.01u²|mean_high|), t1 = gh - c2 (within u(|t1| + |c2|)), t2 = rstd·t1, t3 = k·c,
+    # y = (t2 - t3) + rho, within bound = 1.01(1.01u·rstd(|t1| + |c2|) + 4u|t2| +
+    # 1.01|k|·e_c + 14u|t3| + 3u|y| + 2u|t2 - t3|)
+    y, bound = _compiled().backward_estimate(z, gh, rho, mean_high, mean_low, rstd, c2_f, k)
     out = round_once(y, dtype)
     low, high = round_once(y - bound, dtype), round_once(y + bound, dtype)
     values = _from_storage(out, dtype)

@@ -127,6 +127,7 @@ from ._numba_vectors import (
     widen,
 )
 from ._numba_vectors import lanes as vector_lanes
+from ._numba_vectors import pattern as _pattern
 from ._numba_vectors import view as _view
 
 _FLAG_TAG = np.empty(0, np.uint8)  # the dtype of the forward's fallback flags
@@ -211,17 +212,6 @@ def _single_head(a):
 _U = 2.0**-53  # float64's unit roundoff
 _SLACK = 1.0 + 2.0**-30  # covers the rounding errors of computing the bound itself
 _K_Y = 2.1 * _U * _SLACK  # the forward bound's |yh| factor (docs/contract.md §3)
-
-
-@intrinsic
-def _pattern(typingctx, value):
-    """A float64's bits as an int64, or an int64's as a float64."""
-    target = types.int64 if value == types.float64 else types.float64
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], context.get_value_type(target))
-
-    return target(value), codegen
 
 
 #: ``_weight_terms``' constants as the kernels use them

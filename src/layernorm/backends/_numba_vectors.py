@@ -838,6 +838,17 @@ def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Val
 
 
 @intrinsic
+def pattern(typingctx, value):
+    """A float64's bits as an int64, or an int64's as a float64."""
+    target = types.int64 if value == types.float64 else types.float64
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], context.get_value_type(target))
+
+    return target(value), codegen
+
+
+@intrinsic
 def fma(typingctx, a, b, c):
     """``a·b + c`` of doubles rounded once (``llvm.fma.f64``)."""
 

@@ -322,7 +322,7 @@ def _backward_over_threads(
 
 def build(processes: int = 1) -> list[str]:
     """Compiles every entry of every dtype into the on-disk cache now (or checks that it
-    is there), the memory-efficient backward's entries and the exact fallback's sums
+    is there), the memory-efficient backward's entries and the exact fallback's loops
     (:mod:`layernorm.backends._numba_exact`) too: a later process's first call of each
     then costs a cache load, not a compile. Processes that build at once share the work: each takes the next entry
     that no other is compiling, and waits only when every entry left is taken; with
@@ -384,8 +384,7 @@ def build(processes: int = 1) -> list[str]:
             helper.wait()
     from . import _numba_exact
 
-    _numba_exact.exact_dot(np.ones(1), np.ones(1))  # the exact fallback's sums (a second)
-    _numba_exact.exact_sum(np.ones(1))
+    _numba_exact.compile_all()  # the exact fallback's loops (seconds)
     return [f"{str(dtype).removeprefix('torch.')} {s:.1f} s" for dtype, s in seconds.items()]
 
 
