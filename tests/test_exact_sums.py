@@ -114,3 +114,11 @@ def test_float32_rows_give_the_row_statistics_of_fractions(offset, n):
     squares = sum((Fraction(float(v)) ** 2 for v in z), Fraction(0))
     assert stats.mean == mean
     assert stats.s == squares / n - mean * mean + Fraction(1e-5)
+
+
+def test_the_sums_record_the_code_they_compile_in():
+    # numba's cache sees only _numba_exact.py: see DEPENDS_SHA256 there
+    digest = _numba_exact.depends_digest()
+    assert digest == _numba_exact.DEPENDS_SHA256, (
+        f"_numba_vectors' intrinsics changed: set DEPENDS_SHA256 in _numba_exact.py to {digest!r}"
+    )

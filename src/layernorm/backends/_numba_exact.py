@@ -22,19 +22,23 @@ range), where NumPy's extraction (``_exact._sum``) made 20–40 passes over the 
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 from fractions import Fraction
 
 import numpy as np
 from numba import njit
 
-from . import _numba_cache
+from . import _numba_cache, _numba_vectors
 from ._numba_vectors import fma, pattern
 
 __all__ = [
     "BIAS",
     "CHUNKS",
+    "DEPENDS_SHA256",
     "backward_estimate",
     "compile_all",
+    "depends_digest",
     "exact_dot",
     "exact_sum",
     "forward_estimate",
@@ -49,6 +53,20 @@ CHUNKS = 136
 NORMALIZE = 1 << 28
 
 _MASK = np.int64(0xFFFFFFFF)
+
+#: numba caches these functions keyed on this file alone: the start of the SHA-256 of the
+#: ``_numba_vectors`` code they compile in (:func:`depends_digest`), so that a change
+#: there changes this file (``tests/test_exact_sums.py`` fails until this is updated)
+DEPENDS_SHA256 = "20e884a7e952a773"
+
+
+def depends_digest() -> str:
+    """sha256 (16 hex digits) of the ``_numba_vectors`` intrinsics these functions use."""
+    parts = [
+        inspect.getsource(f)
+        for f in (_numba_vectors.pattern, _numba_vectors.fma, _numba_vectors._fma)
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def _jit(func):

@@ -140,7 +140,7 @@ SEGMENT = 1024
 #: these kernels. numba keys its on-disk cache on this file alone, so a change to that one
 #: must change this line, or a stale cached kernel would keep running the old code;
 #: ``tests/test_numba_vectors.py`` fails until it does.
-VECTORS_SHA256 = "be3055cfdbc3e088"
+VECTORS_SHA256 = "293dbc83a6af965e"
 #: The same for ``_weight_terms.py``, whose constants the backward compiles in
 WEIGHT_TERMS_SHA256 = "24c25c5ad03281b4"
 
