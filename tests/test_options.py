@@ -841,6 +841,16 @@ def test_memory_efficient_kernel_is_thread_invariant_and_tracks_the_torch_ops():
         assert_close(ours, ops_, rtol=2e-5, atol=2e-5)
 
 
+def test_memory_efficient_kernels_record_the_code_they_inline():
+    # numba's cache sees only _numba_recompute.py: see DEPENDS_SHA256 there
+    from layernorm.backends import _numba_recompute
+
+    digest = _numba_recompute.depends_digest()
+    assert digest == _numba_recompute.DEPENDS_SHA256, (
+        f"inlined numba code changed: set DEPENDS_SHA256 in _numba_recompute.py to {digest!r}"
+    )
+
+
 def test_memory_efficient_kernel_reads_and_writes_bfloat16_rows_as_float32_would():
     """The numba kernel on bfloat16 rows gives the bits of the float32 rows it widens
     to, with ``dx`` rounded to bfloat16 as torch rounds (NaN a NaN)."""

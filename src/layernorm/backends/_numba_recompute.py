@@ -35,15 +35,39 @@ for the compiled front door's autograd node (``layernorm._compiled.cpp``,
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+
 import numpy as np
 import torch
 from numba import njit
 
-from . import _numba_cache, _threads, numba_
+from . import _numba_cache, _numba_vectors, _threads, numba_
 from ._numba_vectors import view
 from .numba_ import SERIAL_NUMEL
 
-__all__ = ["BLOCK", "ENTRY_DTYPES", "MAX_N", "backward", "entry", "runs"]
+__all__ = [
+    "BLOCK",
+    "DEPENDS_SHA256",
+    "ENTRY_DTYPES",
+    "MAX_N",
+    "backward",
+    "depends_digest",
+    "entry",
+    "runs",
+]
+
+#: numba caches these kernels keyed on this file alone: the start of the SHA-256 of the
+#: ``_numba_vectors`` code their C entry compiles in (:func:`depends_digest`), so that a
+#: change there changes this file (``tests/test_options.py`` fails until this is updated)
+DEPENDS_SHA256 = "9fe892e488f0d1f0"
+
+
+def depends_digest() -> str:
+    """sha256 (16 hex digits) of the ``_numba_vectors`` functions :func:`entry` inlines."""
+    parts = [inspect.getsource(f) for f in (_numba_vectors.view.py_func, _numba_vectors._pointer)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
 
 #: rows per block of the parameters' partial sums
 BLOCK = 64
