@@ -416,6 +416,14 @@ def _bits(t):
     return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
+def _assert_same_tensors(results, case):
+    """The tensors of every run in ``results`` (``(name, tensors, ...)`` each) are those
+    of the last, dtype and bits."""
+    for got in (run[1] for run in results[:-1]):
+        for a, e in zip(got, results[-1][1], strict=True):
+            assert a.dtype == e.dtype and torch.equal(_bits(a), _bits(e)), case
+
+
 def _taken(x_dtype, weight, offset, mode):
     """Whether the front door takes an options call (its documented rule)."""
     if not isinstance(offset, float) or offset not in OFFSETS_TAKEN or mode == "none":
@@ -712,9 +720,7 @@ def test_memory_efficient_node_is_python_s_bits(in_use, monkeypatch, dtype, op):
         entry = dtype in (torch.float32, torch.bfloat16) and takes
         assert results[0][0] == (node if entry else "MemoryEfficientNormBackward"), shape
         assert results[2][0] == "MemoryEfficientNormBackward"
-        for got in (results[0][1], results[1][1]):
-            for a, e in zip(got, results[2][1], strict=True):
-                assert a.dtype == e.dtype and torch.equal(_bits(a), _bits(e)), (shape, affine)
+        _assert_same_tensors(results, (shape, affine))
 
     x = torch.randn(3, 2, 40, dtype=dtype, requires_grad=True)
     w = (torch.randn(40) + 2).to(dtype).requires_grad_()
@@ -783,9 +789,7 @@ def test_norm_linear_node_is_python_s_bits(in_use, monkeypatch, dtype, rms):
         monkeypatch.setattr(compiled, "norm_linear", results[0][2])
         assert results[0][0] == (node if takes else "NormLinearBackward"), shape
         assert results[2][0] == "NormLinearBackward"
-        for got in (results[0][1], results[1][1]):
-            for a, e in zip(got, results[2][1], strict=True):
-                assert a.dtype == e.dtype and torch.equal(_bits(a), _bits(e)), (shape, affine)
+        _assert_same_tensors(results, (shape, affine))
 
     x = torch.randn(3, 2, 8, dtype=dtype, requires_grad=True)
     w = torch.randn(8, dtype=dtype, requires_grad=True)
@@ -849,8 +853,7 @@ def test_option_nodes_take_mixed_parameter_dtypes(in_use, monkeypatch, x_dtype, 
             results.append((out.grad_fn.name(), [out.detach(), *grads]))
         if not (kind == "memory_efficient" and x_dtype == torch.float16):
             assert results[0][0].startswith("layernorm::"), (kind, results[0][0])
-        for a, e in zip(results[0][1], results[1][1], strict=True):
-            assert a.dtype == e.dtype and torch.equal(_bits(a), _bits(e)), kind
+        _assert_same_tensors(results, kind)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
