@@ -34,12 +34,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import logging
 import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 from numba.core import caching, config
 
@@ -51,6 +53,7 @@ __all__ = [
     "expect_compiles",
     "location",
     "locked",
+    "source_digest",
 ]
 
 _log = logging.getLogger("layernorm")
@@ -58,6 +61,16 @@ _announced = False
 _thread_lock = threading.Lock()
 #: resolved once per process: the folder, or None when nothing is writable
 _resolved: tuple[Path | None] | None = None
+
+
+def source_digest(*objects: ModuleType | Callable[..., object]) -> str:
+    """sha256 (16 hex digits) of the source of ``objects`` (functions, modules), for a
+    kernel file to record the code it compiles in from elsewhere: numba keys a cached
+    function on its own file alone, so a change there must change that file's recorded
+    digest (each such file's test compares the two)."""
+    return hashlib.sha256("\n".join(inspect.getsource(o) for o in objects).encode()).hexdigest()[
+        :16
+    ]
 
 
 def _writable(path: Path) -> bool:

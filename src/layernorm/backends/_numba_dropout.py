@@ -74,8 +74,6 @@ code they inline from ``_numba_philox`` and ``_numba_vectors``
 from __future__ import annotations
 
 import functools
-import hashlib
-import inspect
 from collections.abc import Callable
 
 import numpy as np
@@ -107,27 +105,21 @@ DEPENDS_SHA256 = "feba11b26cf46d25"
 def depends_digest() -> str:
     """sha256 (16 hex digits) of the functions of ``_numba_philox`` and
     ``_numba_vectors`` these kernels inline."""
-    parts = [
-        inspect.getsource(_numba_philox),
-        *(
-            inspect.getsource(f)
-            for f in (
-                _numba_vectors.widen,
-                _numba_vectors.narrow,
-                _numba_vectors.narrow_once,
-                _numba_vectors._fabs,
-                _numba_vectors._shaped,
-                _numba_vectors._constant,
-                _numba_vectors._fma,
-                _numba_vectors.fma,
-                _numba_vectors.two_sum,
-                _numba_vectors.two_prod,
-                _numba_vectors._pointer,
-                _numba_vectors.view.py_func,
-            )
-        ),
-    ]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    return _numba_cache.source_digest(
+        _numba_philox,
+        _numba_vectors.widen,
+        _numba_vectors.narrow,
+        _numba_vectors.narrow_once,
+        _numba_vectors._fabs,
+        _numba_vectors._shaped,
+        _numba_vectors._constant,
+        _numba_vectors._fma,
+        _numba_vectors.fma,
+        _numba_vectors.two_sum,
+        _numba_vectors.two_prod,
+        _numba_vectors._pointer,
+        _numba_vectors.view.py_func,
+    )
 
 
 def _jit(**options):

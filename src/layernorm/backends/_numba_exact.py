@@ -22,8 +22,6 @@ range), where NumPy's extraction (``_exact._sum``) made 20–40 passes over the 
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 from fractions import Fraction
 
 import numpy as np
@@ -62,11 +60,9 @@ DEPENDS_SHA256 = "20e884a7e952a773"
 
 def depends_digest() -> str:
     """sha256 (16 hex digits) of the ``_numba_vectors`` intrinsics these functions use."""
-    parts = [
-        inspect.getsource(f)
-        for f in (_numba_vectors.pattern, _numba_vectors.fma, _numba_vectors._fma)
-    ]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    return _numba_cache.source_digest(
+        _numba_vectors.pattern, _numba_vectors.fma, _numba_vectors._fma
+    )
 
 
 def _jit(func):

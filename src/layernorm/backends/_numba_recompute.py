@@ -35,9 +35,6 @@ for the compiled front door's autograd node (``layernorm._compiled.cpp``,
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-
 import numpy as np
 import torch
 from numba import njit
@@ -65,8 +62,7 @@ DEPENDS_SHA256 = "9fe892e488f0d1f0"
 
 def depends_digest() -> str:
     """sha256 (16 hex digits) of the ``_numba_vectors`` functions :func:`entry` inlines."""
-    parts = [inspect.getsource(f) for f in (_numba_vectors.view.py_func, _numba_vectors._pointer)]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    return _numba_cache.source_digest(_numba_vectors.view.py_func, _numba_vectors._pointer)
 
 
 #: rows per block of the parameters' partial sums
