@@ -11,6 +11,7 @@ on each option, against the eager call.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import warnings
 from fractions import Fraction
@@ -326,6 +327,85 @@ def test_out_dtype_float32_from_half_is_correctly_rounded(op, dtype, backend):
     eps = layernorm._op.default_eps(dtype) if rms else 1e-5
     _assert_correctly_rounded(y, _np(h), _np(w).reshape(-1), None if rms else _np(b).reshape(-1),
                               eps, rms)  # fmt: skip
+
+
+#: (input shape, normalized_shape) of the wider out_dtype's pair tests: 1-D to 4-D,
+#: multi-dim normalized shapes, zero rows, and rows of the Python path (inputs of
+#: ``numba_.STREAM_BYTES`` or more, whose inference the compiled front door leaves to it)
+PAIR_SHAPES = [((64,), (64,)), ((3, 50), (50,)), ((2, 3, 40), (3, 40)), ((2, 2, 3, 16), (3, 16)),
+               ((0, 24), (24,)), ((2049, 4096), (4096,))]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_out_dtype_float32_from_half_is_the_upcast_call_s_bits(monkeypatch, op, dtype, backend):
+    """float32 from a 16-bit input without a gradient comes from the kernels of the pair
+    (``options._rounds_into``: no converted copy of the input), bit for bit the call on
+    the input converted first (each element the exact value rounded once), on every
+    shape, a non-contiguous input, with ``offset`` and into ``out=``; with a gradient,
+    the input is converted first (its backward is that composition's)."""
+    from layernorm import ops
+
+    pairs: list[bool] = []
+    rounds_into = options._rounds_into
+    monkeypatch.setattr(
+        options, "_rounds_into", lambda *a, **k: pairs.append(rounds_into(*a, **k)) or pairs[-1]
+    )
+    fn = getattr(layernorm, op)
+    eps = layernorm._op.default_eps(dtype) if "rms" in op else 1e-5  # (the input's rule)
+    g = torch.Generator().manual_seed(5)
+    for (shape, nshape), extra, fast in itertools.product(
+        PAIR_SHAPES, [{}, {"offset": 1.0}, {"out": True}], [True, False]
+    ):
+        monkeypatch.setattr(ops, "FAST_PATHS", fast)
+        if math.prod(shape) > 1 << 20 and (extra or not fast or backend == "torch"):
+            continue  # (the Python path's rows once, for time)
+        x = (torch.randn(shape, generator=g) * 3 + 1).to(dtype)
+        if len(shape) > 1 and shape[0] > 1:
+            x = x.transpose(0, 1).contiguous().transpose(0, 1)  # non-contiguous
+        w = torch.randn(nshape, generator=g)
+        b = () if "rms" in op else (torch.randn(nshape, generator=g),)
+        kw = dict(extra)
+        if "out" in kw:
+            kw["out"] = torch.full(shape, float("nan"))
+        del pairs[:]
+        got = fn(x, nshape, w, *b, backend=backend, out_dtype=torch.float32, **kw)
+        assert pairs and all(pairs), (shape, extra)  # the kernels of the pair ran it
+        assert got is kw.pop("out", got)
+        want = fn(x.float(), nshape, w, *b, eps, backend=backend, **kw)
+        assert got.dtype == torch.float32 and torch.equal(_bits32(got), _bits32(want)), (
+            shape, extra, fast,
+        )  # fmt: skip
+    monkeypatch.setattr(ops, "FAST_PATHS", True)
+    x = torch.randn(3, 2, 16, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(16, generator=g, requires_grad=True)
+    del pairs[:]
+    y = fn(x, (16,), w, backend=backend, out_dtype=torch.float32)
+    assert not any(pairs)  # a gradient: the input converted first
+    dy = torch.randn(y.shape, generator=g)
+    got = torch.autograd.grad(y, (x, w), dy)
+    xc, wc = x.detach().requires_grad_(), w.detach().requires_grad_()
+    want_y = fn(xc.float(), (16,), wc, *([None] if "rms" not in op else []), eps,
+                backend=backend)  # fmt: skip
+    want = torch.autograd.grad(want_y, (xc, wc), dy)
+    assert torch.equal(y, want_y)
+    for a, e in zip(got, want, strict=True):
+        assert a.dtype == e.dtype and torch.equal(a, e)
+    # converted once: where C++ leaves the call to Python (a backend named), norm goes on
+    # with the copy
+    seen = []
+    norm = options.norm
+    monkeypatch.setattr(
+        options, "norm", lambda op, x, *a, **k: seen.append(x.dtype) or norm(op, x, *a, **k)
+    )
+    y = fn(x, (16,), w, backend=backend, out_dtype=torch.float32)
+    assert torch.equal(y, want_y) and seen == ([] if backend is None else [torch.float32])
+
+
+def _bits32(t: torch.Tensor) -> torch.Tensor:
+    """float32 values as their patterns (NaNs and zeros' signs compared too)."""
+    return t.contiguous().view(torch.int32)
 
 
 def test_out_dtype_keeps_the_inputs_eps_and_equals_the_upcast_call():

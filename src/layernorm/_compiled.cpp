@@ -30,9 +30,10 @@
 // front door of layernorm.options.call for the options `offset`, `casting_mode` "gemma"
 // and "llama" (mode 0, 1, 2), `memory_efficient` alone (with a gradient: a
 // MemoryEfficientBackward node in the place of Python's MemoryEfficientNorm; without one
-// the plain call), the preallocated outputs and a narrower `out_dtype` (y_dtype: the
-// kernels of that pair round into it, as layernorm::forward_to's; with a gradient
-// NormBackward records it, dy widened exactly to x's dtype as forward_to's backward): the
+// the plain call), the preallocated outputs and another `out_dtype` (y_dtype: the
+// kernels of that pair round into it, as layernorm::forward_to's; float32 from a 16-bit x
+// without a gradient only; with a gradient NormBackward records a narrower one, dy
+// widened exactly to x's dtype as forward_to's backward): the
 // same torch operations around the same kernel call as options.norm (the gain, the llama
 // product), where their arithmetic is one IEEE operation (an offset that is a float32
 // value), with the kernels writing into `out` and `residual_out` (options.write_into's
@@ -206,8 +207,8 @@ struct State {
     PyObject* norm_linear_gradients = nullptr;       // recompute.norm_linear_gradients
     int64_t recompute_block = 0;  // _numba_recompute.BLOCK: rows per partial-sum block
     int64_t kernels[DTYPES][ENTRIES] = {};  // C addresses: 0 not asked yet, -1 none
-    // the forward entries (serial, parallel) whose y has a narrower dtype, by x's and y's
-    int64_t narrow_kernels[DTYPES][DTYPES][2] = {};
+    // the forward entries (serial, parallel) whose y has another dtype, by x's and y's
+    int64_t pair_kernels[DTYPES][DTYPES][2] = {};
     double default_eps[DTYPES] = {};        // eps=None per dtype: _op.default_eps's values
     at::ScalarType dtypes[DTYPES] = {};      // compiled.DTYPES
     at::ScalarType acc_dtypes[DTYPES] = {};  // their accumulation dtypes (torch_'s rule)
@@ -253,7 +254,7 @@ int64_t kernel(int d, Entry e) {
 // DTYPES[yd] (yd < 0: x's own dtype), as kernel() resolves the others.
 int64_t forward_kernel(int d, int yd, Entry e) {
     if (yd < 0 || yd == d) return kernel(d, e);
-    int64_t& a = state.narrow_kernels[d][yd][e == FORWARD_PARALLEL];
+    int64_t& a = state.pair_kernels[d][yd][e == FORWARD_PARALLEL];
     if (a == 0) {
         a = call_python<std::optional<int64_t>>(state.resolve, d, ENTRY_NAMES[e], yd)
                 .value_or(-1);
@@ -263,7 +264,7 @@ int64_t forward_kernel(int d, int yd, Entry e) {
 
 void forget_kernels() {
     std::fill(&state.kernels[0][0], &state.kernels[0][0] + DTYPES * ENTRIES, 0);
-    std::fill(&state.narrow_kernels[0][0][0], &state.narrow_kernels[0][0][0] + DTYPES * DTYPES * 2,
+    std::fill(&state.pair_kernels[0][0][0], &state.pair_kernels[0][0][0] + DTYPES * DTYPES * 2,
               0);
 }
 
@@ -615,8 +616,8 @@ void gather_flags(const Ranges& ranges, const std::vector<uint8_t>& scratch, int
 // helpers, else in the calling thread (serial_address): the same bits.
 // `y_into`, `residual_out_into`: where y and residual_out go when defined (contiguous, x's
 // shape, y's and x's dtype, sharing no memory with an argument or each other), else fresh
-// tensors. `yd`: y's dtype index when it is narrower than x's (the entries of their pair,
-// which serial_address is one of), else -1.
+// tensors. `yd`: y's dtype index when it is another than x's (narrower, or float32 from a
+// 16-bit x: the entries of their pair, which serial_address is one of), else -1.
 Forward run_forward(const Tensor& x, const Tensor& residual, const Tensor& weight,
                     const Tensor& bias, double eps, bool rms, bool store_stats,
                     int64_t serial_address, const Tensor& y_into = Tensor(),
@@ -692,7 +693,7 @@ Forward run_forward(const Tensor& x, const Tensor& residual, const Tensor& weigh
 // layernorm::forward on CPU; without a residual, residual_out is the schema's empty
 // tensor, or undefined where `schema_outputs` is false (record_forward's direct call,
 // which never reads it).
-// yd: y's dtype index when narrower than x's (the front door's forward_to calls, which
+// yd: y's dtype index when another than x's (the front door's forward_to calls, which
 // it makes only where the kernel runs them), else -1.
 Outputs forward_cpu_outputs(const Tensor& x, const OptionalTensor& residual,
                             const OptionalTensor& weight, const OptionalTensor& bias, double eps,
@@ -926,7 +927,8 @@ struct NormBackward : public torch::autograd::Node {
 // autograd by the dispatcher or, for the front door's call that no mechanism would see,
 // called directly (the CPU kernel the dispatcher would pick, without the lookups). yd:
 // y's dtype index when narrower than x's (layernorm::forward_to's values and autograd;
-// the front door's calls only, never dispatched), else -1.
+// the front door's calls only, never dispatched), else -1. (A wider y comes without a
+// gradient only: options._rounds_into.)
 Outputs record_forward(const Tensor& x, const OptionalTensor& residual,
                        const OptionalTensor& weight, const OptionalTensor& bias, double eps,
                        bool rms, c10::string_view backend, bool dispatch, int yd = -1) {
@@ -1244,7 +1246,8 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     }
     PyObject* out_object = nargs == 14 ? args[10] : Py_None;
     PyObject* residual_out_object = nargs == 14 ? args[11] : Py_None;
-    // y's dtype when narrower than x's (options._front_door says so), else None
+    // y's dtype when another than x's (narrower, or float32 from a 16-bit x without a
+    // gradient: options._front_door says so), else None
     PyObject* y_dtype_object = nargs == 14 ? args[12] : Py_None;
     // memory_efficient=True, alone (options._front_door says so)
     const bool memory_efficient = nargs == 14 && args[13] == Py_True;

@@ -103,7 +103,7 @@ def forward(
 ) -> Outputs:
     """The backend's forward on kernel arguments (``docs/contract.md`` §5):
     ``(y, residual_out, mean, rstd)``; ``backend`` "" is the automatic choice. ``y`` in
-    ``out_dtype`` when given (``torch_.OUT_DTYPES``, no wider than ``x``'s: each element
+    ``out_dtype`` when given (``torch_.OUT_DTYPES``, no wider than ``x``'s or its accumulation dtype: each element
     rounded once into it; passed to the backend only when given)."""
     if out_dtype is None:
         return _kernels(x, backend).forward(x, residual, weight, bias, eps, rms, stats)
@@ -203,10 +203,11 @@ def _forward_to_impl(
 forward_op = torch.library.custom_op("layernorm::forward", mutates_args=())(_forward_impl)
 backward_op = torch.library.custom_op("layernorm::backward", mutates_args=())(_backward_impl)
 #: ``layernorm::forward_to``: :data:`forward_op` with ``y`` in a dtype of its own
-#: (``out_dtype``, narrower than ``x``'s: ``layernorm.options``), rounded once into it by
-#: the kernels. A Python op (the compiled part registers kernels for the same-dtype ops
-#: only); its backward is :data:`backward_op`'s, with ``dy`` widened to ``z``'s dtype
-#: (exact).
+#: (``out_dtype``, narrower than ``x``'s, or float32 from a 16-bit ``x`` without a
+#: gradient: ``layernorm.options``), rounded once into it by the kernels. A Python op (the
+#: compiled part registers kernels for the same-dtype ops only); its backward is
+#: :data:`backward_op`'s, with ``dy`` widened to ``z``'s dtype (exact: the options record
+#: a gradient of it for a narrower ``y`` only).
 forward_to_op = torch.library.custom_op("layernorm::forward_to", mutates_args=())(_forward_to_impl)
 #: the ops' overloads, called directly: what calling :data:`forward_op` /
 #: :data:`backward_op` does, without their Python wrappers' cost

@@ -412,7 +412,7 @@ def _fix_backward_rows(
 
 def _resolve(index: int, name: str, y_index: int | None = None) -> int | None:
     """The C address of numba kernel ``name`` for ``DTYPES[index]`` (a forward's ``y`` in
-    ``DTYPES[y_index]`` when given: a narrower dtype) when numba is the automatic backend
+    ``DTYPES[y_index]`` when given: another dtype) when numba is the automatic backend
     for CPU tensors of that dtype, else None (the extension asks once per kernel, until
     :func:`layernorm.backends.forget`)."""
     from . import backends

@@ -17,10 +17,11 @@ What each one rounds (``docs/contract.md`` §2, "Options"):
 - ``casting_mode`` (RMSNorm): Liger's three casting orders, with the arithmetic between
   two casts exact (:func:`cast_rms_norm`).
 - ``out_dtype``: an output at least as wide as the input: the input converted to it
-  (exactly), then normalized, so the output is correctly rounded in ``out_dtype``; a
-  narrower one (float32 from float64, a 16-bit one from float32 or float64, float16 from
-  bfloat16 and back): the kernels round each element once into it
-  (``layernorm::forward_to``, ``ops._norm`` with ``out_dtype``).
+  (exactly), then normalized, so the output is correctly rounded in ``out_dtype`` (float32
+  from a 16-bit input without a gradient or residual: the kernels of the pair, the same
+  bits, :func:`_rounds_into`); a narrower one (float32 from float64, a 16-bit one from
+  float32 or float64, float16 from bfloat16 and back): the kernels round each element
+  once into it (``layernorm::forward_to``, ``ops._norm`` with ``out_dtype``).
 - ``residual_dtype`` (add_layer_norm, add_rms_norm; quack's ``residual_dtype``,
   flash-attn's ``residual_in_fp32``), and a residual wider than ``x``: the residual
   stream in its own dtype (:func:`residual_stream`): ``residual_out`` the exact
@@ -125,7 +126,7 @@ def call(
     for name in options:
         if name not in known:
             raise TypeError(f"{op}() got an unexpected keyword argument '{name}'")
-    out = _front_door(x, residual, normalized_shape, weight, bias, eps, rms, backend, options)
+    out = _front_door(op, x, residual, normalized_shape, weight, bias, eps, rms, backend, options)
     if out is not None:
         return out
     return norm(op, x, residual, normalized_shape, weight, bias, eps, rms, backend, **options)
@@ -136,6 +137,7 @@ _FRONT_DOOR_MODES = {None: 0, "gemma": 1, "llama": 2}
 
 
 def _front_door(
+    op: str,
     x: Tensor,
     residual: Tensor | None,
     normalized_shape: ops.ShapeLike,
@@ -149,7 +151,9 @@ def _front_door(
     """The call in C++ (``layernorm.compiled``'s ``norm`` with the options) when its only
     options are ``offset``, a ``casting_mode`` of None, "gemma" or "llama", ``out``,
     ``residual_out``, a narrower ``out_dtype`` (with a gradient too), a wider one
-    (without a residual or casting mode: the input converted to it first, as here) and
+    (without a residual or casting mode: the kernels of the pair where
+    :func:`_rounds_into` says so, else the input converted to it first, as :func:`norm`
+    does, once: :func:`norm` goes on with it where C++ does not take the call) and
     ``memory_efficient`` alone (without a gradient the plain call, as
     :func:`layernorm.recompute.norm` makes it; with one, C++'s autograd node in the place
     of ``recompute.MemoryEfficientNorm``, the same bits): the torch operations of :func:`norm` (the gain of
@@ -173,6 +177,7 @@ def _front_door(
     y_dtype = options.get("out_dtype")
     if y_dtype is not None and mode is not None:  # norm's ValueError
         return None
+    converted = False
     if y_dtype is None or y_dtype == x.dtype or y_dtype in _NARROWER.get(x.dtype, ()):
         y_dtype = None if y_dtype == x.dtype else y_dtype
     elif (
@@ -181,16 +186,20 @@ def _front_door(
         and residual is None
         and mode is None
         and not torch._C._is_tracing()
-    ):  # a wider one: the input converted to it (exactly), eps by the input's rule
+    ):  # a wider one, eps by the input's rule
         eps = _op.default_eps(x.dtype) if eps is None else eps
-        x, y_dtype = x.to(y_dtype), None
+        if not _rounds_into(x, y_dtype, residual, weight, bias, front_door=True):
+            x, y_dtype, converted = x.to(y_dtype), None, True  # (exactly)
     else:
         return None
-    return _compiled.norm(
+    out = _compiled.norm(
         x, residual, normalized_shape, weight, bias, eps, rms, backend,
         options.get("offset", 0.0), _FRONT_DOOR_MODES[mode], options.get("out"),
         options.get("residual_out"), y_dtype, memory_efficient,
     )  # fmt: skip
+    if out is None and converted:  # (out_dtype is now x's dtype)
+        return norm(op, x, residual, normalized_shape, weight, bias, eps, rms, backend, **options)
+    return out
 
 
 #: the options :func:`_front_door` takes
@@ -294,15 +303,17 @@ def norm(
                              offset, casting_mode)  # fmt: skip
     else:
         gain = weight if not offset else offset_gain(weight, offset, compute)  # type: ignore[arg-type]
-        direct = (out is not None or residual_out is not None) and (narrow or compute == x.dtype)
+        # y rounded by the kernels into out_dtype (a narrower one, or a wider one of the pair)
+        into = narrow or (compute != x.dtype and _rounds_into(x, compute, residual, gain, bias))
+        direct = (out is not None or residual_out is not None) and (into or compute == x.dtype)
         if direct and x.numel() * x.element_size() >= WRITE_INTO_BYTES:
             written = write_into(
                 op, x, residual, normalized_shape, gain, bias, eps, rms, backend,
-                out_dtype if narrow else None, out, residual_out,
+                out_dtype if into else None, out, residual_out,
             )  # fmt: skip
             if written is not None:
                 return written
-        if narrow:
+        if into:
             y, h = ops._norm(op, x, residual, normalized_shape, gain, bias, eps, rms,
                              backend, out_dtype)  # type: ignore[arg-type]  # fmt: skip
         elif compute == x.dtype:
@@ -381,6 +392,30 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 # ---------------------------------------------------------------------------------------
 # out_dtype
+
+
+def _rounds_into(
+    x: Tensor,
+    y_dtype: torch.dtype,
+    residual: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    front_door: bool = False,
+) -> bool:
+    """Whether ``y`` in ``y_dtype``, a dtype wider than ``x``'s, comes from the kernels of
+    that pair (which round each element into it, as into a narrower one: ``ops._norm``
+    with ``out_dtype``) rather than from the norm of ``x`` converted to it: the same bits
+    (each element the exact value rounded once into ``y_dtype`` either way) where the two
+    dtypes share their accumulation dtype (float32 from bfloat16 or float16: the same gain,
+    statistics and bound), without a residual, and without a gradient (whose backward is
+    the conversion's composition: ``dx`` in float32, then rounded into ``x``'s dtype) or
+    a mechanism that would see the call (``front_door``: the compiled front door's call,
+    which declines those itself). It saves the converted copy of the input."""
+    if residual is not None or accumulation_dtype(y_dtype) != accumulation_dtype(x.dtype):
+        return False
+    if front_door:
+        return not _op.records_gradient(x, weight, bias)
+    return _no_gradient(x, weight, bias)
 
 
 def _check_out_dtype(op: str, x: Tensor, out_dtype: torch.dtype) -> bool:
@@ -498,7 +533,7 @@ def residual_stream(
     if out is not None:
         options["out"] = out
     # the norm of h in C++ where the front door takes it
-    fast = _front_door(h, zero, normalized_shape, weight, bias, eps, rms, backend, options)
+    fast = _front_door(op, h, zero, normalized_shape, weight, bias, eps, rms, backend, options)
     y, stream = fast or norm(op, h, zero, normalized_shape, weight, bias, eps, rms, backend,
                              **options)  # fmt: skip
     if stream is None:

@@ -43,8 +43,8 @@ JIT cost: nothing is compiled until the first call; each dtype then compiles its
 or backward entries once (half a minute for a forward, seconds for a backward) and
 stores them in the on-disk cache, which later processes load (:func:`build`,
 ``layernorm build``, compiles them all ahead). A
-forward whose ``y`` has a narrower dtype than ``x`` (``out_dtype``: float32 from float64,
-a 16-bit dtype from a wider or the other 16-bit one) has entries of its own per (x's
+forward whose ``y`` has another dtype than ``x`` (``out_dtype``: float32 from float64 or
+a 16-bit dtype, a 16-bit dtype from a wider or the other 16-bit one) has entries of its own per (x's
 dtype, y's dtype), compiled (or loaded) on their first use only, so the build and the
 same-dtype calls' cold start do not grow; the compiled front door asks for them
 (:func:`entry_address`) on their first use too, as for the fused dropout-add's C entries
@@ -195,7 +195,7 @@ def entry(dtype: torch.dtype, name: str, y_dtype: torch.dtype | None = None) -> 
     or ``backward_parallel``) for input dtype ``dtype``, on addresses, sizes and flags
     (the arguments of :mod:`layernorm.backends._kernel_abi`); compiled on first use. A
     forward's ``y`` holds ``y_dtype`` (None: ``dtype``): one of ``torch_.OUT_DTYPES`` no wider
-    than ``dtype``.
+    than ``dtype``, or float32 from a 16-bit ``dtype``.
 
     The serial entries run in the calling thread; the parallel ones split the rows into
     spans that the calling thread and helper threads run (:mod:`._threads`), each with the

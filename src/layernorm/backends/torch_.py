@@ -12,7 +12,8 @@ It defines the kernel contract every backend follows (see ``layernorm.backends``
   ``mean`` and ``rstd`` are ``(M,)`` in that dtype; ``mean`` is ``None`` for RMSNorm.
 - ``forward`` returns ``y`` (contiguous, shaped like ``x``, ``x``'s dtype, or
   ``out_dtype`` when given: a keyword argument after ``stats``, ``None`` or a dtype of
-  :data:`OUT_DTYPES` no wider than ``x``'s, each element rounded once into it:
+  :data:`OUT_DTYPES` no wider than ``x``'s or of its accumulation dtype (float32 from a
+  16-bit ``x``), each element rounded once into it:
   docs/contract.md §3), ``residual_out = x + residual``
   (``x``'s dtype, or ``None`` without a residual; the normalization reads the rounded
   ``residual_out``), ``mean`` and ``rstd``.
@@ -41,8 +42,8 @@ CHUNK = 4096  # a reduction of <= 32768 elements is never split by torch's CPU r
 
 
 #: the dtypes ``forward``'s ``y`` may have apart from ``x``'s (``out_dtype``), when no
-#: wider than it (a wider output is the input converted exactly, then normalized:
-#: ``layernorm.options``)
+#: wider than it or of its accumulation dtype (float32 from bfloat16 or float16; a wider
+#: output is otherwise the input converted exactly, then normalized: ``layernorm.options``)
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
