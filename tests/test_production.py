@@ -460,7 +460,8 @@ def test_read_only_package_and_home_cache_in_the_temporary_directory(tmp_path):
 def test_after_the_set_up_no_first_call_compiles():
     """The test session ran ``numba_.build()`` (conftest, as ``layernorm build`` does):
     a new process's first call of every op and dtype, serial and threaded, forward and
-    backward, loads its kernels from the cache."""
+    backward, and of float32 from a 16-bit input (the pairs it builds), loads its kernels
+    from the cache."""
     script = textwrap.dedent(
         """
         import torch, layernorm
@@ -473,6 +474,9 @@ def test_after_the_set_up_no_first_call_compiles():
                 layernorm.rms_norm(x, shape[1], w).sum().backward()
                 with torch.no_grad():
                     layernorm.layer_norm(x, shape[1])
+                    if dtype in (torch.float16, torch.bfloat16):
+                        y = layernorm.layer_norm(x, shape[1], w.float(), out_dtype=torch.float32)
+                        assert y.dtype == torch.float32
         print("ok")
         """
     )
@@ -506,3 +510,6 @@ def test_build_compiles_every_entry_and_says_where(monkeypatch, tmp_path, capsys
     for dtype in numba_._DTYPES:
         for name in (*numba_.ENTRIES, "column_sums"):
             assert (dtype, name) in numba_._entries
+    for x, y in numba_.BUILT_PAIRS:
+        for name in ("forward_serial", "forward_parallel"):
+            assert (x, name, y) in numba_._entries

@@ -169,6 +169,8 @@ def _front_door(
     mode = options.get("casting_mode")
     if not (_FRONT_DOOR_OPTIONS.issuperset(options) and isinstance(x, Tensor)):
         return None
+    if residual is not None and not (isinstance(residual, Tensor) and residual.dtype == x.dtype):
+        return None  # (a stream of its own dtype: norm's residual_stream, which comes back)
     if not (mode is None or type(mode) is str) or mode not in _FRONT_DOOR_MODES:
         return None
     memory_efficient = options.get("memory_efficient", False)

@@ -39,10 +39,10 @@ __all__ = [
 #: fallback (``layernorm.backends._exact``), ``flags[m]`` when any row does.
 #: ``weight`` and ``bias`` (N,) hold x's dtype when ``params_x_dtype`` (16-bit ones are
 #: widened exactly inside the kernel, once per call), else the accumulation dtype.
-#: ``y`` holds the entry's output dtype: x's for the entries compiled ahead
-#: (``numba_.build``) and the only ones a compiled caller takes; an entry for a narrower
-#: ``y`` (``numba_.entry(dtype, name, y_dtype)``: float32 from float64, a 16-bit dtype from
-#: a wider or the other 16-bit one) takes these same arguments, compiled on first use,
+#: ``y`` holds the entry's output dtype: x's for the plain entries; an entry for another
+#: ``y`` (``numba_.entry(dtype, name, y_dtype)``: float32 from float64 or a 16-bit dtype,
+#: a 16-bit dtype from a wider or the other 16-bit one) takes these same arguments,
+#: compiled on first use (float32 from a 16-bit dtype by ``numba_.build`` too),
 #: each element of ``y`` rounded once into its dtype. The output dtype is a property of the
 #: compiled entry, not an argument, so the signature (and a compiled caller's check of it)
 #: is the same for every entry.

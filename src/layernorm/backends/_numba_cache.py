@@ -245,7 +245,7 @@ def announce_compile(what: str) -> None:
     _log.warning(
         "layernorm: compiling the numba kernels for %s (half a minute for a forward, once per "
         "machine; %s). `layernorm build` compiles every dtype's plain entries ahead of time "
-        "(an out_dtype's and the fused dropout's compile on first use).",
+        "(most out_dtype pairs' and the fused dropout's compile on first use).",
         what,
         location(),
     )

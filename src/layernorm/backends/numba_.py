@@ -46,7 +46,9 @@ stores them in the on-disk cache, which later processes load (:func:`build`,
 forward whose ``y`` has another dtype than ``x`` (``out_dtype``: float32 from float64 or
 a 16-bit dtype, a 16-bit dtype from a wider or the other 16-bit one) has entries of its own per (x's
 dtype, y's dtype), compiled (or loaded) on their first use only, so the build and the
-same-dtype calls' cold start do not grow; the compiled front door asks for them
+same-dtype calls' cold start do not grow, except float32 from bfloat16 and float16
+(:data:`BUILT_PAIRS`: apex's mixed case, which the options run without a converted
+copy), which :func:`build` compiles too; the compiled front door asks for them
 (:func:`entry_address`) on their first use too, as for the fused dropout-add's C entries
 (:data:`DROPOUT_ENTRIES`, whose Python path compiles its kernels on first use as well).
 The memory-efficient backward's (:data:`RECOMPUTE_ENTRIES`, a few seconds) are built
@@ -134,6 +136,11 @@ def _scratch(size: int) -> tuple[np.ndarray, int]:
 
 #: every entry :func:`entry` knows, as :func:`build` compiles them
 ENTRIES = ("forward_serial", "forward_parallel", "backward_serial", "backward_parallel")
+#: the (x, y) dtype pairs whose forward entries :func:`build` compiles with the plain ones:
+#: float32 output from a 16-bit input, which ``layernorm.options`` runs on them without
+#: a converted copy of the input (``options._rounds_into``), so that its first call does
+#: not compile; every other pair compiles on its first use
+BUILT_PAIRS = ((torch.bfloat16, torch.float32), (torch.float16, torch.float32))
 #: the dropout-add's C entries (``_numba_dropout.entry``; all of one dtype), compiled on
 #: their first use, for compiled callers only (:func:`entry_address`)
 DROPOUT_ENTRIES = ("dropout_add", "sum3", "dropout_add_backward")
@@ -322,7 +329,8 @@ def _backward_over_threads(
 
 def build(processes: int = 1) -> list[str]:
     """Compiles every entry of every dtype into the on-disk cache now (or checks that it
-    is there), the memory-efficient backward's entries and the exact fallback's loops
+    is there), the forward entries of :data:`BUILT_PAIRS`, the memory-efficient
+    backward's entries and the exact fallback's loops
     (:mod:`layernorm.backends._numba_exact`) too: a later process's first call of each
     then costs a cache load, not a compile. Processes that build at once share the work: each takes the next entry
     that no other is compiling, and waits only when every entry left is taken; with
@@ -360,11 +368,14 @@ def build(processes: int = 1) -> list[str]:
     seconds = dict.fromkeys(_DTYPES, 0.0)
     from . import _numba_recompute
 
-    pending = [(dtype, name) for dtype in _DTYPES for name in (*ENTRIES, "column_sums")]
+    pending: list[tuple] = [
+        (dtype, name) for dtype in _DTYPES for name in (*ENTRIES, "column_sums")
+    ]  # (the keys of _entries)
     # the memory-efficient backward's entry too (the compiled front door's; small)
     pending += [
         (dtype, name) for dtype in _numba_recompute.ENTRY_DTYPES for name in RECOMPUTE_ENTRIES
     ]
+    pending += [(x, name, y) for x, y in BUILT_PAIRS for name in ENTRIES[:2]]
     try:
         while pending:
             waiting = []
