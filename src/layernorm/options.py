@@ -496,7 +496,7 @@ def residual_stream(
       Figueroa's double-rounding theorem for addition, 53 >= 2·24 + 1, at the cost of
       three full-size float64 temporaries.)
     - ``y``: the fused op on ``residual_out`` and a residual of ``-0.0`` (``h + -0.0 = h``
-      bitwise; without a gradient, :func:`_no_gradient`, the norm of ``h`` alone: the
+      bitwise; without a gradient, ``_op.records_gradient``, the norm of ``h`` alone: the
       same bits), ``y`` rounded once into ``out_dtype`` (default: ``x``'s dtype; a narrower
       one through ``layernorm::forward_to``), with ``eps=None`` resolved by ``x``'s dtype.
       Going through the fused op keeps ``residual_out``'s gradient inside the kernel's
@@ -527,7 +527,8 @@ def residual_stream(
     else:
         h = x.to(rdtype) + residual.to(rdtype)
     # without a gradient the -0.0 residual changes nothing (h + -0.0 = h): the norm of h
-    zero = None if _no_gradient(x, residual, weight, bias) else torch.full_like(h, -0.0)
+    # (a gradient under torch.func's transforms too: their inputs require grad there)
+    zero = None if not _op.records_gradient(x, residual, weight, bias) else torch.full_like(h, -0.0)
     options: dict[str, Any] = {
         "offset": offset,
         "out_dtype": x.dtype if out_dtype is None else out_dtype,
