@@ -76,6 +76,23 @@ def test_options_on_triton_are_numbas_bits(name, kw):
         assert torch.equal(a, e)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm"])
+def test_float32_from_half_without_a_gradient_on_triton_is_numbas(name, dtype):
+    """``out_dtype=float32`` of a 16-bit input without a gradient: the kernels of the
+    pair (``options._rounds_into``), triton's bits those of numba's."""
+    g = torch.Generator().manual_seed(13)
+    shape, nshape = (2, 3, 16), (3, 16)
+    x = (torch.randn(shape, generator=g) * 4 + 2).to(dtype)
+    w, b = torch.randn(nshape, generator=g), torch.randn(nshape, generator=g)
+    fn = getattr(layernorm, name)
+    extra = () if "rms" in name else (b,)
+    with torch.no_grad():
+        got = fn(x, nshape, w, *extra, backend="triton", out_dtype=torch.float32)
+        want = fn(x, nshape, w, *extra, backend="numba", out_dtype=torch.float32)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
 def test_layer_norm_linear_on_triton_is_numbas():
     g = torch.Generator().manual_seed(12)
     x = torch.randn(4, 32, generator=g)
