@@ -814,6 +814,50 @@ def test_norm_linear_node_is_python_s_bits(in_use, monkeypatch, dtype, rms):
     assert not gx.requires_grad
 
 
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_norm_linear_front_door_takes_inference(in_use, monkeypatch, dtype, rms):
+    """``layer_norm_linear`` without a gradient through ``compiled.norm_linear`` (the
+    kernel, then ``at::linear``) is the Python composition ``F.linear(norm(...))`` bit for
+    bit (the fast paths off), with no Python norm call: 1-D to 4-D, zero-size, with and
+    without the norm's parameters and the linear's bias, at 1 and 2 threads, under
+    ``no_grad`` and with leaves that do not require grad; a multi-dim normalized_shape
+    goes to Python."""
+    from layernorm import ops
+
+    calls = []
+    python_norm = ops._norm
+    monkeypatch.setattr(ops, "_norm", lambda *a, **k: calls.append(1) or python_norm(*a, **k))
+    threads = torch.get_num_threads()
+    cases = [((8,), 8, True), ((4, 8), 8, True), ((2, 3, 8), (8,), True),
+             ((2, 2, 3, 8), 8, True), ((0, 8), 8, False), ((300, 64), 64, True),
+             ((2, 3, 8), (3, 8), False)]  # fmt: skip
+    for (shape, nshape, takes), affine, linear_bias, no_grad in itertools.product(
+        cases, (True, False), (True, False), (True, False)
+    ):
+        g = torch.Generator().manual_seed(len(shape) + shape[-1])
+        p_shape = (nshape,) if isinstance(nshape, int) else nshape
+        x = torch.randn(shape, generator=g).to(dtype)
+        w = torch.randn(p_shape, generator=g).to(dtype) if affine else None
+        b = torch.randn(p_shape, generator=g).to(dtype) if affine and not rms else None
+        lw = torch.randn(5, shape[-1], generator=g).to(dtype)
+        lb = torch.randn(5, generator=g).to(dtype) if linear_bias else None
+        results = []
+        for fast, count in ((True, 2), (True, 1), (False, 1)):
+            monkeypatch.setattr(ops, "FAST_PATHS", fast)
+            torch.set_num_threads(count)
+            del calls[:]
+            with torch.set_grad_enabled(not no_grad):
+                out = layernorm.layer_norm_linear(x, nshape, w, b, lw, lb, rms=rms)
+            torch.set_num_threads(threads)
+            assert out.grad_fn is None
+            results.append((bool(calls), [out]))
+        monkeypatch.setattr(ops, "FAST_PATHS", True)
+        case = (shape, affine, linear_bias, no_grad)
+        assert results[0][0] == (not takes) and results[2][0], case
+        _assert_same_tensors(results, case)
+
+
 @pytest.mark.parametrize(
     ("x_dtype", "p_dtype"),
     [

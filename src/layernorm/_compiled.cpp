@@ -1673,11 +1673,13 @@ bool plain_tensor(PyObject* o, at::ScalarType dtype, int64_t dims, bool optional
 
 // norm_linear(x, normalized_shape, weight, bias, linear_weight, linear_bias, eps, rms,
 // backend), the arguments of recompute.layer_norm_linear after its checks (eps None only
-// for rms_norm), is its front door with a gradient: plain contiguous CPU tensors (x of a
-// kernel dtype, the linear's of x's dtype, linear_weight (out_features, n)), an int or
-// 1-tuple normalized_shape, plain (N,) norm parameters, no backend and no mechanism that
-// would see the call. It runs the forward kernel (statistics kept) and at::linear, and
-// records a NormLinearBackward node; any other call gets None before any work.
+// for rms_norm), is its front door: plain contiguous CPU tensors (x of a kernel dtype, the
+// linear's of x's dtype, linear_weight (out_features, n)), an int or 1-tuple
+// normalized_shape, plain (N,) norm parameters, no backend and no mechanism that would see
+// the call. With a gradient it runs the forward kernel (statistics kept) and at::linear,
+// and records a NormLinearBackward node; without one, the composition itself (the kernel
+// without statistics, then at::linear, as F.linear(layer_norm(...)) in Python); any other
+// call gets None before any work.
 PyObject* norm_linear(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     HANDLE_TH_ERRORS
     if (nargs != 9) {
@@ -1701,11 +1703,14 @@ PyObject* norm_linear(PyObject* /*module*/, PyObject* const* args, Py_ssize_t na
     const bool grad = torch::GradMode::is_enabled() &&
                       (x.requires_grad() || requires_grad(weight) || requires_grad(bias) ||
                        linear_weight.requires_grad() || requires_grad(linear_bias));
-    if (!grad || at::hasCallbacks() ||
-        mechanism_active({&x, &weight, &bias, &linear_weight, &linear_bias}))
+    if (at::hasCallbacks() || mechanism_active({&x, &weight, &bias, &linear_weight, &linear_bias}))
         Py_RETURN_NONE;
     const int64_t entry = entry_for(x, "", FORWARD_SERIAL);
     if (entry < 0) Py_RETURN_NONE;
+    if (!grad) {  // the composition: nothing is saved
+        const Tensor y = run_forward(x, Tensor(), weight, bias, eps, rms, false, entry).y;
+        return THPVariable_Wrap(at::linear(y, linear_weight, as_optional(linear_bias)));
+    }
     Forward forward;
     Tensor out;
     {

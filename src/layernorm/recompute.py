@@ -263,7 +263,8 @@ def layer_norm_linear(
     if eps is None and not rms:
         eps = 1e-5
     if ops.FAST_PATHS and isinstance(input, Tensor) and not torch.compiler.is_compiling():
-        # the call in C++ (compiled.norm_linear: a node of its own), where it takes it
+        # the call in C++ (compiled.norm_linear: with a gradient a node of its own, without
+        # one the composition), where it takes it
         out = _compiled.norm_linear(input, normalized_shape, weight, bias, linear_weight,
                                     linear_bias, eps, rms, backend)  # fmt: skip
         if out is not None:
