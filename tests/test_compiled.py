@@ -743,6 +743,30 @@ def test_memory_efficient_node_is_python_s_bits(in_use, monkeypatch, dtype, op):
         torch.autograd.grad(y, x, dys[0])
 
 
+#: layer_norm_linear's front-door cases: (input shape, normalized_shape, whether C++
+#: takes the call)
+NORM_LINEAR_CASES = [((8,), 8, True), ((4, 8), 8, True), ((2, 3, 8), (8,), True),
+                     ((2, 2, 3, 8), 8, True), ((0, 8), 8, False), ((300, 64), 64, True),
+                     ((2, 3, 8), (3, 8), False)]  # fmt: skip
+
+
+def _norm_linear_inputs(dtype, rms):
+    """Each case of :data:`NORM_LINEAR_CASES` with and without the norm's parameters
+    (``affine``) and the linear's bias: ``((shape, nshape, takes, affine), (x, weight,
+    bias, linear_weight, linear_bias), generator)``, the linear of 5 outputs."""
+    for (shape, nshape, takes), affine, linear_bias in itertools.product(
+        NORM_LINEAR_CASES, (True, False), (True, False)
+    ):
+        g = torch.Generator().manual_seed(len(shape) + shape[-1])
+        p_shape = (nshape,) if isinstance(nshape, int) else nshape
+        x = torch.randn(shape, generator=g).to(dtype)
+        w = torch.randn(p_shape, generator=g).to(dtype) if affine else None
+        b = torch.randn(p_shape, generator=g).to(dtype) if affine and not rms else None
+        lw = torch.randn(5, shape[-1], generator=g).to(dtype)
+        lb = torch.randn(5, generator=g).to(dtype) if linear_bias else None
+        yield (shape, nshape, takes, affine), (x, w, b, lw, lb), g
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 def test_norm_linear_node_is_python_s_bits(in_use, monkeypatch, dtype, rms):
@@ -755,19 +779,8 @@ def test_norm_linear_node_is_python_s_bits(in_use, monkeypatch, dtype, rms):
     gradients run the op's vmap rule, as Python's do; once differentiable."""
     node = "layernorm::NormLinearBackward"
     threads = torch.get_num_threads()
-    cases = [((8,), 8, True), ((4, 8), 8, True), ((2, 3, 8), (8,), True),
-             ((2, 2, 3, 8), 8, True), ((0, 8), 8, False), ((300, 64), 64, True),
-             ((2, 3, 8), (3, 8), False)]  # fmt: skip
-    for (shape, nshape, takes), affine, linear_bias in itertools.product(
-        cases, (True, False), (True, False)
-    ):
-        g = torch.Generator().manual_seed(len(shape) + shape[-1])
+    for (shape, nshape, takes, affine), (x, w, b, lw, lb), g in _norm_linear_inputs(dtype, rms):
         p_shape = (nshape,) if isinstance(nshape, int) else nshape
-        x = torch.randn(shape, generator=g).to(dtype)
-        w = torch.randn(p_shape, generator=g).to(dtype) if affine else None
-        b = torch.randn(p_shape, generator=g).to(dtype) if affine and not rms else None
-        lw = torch.randn(5, shape[-1], generator=g).to(dtype)
-        lb = torch.randn(5, generator=g).to(dtype) if linear_bias else None
         dout = torch.randn(*shape[:-1], 5, generator=g).to(dtype)
         results = []
         for python, count in ((False, 2), (False, 1), (True, 1)):
@@ -829,19 +842,10 @@ def test_norm_linear_front_door_takes_inference(in_use, monkeypatch, dtype, rms)
     python_norm = ops._norm
     monkeypatch.setattr(ops, "_norm", lambda *a, **k: calls.append(1) or python_norm(*a, **k))
     threads = torch.get_num_threads()
-    cases = [((8,), 8, True), ((4, 8), 8, True), ((2, 3, 8), (8,), True),
-             ((2, 2, 3, 8), 8, True), ((0, 8), 8, False), ((300, 64), 64, True),
-             ((2, 3, 8), (3, 8), False)]  # fmt: skip
-    for (shape, nshape, takes), affine, linear_bias, no_grad in itertools.product(
-        cases, (True, False), (True, False), (True, False)
+    for (case, (x, w, b, lw, lb), _), no_grad in itertools.product(
+        _norm_linear_inputs(dtype, rms), (True, False)
     ):
-        g = torch.Generator().manual_seed(len(shape) + shape[-1])
-        p_shape = (nshape,) if isinstance(nshape, int) else nshape
-        x = torch.randn(shape, generator=g).to(dtype)
-        w = torch.randn(p_shape, generator=g).to(dtype) if affine else None
-        b = torch.randn(p_shape, generator=g).to(dtype) if affine and not rms else None
-        lw = torch.randn(5, shape[-1], generator=g).to(dtype)
-        lb = torch.randn(5, generator=g).to(dtype) if linear_bias else None
+        _, nshape, takes, _ = case
         results = []
         for fast, count in ((True, 2), (True, 1), (False, 1)):
             monkeypatch.setattr(ops, "FAST_PATHS", fast)
@@ -853,9 +857,8 @@ def test_norm_linear_front_door_takes_inference(in_use, monkeypatch, dtype, rms)
             assert out.grad_fn is None
             results.append((bool(calls), [out]))
         monkeypatch.setattr(ops, "FAST_PATHS", True)
-        case = (shape, affine, linear_bias, no_grad)
-        assert results[0][0] == (not takes) and results[2][0], case
-        _assert_same_tensors(results, case)
+        assert results[0][0] == (not takes) and results[2][0], (case, no_grad)
+        _assert_same_tensors(results, (case, no_grad))
 
 
 @pytest.mark.parametrize(
