@@ -1707,17 +1707,15 @@ PyObject* norm_linear(PyObject* /*module*/, PyObject* const* args, Py_ssize_t na
         Py_RETURN_NONE;
     const int64_t entry = entry_for(x, "", FORWARD_SERIAL);
     if (entry < 0) Py_RETURN_NONE;
-    if (!grad) {  // the composition: nothing is saved
-        const Tensor y = run_forward(x, Tensor(), weight, bias, eps, rms, false, entry).y;
-        return THPVariable_Wrap(at::linear(y, linear_weight, as_optional(linear_bias)));
-    }
     Forward forward;
     Tensor out;
     {
         torch::NoGradGuard no_graph;  // (the node below records the whole call)
-        forward = run_forward(x, Tensor(), weight, bias, eps, rms, true, entry);
+        // statistics only for the node
+        forward = run_forward(x, Tensor(), weight, bias, eps, rms, grad, entry);
         out = at::linear(forward.y, linear_weight, as_optional(linear_bias));
     }
+    if (!grad) return THPVariable_Wrap(out);  // the composition: nothing is saved
     using torch::autograd::SavedVariable;
     auto node = c10::make_intrusive<NormLinearBackward>();
     node->set_next_edges(

@@ -103,8 +103,9 @@ def forward(
 ) -> Outputs:
     """The backend's forward on kernel arguments (``docs/contract.md`` §5):
     ``(y, residual_out, mean, rstd)``; ``backend`` "" is the automatic choice. ``y`` in
-    ``out_dtype`` when given (``torch_.OUT_DTYPES``, no wider than ``x``'s or its accumulation dtype: each element
-    rounded once into it; passed to the backend only when given)."""
+    ``out_dtype`` when given (``torch_.OUT_DTYPES``, no wider than ``x``'s or its
+    accumulation dtype: each element rounded once into it; passed to the backend only
+    when given)."""
     if out_dtype is None:
         return _kernels(x, backend).forward(x, residual, weight, bias, eps, rms, stats)
     return _kernels(x, backend).forward(x, residual, weight, bias, eps, rms, stats, out_dtype)

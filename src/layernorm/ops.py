@@ -198,8 +198,9 @@ def _norm(
     out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """One call of ``op``; with ``out_dtype`` (one of ``torch_.OUT_DTYPES``, no wider than
-    the input's or its accumulation dtype: ``layernorm.options`` checks it) ``y`` is in that dtype, each element
-    rounded once into it by the kernels (``layernorm::forward_to``), and ``residual_out``
+    the input's or its accumulation dtype: ``layernorm.options`` checks it) ``y`` is in
+    that dtype, each element rounded once into it by the kernels
+    (``layernorm::forward_to``), and ``residual_out``
     keeps the input's dtype. The compiled front door takes only calls without it (its
     entries are the same-dtype ones)."""
     compiling = torch.compiler.is_compiling()

@@ -44,8 +44,9 @@ or backward entries once (half a minute for a forward, seconds for a backward) a
 stores them in the on-disk cache, which later processes load (:func:`build`,
 ``layernorm build``, compiles them all ahead). A
 forward whose ``y`` has another dtype than ``x`` (``out_dtype``: float32 from float64 or
-a 16-bit dtype, a 16-bit dtype from a wider or the other 16-bit one) has entries of its own per (x's
-dtype, y's dtype), compiled (or loaded) on their first use only, so the build and the
+a 16-bit dtype, a 16-bit dtype from a wider or the other 16-bit one) has entries of its
+own per (x's dtype, y's dtype), compiled (or loaded) on their first use only, so the
+build and the
 same-dtype calls' cold start do not grow, except float32 from bfloat16 and float16
 (:data:`BUILT_PAIRS`: apex's mixed case, which the options run without a converted
 copy), which :func:`build` compiles too; the compiled front door asks for them
