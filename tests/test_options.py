@@ -248,16 +248,24 @@ def reference_cast_rms_norm(h, w, eps, offset, mode):
 
 @pytest.mark.parametrize("mode", ["llama", "gemma", "none"])
 @pytest.mark.parametrize("dtype", HALF_AND_SINGLE, ids=str)
-@pytest.mark.parametrize("wdtype", ["same", "float32", None], ids=lambda d: f"w-{d}")
+@pytest.mark.parametrize("wdtype", ["same", "float32", "float64", None], ids=lambda d: f"w-{d}")
 @pytest.mark.parametrize("add", [False, True], ids=["rms_norm", "add_rms_norm"])
-def test_casting_modes_are_their_float64_references(mode, dtype, wdtype, add):
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "python"])
+def test_casting_modes_are_their_float64_references(monkeypatch, mode, dtype, wdtype, add, fast):
+    """Each mode's bits, through the compiled front door where it takes the call and
+    through ``options.cast_rms_norm`` (fast paths off), whose product goes into ``u``."""
+    from layernorm import ops
+
+    monkeypatch.setattr(ops, "FAST_PATHS", fast)
     g = torch.Generator().manual_seed(2)
     n = 80
     x = (torch.randn(3, 4, n, generator=g) * 3).to(dtype)
     res = torch.randn(3, 4, n, generator=g).to(dtype)
     w = None
     if wdtype is not None:
-        w = (torch.randn(n, generator=g) * 0.5).to(dtype if wdtype == "same" else torch.float32)
+        w = (torch.randn(n, generator=g) * 0.5).to(
+            dtype if wdtype == "same" else getattr(torch, wdtype)
+        )
     eps = 1e-6
     for offset in (0.0, 1.0):
         if w is None and offset:
@@ -271,6 +279,23 @@ def test_casting_modes_are_their_float64_references(mode, dtype, wdtype, add):
         want = reference_cast_rms_norm(h, w, eps, offset, mode)
         assert y.dtype == dtype
         assert torch.equal(_bits_t(y), _bits_t(want)), (mode, offset)
+
+
+@pytest.mark.parametrize("mode", ["llama", "none"])
+@pytest.mark.parametrize("dtype", HALF_AND_SINGLE, ids=str)
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "python"])
+def test_casting_mode_vmap_over_the_weight_alone(monkeypatch, mode, dtype, fast):
+    """vmap over the weight only (``u`` unbatched, the gain batched): the product is not
+    written into ``u`` under a transform, and each sample is the eager call's bits."""
+    from layernorm import ops
+
+    monkeypatch.setattr(ops, "FAST_PATHS", fast)
+    x = torch.randn(2, 3, 8).to(dtype)
+    weights = torch.randn(5, 8)
+    batched = vmap(lambda w: layernorm.rms_norm(x, 8, w, casting_mode=mode, offset=1.0))(weights)
+    for w, y in zip(weights, batched, strict=True):
+        want = layernorm.rms_norm(x, 8, w, casting_mode=mode, offset=1.0)
+        assert torch.equal(_bits_t(y), _bits_t(want))
 
 
 @pytest.mark.parametrize("mode", ["llama", "gemma", "none"])

@@ -1329,9 +1329,10 @@ PyObject* norm(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
         residual_out = forward.residual_out;
         for (const Tensor* t : {&out, &residual_out_given})  // written in place
             if (t->defined()) torch::autograd::impl::bump_version(*t);
-        if (gain.defined() && gain.scalar_type() == y.scalar_type() &&
-            !(torch::GradMode::is_enabled() && gain.requires_grad())) {
-            y.mul_(gain);  // the product below, into y (a fresh tensor no graph holds)
+        if (gain.defined() && !(torch::GradMode::is_enabled() && gain.requires_grad())) {
+            // the product below, into y (a fresh tensor no graph holds): computed in q,
+            // converted to y's dtype, the same two roundings without the copies
+            at::mul_out(y, y, gain);
             gain = Tensor();
         }
     }

@@ -625,6 +625,11 @@ def cast_rms_norm(
       twice), ``u = RN_x(h · r)``, ``g = RN_p(w + RN_x(offset))`` with ``p`` the
       promotion of ``w``'s dtype and ``x``'s, ``y = RN_x(RN_q(u · g))``.
 
+    The product ``RN_x(RN_q(u · g))`` is one ``torch.mul`` into ``u`` where no gradient
+    is recorded and no mechanism sees the call (``_no_gradient``): torch computes it in
+    ``q`` and converts the result into ``u``'s dtype, the same two roundings without the
+    two copies.
+
     No weight: ``y = u`` (``"gemma"`` and ``"llama"``: the plain norm). For float64 input
     every mode computes in float64 (nothing is narrowed to float32). The float64
     references of the three are ``tests/test_options.py::reference_cast_rms_norm``.
@@ -652,6 +657,8 @@ def cast_rms_norm(
     if weight is None:
         return u, h
     gain = _gain(weight, offset, torch.promote_types(weight.dtype, scale), scale)
+    if _no_gradient(u, gain):  # into u, a fresh tensor: no copies, the same bits
+        return torch.mul(u, gain, out=u), h
     q = torch.promote_types(x.dtype, gain.dtype)
     y = (u.to(q) * gain).to(x.dtype)
     return y, h
