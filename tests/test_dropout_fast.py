@@ -409,6 +409,29 @@ def test_dresidual_is_dh_passed_on_and_double_backward_is_the_ops():
     same_bits(results[0], results[1])
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "op"])
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "no-residual"])
+def test_without_dropout_every_gradient_is_dh_passed_on(monkeypatch, fast, residual):
+    """x1 without dropout (p = 0: every element kept, s = 1): dx = RN(dh) and dx1 = RN(dh)
+    are dh itself, passed on as torch's add passes its gradient (no kernel, no copy), in
+    the C++ node, the eager autograd and the op's; the op's backward op and torch's sum
+    give the same values."""
+    monkeypatch.setattr(ops, "FAST_PATHS", fast)
+    x, x1, r = (torch.randn(3, 4, 32, requires_grad=True) for _ in range(3))
+    dh = torch.randn(3, 4, 32)
+    leaves = (x, x1, r) if residual else (x, x1)
+    h = layernorm.fused_norm(x, 32, residual=r if residual else None, x1=x1).residual_out
+    grads = torch.autograd.grad(h, leaves, dh)
+    theirs = torch.autograd.grad(sum(leaves), leaves, dh)
+    for ours, torchs in zip(grads, theirs, strict=True):
+        assert ours.data_ptr() == dh.data_ptr() == torchs.data_ptr()
+    rdtype = torch.float32 if residual else None
+    general = td.dropout_add_backward(dh.view(12, 32), None, 0, 0.0, torch.float32,
+                                      torch.float32, rdtype)  # fmt: skip
+    for ours, want in zip(grads, general, strict=False):
+        same_bits(ours, want.view(3, 4, 32))
+
+
 def test_direct_calls_decline_what_a_mechanism_sees(monkeypatch):
     x, r = torch.randn(3, 16), torch.randn(3, 16)
     spy = _Spy(monkeypatch)

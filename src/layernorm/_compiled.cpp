@@ -1400,6 +1400,10 @@ struct DropoutAddBackward : public torch::autograd::Node {
             dx = gx;
             dx1 = value(gx1);
             out[2] = value(gresidual);
+        } else if (p == 0) {  // every element kept with s = 1 (fused.gradients' rule):
+            dx = dh;          // dx = RN(dh) and dx1 = RN(dh) are dh, passed on as torch's
+            if (has_x1) dx1 = dh;  // add passes its gradient
+            if (has_residual) out[2] = dh;
         } else {
             const Tensor g = dh.contiguous();
             const int64_t n = sizes.back(), m = g.numel() / n;
