@@ -460,12 +460,22 @@ def test_read_only_package_and_home_cache_in_the_temporary_directory(tmp_path):
 def test_after_the_set_up_no_first_call_compiles():
     """The test session ran ``numba_.build()`` (conftest, as ``layernorm build`` does):
     a new process's first call of every op and dtype, serial and threaded, forward and
-    backward, and of float32 from a 16-bit input (the pairs it builds), loads its kernels
+    backward, of float32 from a 16-bit input (the pairs it builds) and, through the
+    compiled front door, of ``fused_norm`` with dropout and with ``x1``, loads its kernels
     from the cache."""
     script = textwrap.dedent(
         """
         import torch, layernorm
+        from layernorm import compiled
+        layernorm.layer_norm(torch.ones(1, 2), 2)  # (loads the compiled dispatch)
+        front_door = compiled.unavailable_reason() is None
         for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            if front_door:  # (the Python path's dropout compiles on its first use)
+                x, x1, r = (torch.randn(4, 64, dtype=dtype, requires_grad=True) for _ in range(3))
+                out = layernorm.fused_norm(x, 64, residual=r, dropout_p=0.1, seed=1)
+                out.y.sum().backward()
+                with torch.no_grad():
+                    layernorm.fused_norm(x, 64, residual=r, x1=x1)
             for shape in ((3, 40), (128, 512)):
                 x, r = (torch.randn(shape, dtype=dtype, requires_grad=True) for _ in range(2))
                 w = torch.ones(shape[1], dtype=dtype, requires_grad=True)
@@ -513,3 +523,6 @@ def test_build_compiles_every_entry_and_says_where(monkeypatch, tmp_path, capsys
     for x, y in numba_.BUILT_PAIRS:
         for name in ("forward_serial", "forward_parallel"):
             assert (x, name, y) in numba_._entries
+    for dtype in numba_._DTYPES:
+        for name in numba_.DROPOUT_ENTRIES:
+            assert (dtype, name) in numba_._entries

@@ -244,8 +244,8 @@ def announce_compile(what: str) -> None:
     _announced = True
     _log.warning(
         "layernorm: compiling the numba kernels for %s (half a minute for a forward, once per "
-        "machine; %s). `layernorm build` compiles every dtype's plain entries ahead of time "
-        "(most out_dtype pairs' and the fused dropout's compile on first use).",
+        "machine; %s). `layernorm build` compiles every dtype's plain entries and the fused "
+        "dropout's ahead of time (most out_dtype pairs' compile on first use).",
         what,
         location(),
     )

@@ -142,8 +142,9 @@ ENTRIES = ("forward_serial", "forward_parallel", "backward_serial", "backward_pa
 #: a converted copy of the input (``options._rounds_into``), so that its first call does
 #: not compile; every other pair compiles on its first use
 BUILT_PAIRS = ((torch.bfloat16, torch.float32), (torch.float16, torch.float32))
-#: the dropout-add's C entries (``_numba_dropout.entry``; all of one dtype), compiled on
-#: their first use, for compiled callers only (:func:`entry_address`)
+#: the dropout-add's C entries (``_numba_dropout.entry``; all of one dtype), for compiled
+#: callers only (:func:`entry_address`): :func:`build` compiles them (a few seconds each),
+#: else their first use
 DROPOUT_ENTRIES = ("dropout_add", "sum3", "dropout_add_backward")
 #: the memory-efficient backward's C entry (``_numba_recompute.entry``: float32 and
 #: bfloat16 only), for compiled callers only: :func:`build` compiles it, else its first use
@@ -330,8 +331,9 @@ def _backward_over_threads(
 
 def build(processes: int = 1) -> list[str]:
     """Compiles every entry of every dtype into the on-disk cache now (or checks that it
-    is there), the forward entries of :data:`BUILT_PAIRS`, the memory-efficient
-    backward's entries and the exact fallback's loops
+    is there), the forward entries of :data:`BUILT_PAIRS`, the dropout-add's entries
+    (:data:`DROPOUT_ENTRIES`), the memory-efficient backward's entries and the exact
+    fallback's loops
     (:mod:`layernorm.backends._numba_exact`) too: a later process's first call of each
     then costs a cache load, not a compile. Processes that build at once share the work: each takes the next entry
     that no other is compiling, and waits only when every entry left is taken; with
@@ -377,6 +379,8 @@ def build(processes: int = 1) -> list[str]:
         (dtype, name) for dtype in _numba_recompute.ENTRY_DTYPES for name in RECOMPUTE_ENTRIES
     ]
     pending += [(x, name, y) for x, y in BUILT_PAIRS for name in ENTRIES[:2]]
+    # the fused dropout-add's (the compiled front door's fused_norm with dropout or x1)
+    pending += [(dtype, name) for dtype in _DTYPES for name in DROPOUT_ENTRIES]
     try:
         while pending:
             waiting = []
