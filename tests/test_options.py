@@ -814,7 +814,9 @@ def test_module_attributes_are_the_functions_options():
     want = layernorm.rms_norm(x, (4, 8), rms.weight, None, offset=1.0, casting_mode="gemma")
     assert torch.equal(rms(x), want)
     scripted = torch.jit.script(rms)
-    with pytest.raises(torch.jit.Error, match="has no scripted forward"):
+    # TorchScript raises torch.jit.Error or, where it has the Python class of the
+    # exception at hand (state torch keeps per thread), the RuntimeError itself
+    with pytest.raises((torch.jit.Error, RuntimeError), match="has no scripted forward"):
         scripted(x)
     copied = copy.deepcopy(ln)  # the copy's options route its own forward
     assert copied.offset == 1.0 and torch.equal(copied(x), ln(x))
