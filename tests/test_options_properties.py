@@ -239,3 +239,112 @@ def test_fused_norm_is_the_exact_dropout_add_and_its_norms(c, p, seed, x1, rowsc
         _assert_rows_rounded_once(c, out.y1, h, c.w1, c.b1, False)
     else:
         assert out.y1 is None
+
+
+# ---------------------------------------------------------------------------------------
+# gradients: each option's against the plain call's it is defined by
+
+
+def _grads(op, c: Call, w, b, dy, dh=None, **kw):
+    """``(y, gradients of x, r, w, b)``: ``op`` with gradients asked of fresh leaves of
+    the call's ``x`` and ``r`` and of ``w`` and ``b``, for ``dy`` (and ``dh`` for
+    ``residual_out``); absent gradients are None."""
+    rms = "rms" in op
+    x, r = (t.detach().clone().requires_grad_() for t in (c.x, c.r))
+    w, b = (None if t is None else t.detach().clone().requires_grad_() for t in (w, b))
+    fn = getattr(layernorm, op)
+    add = op.startswith("add")
+    with fast_paths(c):
+        out = fn(*((x, r) if add else (x,)), c.normalized, w, *(() if rms else (b,)), **kw)
+        outputs, cotangents = ((out[0], out[1]), (dy, dh)) if add else ((out,), (dy,))
+        leaves = [t for t in (x, r if add else None, w, None if rms else b) if t is not None]
+        grads = iter(torch.autograd.grad(outputs, leaves, cotangents, allow_unused=True))
+    return outputs[0], [None if t is None else next(grads) for t in (x, r if add else None, w,
+                                                                      None if rms else b)]  # fmt: skip
+
+
+def _cotangent(c: Call, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(c.x.shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _assert_same_gradients(got, want):
+    for a, b in zip(got, want, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert _same_bits(a, b)
+
+
+@EXAMPLES
+@given(calls(), st.sampled_from(OPS), st.sampled_from([1.0, -0.5]), st.integers(0, 2**31))
+def test_offset_gradients_are_the_plain_calls_for_its_gain(c, op, offset, seed):
+    """With ``offset``, the gradients of x, the residual and the bias are the plain call's
+    for the gain ``offset_gain(w, offset)`` (in the accumulation dtype), and the weight's
+    is the gain's rounded once to the weight's dtype, bit for bit."""
+    dy, dh = _cotangent(c, seed, c.dtype), _cotangent(c, seed + 1, c.dtype)
+    _, got = _grads(op, c, c.w, c.b, dy, dh, eps=1e-5, offset=offset)
+    gain = options.offset_gain(c.w, offset, c.dtype)
+    _, want = _grads(op, c, gain, c.b, dy, dh, eps=1e-5)
+    want[2] = want[2].to(c.w.dtype)
+    _assert_same_gradients(got, want)
+
+
+@EXAMPLES
+@given(
+    calls(dtypes=[torch.float32]), st.sampled_from(OPS), st.integers(0, 1), st.integers(0, 2**31)
+)
+def test_narrower_out_dtype_gradients_are_the_plain_calls_with_dy_widened(c, op, pick, seed):
+    """A narrower ``out_dtype``: ``dy`` in y's dtype is widened exactly; every gradient is
+    the plain call's for that ``dy``, bit for bit."""
+    out_dtype = OUT_DTYPES[c.dtype][pick]
+    dy, dh = _cotangent(c, seed, out_dtype), _cotangent(c, seed + 1, c.dtype)
+    y, got = _grads(op, c, c.w, c.b, dy, dh, eps=1e-5, out_dtype=out_dtype)
+    assert y.dtype == out_dtype
+    _, want = _grads(op, c, c.w, c.b, dy.to(c.dtype), dh, eps=1e-5)
+    _assert_same_gradients(got, want)
+
+
+@EXAMPLES
+@given(
+    calls(),
+    st.sampled_from([0.0, 0.1, 0.5]),
+    st.integers(0, 2**63 - 1),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+)
+def test_fused_norm_gradients_are_the_dropout_add_backward(c, p, seed, x1, residual, through_y):
+    """``fused_norm``'s input gradients are the torch dropout-add backward
+    (``layernorm.backends._dropout_add``, the definition) of ``dh``, bit for bit: ``dh``
+    the cotangent of ``residual_out``, or (``through_y``) the plain ``layer_norm``'s
+    input gradient of ``y``."""
+    from layernorm.backends import _dropout_add as da
+
+    names = ["x"] + (["residual"] if residual else []) + (["x1"] if x1 else [])
+    values = {"x": c.x, "residual": c.r, "x1": c.r * 0.5}
+    leaves = {k: values[k].detach().clone().requires_grad_() for k in names}
+    w, b = c.w.detach().requires_grad_(), c.b.detach()
+    cotangent = _cotangent(c, seed % 2**31, c.dtype)
+    with fast_paths(c):
+        out = layernorm.fused_norm(
+            leaves["x"], c.normalized, w, b, 1e-5, dropout_p=p, seed=seed,
+            residual=leaves.get("residual"), x1=leaves.get("x1"),
+        )  # fmt: skip
+        through_y = through_y or out.residual_out is None  # (h is x: no residual_out)
+        output = out.y if through_y else out.residual_out
+        got = torch.autograd.grad(output, [leaves[k] for k in names], cotangent)
+    dh = cotangent
+    if through_y:  # the plain norm's input gradient of y, at h
+        h = (c.x if out.residual_out is None else out.residual_out).detach().requires_grad_()
+        y = layernorm.layer_norm(h, c.normalized, w.detach(), b, 1e-5)
+        dh = torch.autograd.grad(y, h, cotangent)[0]
+    if out.residual_out is None:  # h is x
+        want = {"x": dh}
+    else:
+        dx0, dx1, dres = da.dropout_add_backward(
+            c.rows(dh), None, seed, p, c.dtype, c.dtype if x1 else None,
+            c.dtype if residual else None,
+        )  # fmt: skip
+        want = {"x": dx0, "x1": dx1, "residual": dres}
+    for name, grad in zip(names, got, strict=True):
+        assert _same_bits(c.rows(grad), c.rows(want[name])), name
