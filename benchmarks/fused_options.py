@@ -146,6 +146,23 @@ def dropout(x, r, w, b, n):
     return theirs, ours, (x, r, w, b), True
 
 
+def dropout_stream(x, r, w, b, n):
+    """Dropout into a float32 residual stream (flash-attn's ``residual_in_fp32=True``)."""
+    r32 = r.detach().float().requires_grad_(r.requires_grad)
+
+    def theirs():
+        h = F.dropout(x.float(), 0.1) + r32
+        return F.layer_norm(h.to(x.dtype), (n,), w, b), h
+
+    def ours():
+        out = layernorm.fused_norm(
+            x, (n,), w, b, residual=r32, dropout_p=0.1, residual_dtype=torch.float32
+        )
+        return out.y, out.residual_out
+
+    return theirs, ours, (x, r32, w, b), True
+
+
 def two_weights(x, r, w, b, n):
     x1, w1, b1 = (v.detach().clone().requires_grad_(v.requires_grad) for v in (x, w, b))
 
@@ -171,6 +188,7 @@ CASES: dict[str, Case] = {
     "out_dtype_narrower": out_dtype_narrower,
     "residual_dtype": residual_dtype,
     "dropout": dropout,
+    "dropout_stream": dropout_stream,
     "two_weights": two_weights,
 }
 
