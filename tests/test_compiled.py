@@ -1090,6 +1090,56 @@ def test_fused_front_door_trains_with_the_bits_of_fused_norm(
                 assert (a is None) == (c is None) and (a is None or torch.equal(a, c)), case
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fused_front_door_takes_a_float32_stream(in_use, monkeypatch, python_dropout_adds, dtype):
+    """A float32 residual stream of 16-bit terms (``residual_dtype=torch.float32``, or a
+    float32 residual: flash-attn's ``residual_in_fp32``) with dropout or ``x1``: the front
+    door runs the dropout-add's entries of the (terms, stream) pair and the norms of h
+    into x's dtype. Every output, mask and gradient is bitwise the Python path's (the fast
+    paths off), the generator is left in the same state; 1-D, 3-D and 4-D inputs, every
+    subset of residual, x1, a second weight set, a seed and the masks, and with a
+    gradient of every leaf. It leaves to Python only the exact three-term sum without a
+    residual (``_numba_dropout._sum3`` picks another kernel for it)."""
+    for shape, x, _, _ in _front_door_inputs("layer_norm", dtype):
+        n = shape[-1]
+        r32, x1 = torch.randn(shape), torch.randn(shape).to(dtype)
+        w, b, w1, b1 = (torch.randn(n).to(dtype) for _ in range(4))
+        for rms, residual, second, p, masks, seed, given in itertools.product(
+            [False, True], [False, True], [False, True], [0.0, 0.3], [False, True],
+            [None, 77], ["residual_dtype", "residual"],
+        ):  # fmt: skip
+            if (p == 0.0 and not second) or (given == "residual" and not residual):
+                continue  # (h = x + residual: add_*'s; a stream named by the residual alone)
+            kw = {"rms": rms, "dropout_p": p, "return_dropout_mask": masks, "seed": seed}
+            if given == "residual_dtype":
+                kw["residual_dtype"] = torch.float32
+            if residual:
+                kw["residual"] = r32
+            if second:
+                kw["x1"], kw["weight1"], kw["bias1"] = x1, w1, None if rms else b1
+            case = (shape, kw.keys(), rms, p, masks, seed)
+            fast, slow = _fused_both_ways(
+                monkeypatch, python_dropout_adds, x, n, w, None if rms else b, **kw
+            )
+            assert fast[2] == (p == 0.0 and not residual) and slow[2], case
+            _assert_same_run(fast, slow, case)
+        base = {"x": x, "r": r32, "x1": x1, "w": w, "w1": w1.float(), "b": b, "b1": b1}
+        for rms, second, p, leaves in itertools.product(
+            [False, True], [False, True], [0.0, 0.3], [("x", "r", "x1", "w", "w1"), ("x",), ("r",)]
+        ):  # fmt: skip
+            if p == 0.0 and not second:
+                continue
+            inputs = {k: v for k, v in base.items() if not (rms and k in ("b", "b1"))}
+            kw = {"rms": rms, "dropout_p": p, "residual": True, "x1": second,
+                  "weight1": True, "bias1": not rms, "residual_dtype": torch.float32}  # fmt: skip
+            case = (shape, rms, second, p, leaves)
+            runs = [_fused_gradients(monkeypatch, python_dropout_adds, fast, inputs, leaves, n,
+                                     **dict(kw)) for fast in (True, False)]  # fmt: skip
+            assert not runs[0][1] and runs[1][1], case
+            for a, c in zip(runs[0][0], runs[1][0], strict=True):
+                assert (a is None) == (c is None) and (a is None or torch.equal(a, c)), case
+
+
 def test_fused_front_door_node_hands_python_what_it_was_not_built_for(
     in_use, monkeypatch, python_dropout_adds
 ):

@@ -461,8 +461,8 @@ def test_after_the_set_up_no_first_call_compiles():
     """The test session ran ``numba_.build()`` (conftest, as ``layernorm build`` does):
     a new process's first call of every op and dtype, serial and threaded, forward and
     backward, of float32 from a 16-bit input (the pairs it builds) and, through the
-    compiled front door, of ``fused_norm`` with dropout and with ``x1``, loads its kernels
-    from the cache."""
+    compiled front door, of ``fused_norm`` with dropout and with ``x1`` (and with dropout
+    into a float32 stream of 16-bit inputs), loads its kernels from the cache."""
     script = textwrap.dedent(
         """
         import torch, layernorm
@@ -476,6 +476,10 @@ def test_after_the_set_up_no_first_call_compiles():
                 out.y.sum().backward()
                 with torch.no_grad():
                     layernorm.fused_norm(x, 64, residual=r, x1=x1)
+                if dtype in (torch.float16, torch.bfloat16):  # a float32 stream
+                    stream = r.detach().float().requires_grad_()
+                    out = layernorm.fused_norm(x, 64, residual=stream, dropout_p=0.1, seed=1)
+                    (out.y.float().sum() + out.residual_out.sum()).backward()
             for shape in ((3, 40), (128, 512)):
                 x, r = (torch.randn(shape, dtype=dtype, requires_grad=True) for _ in range(2))
                 w = torch.ones(shape[1], dtype=dtype, requires_grad=True)
@@ -526,3 +530,6 @@ def test_build_compiles_every_entry_and_says_where(monkeypatch, tmp_path, capsys
     for dtype in numba_._DTYPES:
         for name in numba_.DROPOUT_ENTRIES:
             assert (dtype, name) in numba_._entries
+    for x, stream in numba_.STREAM_PAIRS:
+        for name in numba_.DROPOUT_ENTRIES:
+            assert (x, name, stream) in numba_._entries

@@ -209,6 +209,9 @@ struct State {
     int64_t kernels[DTYPES][ENTRIES] = {};  // C addresses: 0 not asked yet, -1 none
     // the forward entries (serial, parallel) whose y has another dtype, by x's and y's
     int64_t pair_kernels[DTYPES][DTYPES][2] = {};
+    // the dropout-add's entries (dropout_add, sum3, dropout_add_backward) whose stream (the
+    // residual, h, dh) has another dtype than the terms, by the terms' and the stream's
+    int64_t stream_kernels[DTYPES][DTYPES][3] = {};
     double default_eps[DTYPES] = {};        // eps=None per dtype: _op.default_eps's values
     at::ScalarType dtypes[DTYPES] = {};      // compiled.DTYPES
     at::ScalarType acc_dtypes[DTYPES] = {};  // their accumulation dtypes (torch_'s rule)
@@ -262,10 +265,24 @@ int64_t forward_kernel(int d, int yd, Entry e) {
     return a;
 }
 
+// The dropout-add entry e (DROPOUT_ADD, SUM3 or DROPOUT_ADD_BACKWARD) for terms of
+// DTYPES[d] and a stream of DTYPES[hd] (hd == d: one dtype), as kernel() resolves the others.
+int64_t dropout_kernel(int d, int hd, Entry e) {
+    if (hd == d) return kernel(d, e);
+    int64_t& a = state.stream_kernels[d][hd][e - DROPOUT_ADD];
+    if (a == 0) {
+        a = call_python<std::optional<int64_t>>(state.resolve, d, ENTRY_NAMES[e], hd)
+                .value_or(-1);
+    }
+    return a;
+}
+
 void forget_kernels() {
     std::fill(&state.kernels[0][0], &state.kernels[0][0] + DTYPES * ENTRIES, 0);
     std::fill(&state.pair_kernels[0][0][0], &state.pair_kernels[0][0][0] + DTYPES * DTYPES * 2,
               0);
+    std::fill(&state.stream_kernels[0][0][0],
+              &state.stream_kernels[0][0][0] + DTYPES * DTYPES * 3, 0);
 }
 
 // Whether LAYERNORM_BACKEND names a backend now (Python's rule, asked per call as
@@ -1169,12 +1186,13 @@ bool plain_param(PyObject* p, int64_t n, Tensor* out) {
 }
 
 // A plain contiguous CPU tensor of x's dtype and shape, or None (undefined).
-bool plain_like(PyObject* o, const Tensor& x, Tensor* out) {
+bool plain_like(PyObject* o, const Tensor& x, Tensor* out,
+                std::optional<at::ScalarType> dtype = std::nullopt) {
     if (o == Py_None) return true;
     if (Py_TYPE(o) != reinterpret_cast<PyTypeObject*>(state.tensor_type)) return false;
     const Tensor& t = THPVariable_Unpack(o);
-    if (!(t.is_cpu() && t.scalar_type() == x.scalar_type() && t.sizes() == x.sizes() &&
-          t.is_contiguous()))
+    if (!(t.is_cpu() && t.scalar_type() == dtype.value_or(x.scalar_type()) &&
+          t.sizes() == x.sizes() && t.is_contiguous()))
         return false;
     *out = t;
     return true;
@@ -1380,7 +1398,8 @@ struct DropoutAddBackward : public torch::autograd::Node {
     int64_t seed = 0, k0 = 0, k1 = 0;
     double p = 0, s = 1, p32 = 0;
     bool has_x1 = false, has_residual = false;
-    int d = 0;  // the tensors' dtype index
+    int d = 0;   // the terms' dtype index (x, x1)
+    int hd = 0;  // the stream's (residual, h): d, or float32's for 16-bit terms
     std::vector<int64_t> sizes;
 
     std::string name() const override { return "layernorm::DropoutAddBackward"; }
@@ -1389,26 +1408,28 @@ struct DropoutAddBackward : public torch::autograd::Node {
         variable_list out(3);
         const Tensor& dh = grads[0];
         if (!dh.defined()) return out;
-        const int64_t entry = kernel(d, DROPOUT_ADD_BACKWARD);
+        const int64_t entry = dropout_kernel(d, hd, DROPOUT_ADD_BACKWARD);
         Tensor dx, dx1;
         if (torch::GradMode::is_enabled() || at::hasCallbacks() || entry < 0 ||
-            !(dh.is_cpu() && dh.scalar_type() == state.dtypes[d] && dh.sizes() == sizes) ||
+            !(dh.is_cpu() && dh.scalar_type() == state.dtypes[hd] && dh.sizes() == sizes) ||
             mechanism_active({&dh})) {
             const auto [gx, gx1, gresidual] =
                 call_python<std::tuple<Tensor, OptionalTensor, OptionalTensor>>(
-                    state.dropout_gradients, dh, seed, p, d, has_x1, has_residual);
+                    state.dropout_gradients, dh, seed, p, d, has_x1, has_residual, hd);
             dx = gx;
             dx1 = value(gx1);
             out[2] = value(gresidual);
-        } else if (p == 0) {  // every element kept with s = 1 (fused.gradients' rule):
-            dx = dh;          // dx = RN(dh) and dx1 = RN(dh) are dh, passed on as torch's
-            if (has_x1) dx1 = dh;  // add passes its gradient
+        } else if (p == 0 && hd == d) {
+            // every element kept with s = 1 (fused.gradients' rule): dx = RN(dh) and
+            // dx1 = RN(dh) are dh, passed on as torch's add passes its gradient
+            dx = dh;
+            if (has_x1) dx1 = dh;
             if (has_residual) out[2] = dh;
         } else {
             const Tensor g = dh.contiguous();
             const int64_t n = sizes.back(), m = g.numel() / n;
-            dx = empty(g.sizes(), g.scalar_type());
-            if (has_x1) dx1 = empty(g.sizes(), g.scalar_type());
+            dx = empty(g.sizes(), state.dtypes[d]);
+            if (has_x1) dx1 = empty(g.sizes(), state.dtypes[d]);
             run_rows(m, n, [&](int64_t lo, int64_t hi) {
                 reinterpret_cast<DropoutAddBackwardKernel>(entry)(
                     address(g), n, address(g) /* rowscale: none */, address(dx),
@@ -1430,7 +1451,10 @@ struct DropoutAddBackward : public torch::autograd::Node {
 // front door for the call with dropout or x1: plain contiguous CPU tensors of x's dtype
 // and shape (x1, residual) and plain (N,) parameters, an int or 1-tuple
 // normalized_shape, a float dropout_p in [0, 1), an int64 seed or None, a float or None
-// eps, bools rms and return_dropout_mask, residual_dtype and out_dtype None or x's own,
+// eps, bools rms and return_dropout_mask, out_dtype None or x's own, residual_dtype None
+// or x's own or, for 16-bit x, float32 (then a residual is float32: the stream's dtype;
+// the dropout-add's entries of that pair, y and y1 by the kernels of the (float32, x)
+// pair),
 // offset 0.0, no rowscale, generator or backend, and no mechanism that would see the
 // call (forward AD and the transforms are Python's). It runs what
 // fused_norm runs, in its order: the seed drawn (one torch.randint of the default CPU
@@ -1473,14 +1497,26 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     const Tensor& x = THPVariable_Unpack(x_object);
     if (!(x.is_cpu() && x.dim() > 0 && x.size(-1) == n && x.is_contiguous())) Py_RETURN_NONE;
     const int d = dtype_index(x.scalar_type());
-    // residual_dtype and out_dtype: None or x's own (what None gives here)
+    // out_dtype: None or x's own (what None gives here)
     auto none_or_x_dtype = [&x](PyObject* o) {
         return o == Py_None ||
                (THPDtype_Check(o) && reinterpret_cast<THPDtype*>(o)->scalar_type == x.scalar_type());
     };
-    if (d < 0 || !none_or_x_dtype(args[14]) || !none_or_x_dtype(args[15])) Py_RETURN_NONE;
+    if (d < 0 || !none_or_x_dtype(args[15])) Py_RETURN_NONE;
+    // the stream's dtype (residual_dtype, else the residual's, else x's): x's own, or
+    // float32 for 16-bit terms (flash-attn's residual_in_fp32), a residual of it
+    at::ScalarType stream = x.scalar_type();
+    if (THPDtype_Check(args[14]))
+        stream = reinterpret_cast<THPDtype*>(args[14])->scalar_type;
+    else if (args[14] != Py_None)
+        Py_RETURN_NONE;
+    else if (Py_TYPE(args[6]) == reinterpret_cast<PyTypeObject*>(state.tensor_type))
+        stream = THPVariable_Unpack(args[6]).scalar_type();
+    const bool half = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
+    if (!(stream == x.scalar_type() || (half && stream == at::kFloat))) Py_RETURN_NONE;
+    const int hd = dtype_index(stream);
     Tensor residual, x1, weight, bias, weight1, bias1;
-    if (!plain_like(args[6], x, &residual) || !plain_like(args[7], x, &x1) ||
+    if (!plain_like(args[6], x, &residual, stream) || !plain_like(args[7], x, &x1) ||
         !plain_param(args[2], n, &weight) || !plain_param(args[3], n, &bias) ||
         !plain_param(args[8], n, &weight1) || !plain_param(args[9], n, &bias1))
         Py_RETURN_NONE;
@@ -1499,12 +1535,19 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     // whether autograd records the dropout-add (fused's _op.records_gradient(x, x1, residual))
     const bool record_h =
         grad_mode && (x.requires_grad() || requires_grad(residual) || requires_grad(x1));
-    const int64_t norm_address = entry_for(x, "", FORWARD_SERIAL);
-    if (norm_address < 0) Py_RETURN_NONE;  // (h, of x's dtype and shape, is x's case)
+    const Tensor h = empty(x.sizes(), stream);
+    // y (and y1) in x's dtype: of another stream, by the kernels of the (stream, x) pair,
+    // with a gradient recorded here where no profiler would look for the op (as norm)
+    const int yd = hd == d ? -1 : d;
+    if (yd >= 0 && grad_mode && at::hasCallbacks()) Py_RETURN_NONE;
+    const int64_t norm_address = entry_for(h, "", FORWARD_SERIAL, yd);
+    if (norm_address < 0) Py_RETURN_NONE;
     const auto [s, p32] = dropout_constants(p);
-    // every element kept and s = 1: the exact three-term sum (_numba_dropout's rule)
+    // every element kept and s = 1: the exact three-term sum (_numba_dropout's rule; of
+    // another stream, with a residual: _numba_dropout._sum3's choice of kernel)
     const bool sum3 = x1.defined() && p32 == 0 && s == 1;
-    const int64_t add_address = kernel(d, sum3 ? SUM3 : DROPOUT_ADD);
+    if (sum3 && yd >= 0 && !residual.defined()) Py_RETURN_NONE;
+    const int64_t add_address = dropout_kernel(d, hd, sum3 ? SUM3 : DROPOUT_ADD);
     if (add_address < 0) Py_RETURN_NONE;
     if (seed_object == Py_None && p != 0)  // fused._seed_tensor's draw
         seed = at::randint(state.seed_draw_high, {}, std::optional<at::Generator>(),
@@ -1514,7 +1557,6 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     const auto k0 = static_cast<int64_t>(key & 0xFFFFFFFFu), k1 = static_cast<int64_t>(key >> 32);
 
     const int64_t m = x.numel() / n;
-    const Tensor h = empty(x.sizes(), x.scalar_type());
     Tensor mask0, mask1;
     std::function<void(int64_t, int64_t)> rows;
     if (sum3) {
@@ -1556,6 +1598,7 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
         node->has_x1 = x1.defined();
         node->has_residual = residual.defined();
         node->d = d;
+        node->hd = hd;
         node->sizes = x.sizes().vec();
         torch::autograd::set_history(h, node);
     }
@@ -1564,8 +1607,11 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     auto norm_of_h = [&](const Tensor& w, const Tensor& b) {
         if (grad_mode && (h.requires_grad() || requires_grad(w) || requires_grad(b)))
             return std::get<0>(record_forward(h, OptionalTensor(), as_optional(w),
-                                              as_optional(b), eps, rms, "", at::hasCallbacks()));
-        return run_forward(h, Tensor(), w, b, eps, rms, false, norm_address).y;
+                                              as_optional(b), eps, rms, "", at::hasCallbacks(),
+                                              yd));
+        return run_forward(h, Tensor(), w, b, eps, rms, false, norm_address, Tensor(), Tensor(),
+                           yd)
+            .y;
     };
     const Tensor y = norm_of_h(weight, bias);
     Tensor y1;

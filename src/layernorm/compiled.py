@@ -354,18 +354,25 @@ def _dropout_constants(p: float) -> tuple[float, float]:
 
 
 def _dropout_gradients(
-    dh: torch.Tensor, seed: int, p: float, index: int, has_x1: bool, has_residual: bool
+    dh: torch.Tensor,
+    seed: int,
+    p: float,
+    index: int,
+    has_x1: bool,
+    has_residual: bool,
+    stream_index: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """:func:`layernorm.fused.gradients` for ``fused``'s autograd node where it hands a
-    backward back to Python (a graph of it, a mechanism): every input of
-    ``DTYPES[index]``, no rowscale, the automatic backend; ``dh`` and the gradients in the
-    input's shape (the formula's rows are its last dim)."""
+    backward back to Python (a graph of it, a mechanism): x and x1 of ``DTYPES[index]``,
+    the residual of the stream's ``DTYPES[stream_index]``, no rowscale, the automatic
+    backend; ``dh`` and the gradients in the input's shape (the formula's rows are its
+    last dim)."""
     from . import fused
 
-    dtype = DTYPES[index]
+    dtype, stream = DTYPES[index], DTYPES[stream_index]
     grads = fused.gradients(
         dh.reshape(-1, dh.shape[-1]), None, torch.tensor(seed, dtype=torch.int64), p, "",
-        dtype, dtype if has_x1 else None, dtype if has_residual else None,
+        dtype, dtype if has_x1 else None, stream if has_residual else None,
     )  # fmt: skip
     dx, dx1, dresidual = (None if g is None else g.reshape(dh.shape) for g in grads)
     assert dx is not None

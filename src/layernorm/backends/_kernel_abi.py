@@ -103,8 +103,10 @@ BACKWARD: tuple[tuple[str, str], ...] = (
 #: the dropout-add entry (``_numba_dropout.entry("dropout_add")``): rows ``row_lo ..
 #: row_hi - 1`` of a call of ``m`` rows of ``h = RN(k0·s·x0·rowscale + k1·s·x1 +
 #: residual)`` (layernorm.backends._numba_dropout), every tensor in the entry's one dtype
-#: but ``rowscale`` (float64, ``m``) and the masks (bool); rows ``i`` of x0, x1 and
-#: residual start ``i * stride`` elements after their addresses, ``h`` and the masks are
+#: but ``rowscale`` (float64, ``m``) and the masks (bool); an entry of a (terms, stream)
+#: pair (``numba_.STREAM_PAIRS``) has ``residual`` and ``h`` in the stream's dtype (and
+#: the backward ``dh`` and ``dresidual``, the sum ``residual`` and ``h``); rows ``i`` of
+#: x0, x1 and residual start ``i * stride`` elements after their addresses, ``h`` and the masks are
 #: contiguous (m * n). An absent ``x1``, ``residual``, ``rowscale`` or mask (its ``has_*``
 #: or ``want_masks`` false) is not read: any valid address. ``(k0, k1)`` is the seed's
 #: Philox key (``_philox.seed_key``), ``p32`` the keep threshold (a float32 value),

@@ -689,20 +689,25 @@ def _rows_size(m, stride, n):  # pragma: no cover - compiled
     return (m - 1) * stride + n if m > 0 else 0
 
 
-def entry(name: str, storage_tag: np.ndarray):
+def entry(name: str, storage_tag: np.ndarray, stream_tag: np.ndarray | None = None):
     """The C entry ``name`` of this module's kernels for compiled callers: "dropout_add"
     (:func:`_forward_rows`), "sum3" (:func:`_sum3_rows`, :func:`_sum3_rows_single` for
     16-bit terms, as :func:`_sum3` picks) or "dropout_add_backward"
     (:func:`_backward_rows`), on the arguments of ``_kernel_abi.DROPOUT_ADD`` / ``SUM3`` /
     ``DROPOUT_ADD_BACKWARD`` (addresses, sizes, flags; one span of rows), every tensor but
-    the rowscale and the masks of ``storage_tag``'s dtype; compiled
+    the rowscale and the masks of ``storage_tag``'s dtype; with ``stream_tag`` (another
+    dtype), the stream's tensors of that one: the residual and ``h`` (``dh`` and
+    ``dresidual`` in the backward), the terms ``x0`` and ``x1`` (``dx0``, ``dx1``) of
+    ``storage_tag``'s, as :func:`dropout_add` takes a float32 stream of 16-bit terms; compiled
     now (or loaded from the on-disk cache). It calls the kernel :func:`dropout_add` (or
     :func:`dropout_add_backward`) calls, with arrays of the types that one passes, so the
     bits are the same; the address: ``_numba_kernels.address``."""
     from ._numba_kernels import _check_parameters, entry_type
 
     tag = storage_tag
-    nearest = tag.dtype == np.float64  # h rounded to nearest-even in float64 itself
+    stream = tag if stream_tag is None else stream_tag  # (the residual's, h's)
+    nearest = stream.dtype == np.float64  # h rounded to nearest-even in float64 itself
+    nearest_x = tag.dtype == np.float64  # dx0, dx1 likewise
     run: Callable[..., None]
     if name == "dropout_add":
 
@@ -710,10 +715,10 @@ def entry(name: str, storage_tag: np.ndarray):
             _forward_rows(
                 view(x0, _rows_size(m, x0_stride, n), tag), x0_stride,
                 view(x1, _rows_size(m, x1_stride, n) if has_x1 else 0, tag), x1_stride,
-                view(residual, _rows_size(m, residual_stride, n) if has_residual else 0, tag),
+                view(residual, _rows_size(m, residual_stride, n) if has_residual else 0, stream),
                 residual_stride,
                 view(rowscale, m if has_rowscale else 0, _F64_TAG),
-                view(h, m * n, tag),
+                view(h, m * n, stream),
                 view(mask0, m * n if want_masks else 0, _BOOL_TAG),
                 view(mask1, m * n if want_masks and has_x1 else 0, _BOOL_TAG),
                 n, k0, k1, np.float32(p32), s, has_x1, has_residual, has_rowscale, want_masks,
@@ -725,25 +730,26 @@ def entry(name: str, storage_tag: np.ndarray):
 
         def dropout_add_backward(dh, dh_stride, rowscale, dx0, dx1, dresidual, m, n, k0, k1, p32, s, has_rowscale, has_x1, has_residual, row_lo, row_hi):  # fmt: skip  # pragma: no cover - compiled
             _backward_rows(
-                view(dh, _rows_size(m, dh_stride, n), tag), dh_stride,
+                view(dh, _rows_size(m, dh_stride, n), stream), dh_stride,
                 view(rowscale, m if has_rowscale else 0, _F64_TAG),
                 view(dx0, m * n, tag),
                 view(dx1, m * n if has_x1 else 0, tag),
-                view(dresidual, m * n if has_residual else 0, tag),
+                view(dresidual, m * n if has_residual else 0, stream),
                 n, k0, k1, np.float32(p32), s, has_rowscale, has_x1, has_residual,
-                nearest, nearest, row_lo, row_hi,
+                nearest_x, nearest_x, row_lo, row_hi,
             )  # fmt: skip
 
         run = dropout_add_backward
     elif name == "sum3":
-        single = tag.dtype in (np.int16, np.uint16)  # every term 16-bit: _sum3's choice
+        # every term 16-bit: _sum3's choice (a stream of another dtype holds the residual)
+        single = tag.dtype in (np.int16, np.uint16) and stream_tag is None
 
         def sum3(x0, x0_stride, x1, x1_stride, residual, residual_stride, h, m, n, row_lo, row_hi):  # fmt: skip  # pragma: no cover - compiled
             args = (
                 view(x0, _rows_size(m, x0_stride, n), tag), x0_stride,
                 view(x1, _rows_size(m, x1_stride, n), tag), x1_stride,
-                view(residual, _rows_size(m, residual_stride, n), tag), residual_stride,
-                view(h, m * n, tag), n, nearest, row_lo, row_hi,
+                view(residual, _rows_size(m, residual_stride, n), stream), residual_stride,
+                view(h, m * n, stream), n, nearest, row_lo, row_hi,
             )  # fmt: skip
             if single:
                 _sum3_rows_single(*args)
@@ -755,7 +761,8 @@ def entry(name: str, storage_tag: np.ndarray):
         raise ValueError(f"unknown dropout-add entry {name!r}")
     _check_parameters(run, name)
     # one name per entry and dtype (numba_kernels.entry says why)
-    run.__name__ = run.__qualname__ = f"{name}_{tag.dtype.name}"
+    to = "" if stream_tag is None else f"_to_{stream_tag.dtype.name}"
+    run.__name__ = run.__qualname__ = f"{name}_{tag.dtype.name}{to}"
     dispatcher = _jit()(run)
     dispatcher.compile(entry_type(name))
     dispatcher.disable_compile()

@@ -47,9 +47,9 @@ forward whose ``y`` has another dtype than ``x`` (``out_dtype``: float32 from fl
 a 16-bit dtype, a 16-bit dtype from a wider or the other 16-bit one) has entries of its
 own per (x's dtype, y's dtype), compiled (or loaded) on their first use only, so the
 build and the
-same-dtype calls' cold start do not grow, except float32 from bfloat16 and float16
-(:data:`BUILT_PAIRS`: apex's mixed case, which the options run without a converted
-copy), which :func:`build` compiles too; the compiled front door asks for them
+same-dtype calls' cold start do not grow, except those of :data:`BUILT_PAIRS` (apex's
+mixed case, and a 16-bit output from a float32 residual stream), which :func:`build`
+compiles too; the compiled front door asks for them
 (:func:`entry_address`) on their first use too, as for the fused dropout-add's C entries
 (:data:`DROPOUT_ENTRIES`, whose Python path compiles its kernels on first use as well).
 The memory-efficient backward's (:data:`RECOMPUTE_ENTRIES`, a few seconds) are built
@@ -137,15 +137,26 @@ def _scratch(size: int) -> tuple[np.ndarray, int]:
 
 #: every entry :func:`entry` knows, as :func:`build` compiles them
 ENTRIES = ("forward_serial", "forward_parallel", "backward_serial", "backward_parallel")
-#: the (x, y) dtype pairs whose forward entries :func:`build` compiles with the plain ones:
-#: float32 output from a 16-bit input, which ``layernorm.options`` runs on them without
-#: a converted copy of the input (``options._rounds_into``), so that its first call does
-#: not compile; every other pair compiles on its first use
-BUILT_PAIRS = ((torch.bfloat16, torch.float32), (torch.float16, torch.float32))
-#: the dropout-add's C entries (``_numba_dropout.entry``; all of one dtype), for compiled
-#: callers only (:func:`entry_address`): :func:`build` compiles them (a few seconds each),
-#: else their first use
+#: the (x, y) dtype pairs whose forward entries :func:`build` compiles with the plain ones,
+#: so that their first call does not compile: float32 output from a 16-bit input, which
+#: ``layernorm.options`` runs on them without a converted copy of the input
+#: (``options._rounds_into``), and a 16-bit output from float32, the norm of a float32
+#: residual stream of 16-bit terms (``residual_dtype``, ``fused_norm``, flash-attn's
+#: ``residual_in_fp32``); every other pair compiles on its first use
+BUILT_PAIRS = (
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32),
+    (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float16),
+)
+#: the dropout-add's C entries (``_numba_dropout.entry``; all of one dtype, or the terms'
+#: and the stream's of :data:`STREAM_PAIRS`), for compiled callers only
+#: (:func:`entry_address`): :func:`build` compiles them (a few seconds each), else their
+#: first use
 DROPOUT_ENTRIES = ("dropout_add", "sum3", "dropout_add_backward")
+#: the (terms, stream) dtype pairs of the dropout-add's entries with a stream of its own:
+#: a float32 residual stream of 16-bit terms (flash-attn's ``residual_in_fp32``)
+STREAM_PAIRS = ((torch.bfloat16, torch.float32), (torch.float16, torch.float32))
 #: the memory-efficient backward's C entry (``_numba_recompute.entry``: float32 and
 #: bfloat16 only), for compiled callers only: :func:`build` compiles it, else its first use
 RECOMPUTE_ENTRIES = ("memory_efficient_backward",)
@@ -188,7 +199,7 @@ def _load(key: tuple, wait: bool) -> Callable[..., None] | None:
                 if dropout:
                     from . import _numba_dropout
 
-                    kernel = _numba_dropout.entry(name, types.storage)
+                    kernel = _numba_dropout.entry(name, types.storage, y_tag)
                 elif recompute:
                     from . import _numba_recompute
 
@@ -219,8 +230,9 @@ def entry(dtype: torch.dtype, name: str, y_dtype: torch.dtype | None = None) -> 
 def entry_address(dtype: torch.dtype, name: str, y_dtype: torch.dtype | None = None) -> int:
     """The C address of the compiled ``_numba_kernels`` entry ``name`` (one of
     :data:`ENTRIES` or ``column_sums``) for ``dtype`` (a forward's ``y`` in ``y_dtype``,
-    as :func:`entry`), or of the dropout-add's entry ``name`` (:data:`DROPOUT_ENTRIES`)
-    or the memory-efficient backward's (:data:`RECOMPUTE_ENTRIES`),
+    as :func:`entry`), or of the dropout-add's entry ``name`` (:data:`DROPOUT_ENTRIES`;
+    with ``y_dtype``, the stream's dtype of :data:`STREAM_PAIRS`) or the memory-efficient
+    backward's (:data:`RECOMPUTE_ENTRIES`),
     for compiled callers. A
     ``*_parallel`` entry runs one span of a call's rows, as :func:`entry`'s threaded
     entries hand them out; a compiled caller that spreads a call over threads of its own
@@ -332,7 +344,8 @@ def _backward_over_threads(
 def build(processes: int = 1) -> list[str]:
     """Compiles every entry of every dtype into the on-disk cache now (or checks that it
     is there), the forward entries of :data:`BUILT_PAIRS`, the dropout-add's entries
-    (:data:`DROPOUT_ENTRIES`), the memory-efficient backward's entries and the exact
+    (:data:`DROPOUT_ENTRIES`, of one dtype and of :data:`STREAM_PAIRS`), the
+    memory-efficient backward's entries and the exact
     fallback's loops
     (:mod:`layernorm.backends._numba_exact`) too: a later process's first call of each
     then costs a cache load, not a compile. Processes that build at once share the work: each takes the next entry
@@ -381,6 +394,7 @@ def build(processes: int = 1) -> list[str]:
     pending += [(x, name, y) for x, y in BUILT_PAIRS for name in ENTRIES[:2]]
     # the fused dropout-add's (the compiled front door's fused_norm with dropout or x1)
     pending += [(dtype, name) for dtype in _DTYPES for name in DROPOUT_ENTRIES]
+    pending += [(x, name, h) for x, h in STREAM_PAIRS for name in DROPOUT_ENTRIES]
     try:
         while pending:
             waiting = []
