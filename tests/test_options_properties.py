@@ -40,6 +40,14 @@ NORMALIZED = [(1,), (7,), (64,), (4, 8), (3, 2, 5)]
 LEADING = [(), (1,), (3,), (2, 3), (2, 1, 2), (0, 2)]
 #: examples per test: each takes milliseconds, and the options' combinations are many
 EXAMPLES = settings(max_examples=150)
+#: a fused_norm call's draws after the tensors: dropout_p, the seed, three switches
+FUSED_DRAWS = (
+    st.sampled_from([0.0, 0.1, 0.5]),
+    st.integers(0, 2**63 - 1),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+)
 #: the dtypes each input dtype's output may be rounded into (narrower, or float32)
 OUT_DTYPES = {
     torch.float32: [torch.bfloat16, torch.float16],
@@ -203,14 +211,7 @@ def test_a_float32_stream_is_the_exact_sum_and_its_norm_each_rounded_once(c, rms
 
 
 @EXAMPLES
-@given(
-    calls(),
-    st.sampled_from([0.0, 0.1, 0.5]),
-    st.integers(0, 2**63 - 1),
-    st.booleans(),
-    st.booleans(),
-    st.booleans(),
-)
+@given(calls(), *FUSED_DRAWS)
 def test_fused_norm_is_the_exact_dropout_add_and_its_norms(c, p, seed, x1, rowscale, residual):
     """``fused_norm`` with dropout, ``x1`` (and ``weight1``), ``rowscale`` and a residual:
     ``residual_out`` is the exact ``k0·s·x·rs + k1·s·x1 + residual`` rounded once
@@ -305,14 +306,7 @@ def test_narrower_out_dtype_gradients_are_the_plain_calls_with_dy_widened(c, op,
 
 
 @EXAMPLES
-@given(
-    calls(),
-    st.sampled_from([0.0, 0.1, 0.5]),
-    st.integers(0, 2**63 - 1),
-    st.booleans(),
-    st.booleans(),
-    st.booleans(),
-)
+@given(calls(), *FUSED_DRAWS)
 def test_fused_norm_gradients_are_the_dropout_add_backward(c, p, seed, x1, residual, through_y):
     """``fused_norm``'s input gradients are the torch dropout-add backward
     (``layernorm.backends._dropout_add``, the definition) of ``dh``, bit for bit: ``dh``
