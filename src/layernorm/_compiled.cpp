@@ -1185,7 +1185,8 @@ bool plain_param(PyObject* p, int64_t n, Tensor* out) {
     return true;
 }
 
-// A plain contiguous CPU tensor of x's dtype and shape, or None (undefined).
+// A plain contiguous CPU tensor of x's shape and of `dtype` (x's when not given), or
+// None (undefined).
 bool plain_like(PyObject* o, const Tensor& x, Tensor* out,
                 std::optional<at::ScalarType> dtype = std::nullopt) {
     if (o == Py_None) return true;
