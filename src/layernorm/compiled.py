@@ -30,8 +30,9 @@ one the CPU kernel's own function (without statistics). Any other call gets None
 goes through Python. The kernels are the ones the Python path calls, so the bits are the
 same either way. Its ``fused`` is the front door of :func:`layernorm.fused_norm` in the
 same way, for the call with dropout or ``x1``: the seed drawn as Python draws it, the
-dropout-add's numba entry (:func:`layernorm.backends.numba_.entry_address`) with a C++
-autograd node in ``EagerDropoutAdd``'s place, the norm of ``h`` per weight set. Everything C++ needs to know (the Python kernels, the exact fallback,
+dropout-add's numba entry (:func:`layernorm.backends.numba_.entry_address`; of the
+(terms, stream) pair for a float32 stream of 16-bit ``x``) with a C++ autograd node in
+``EagerDropoutAdd``'s place, the norm of ``h`` per weight set (into ``x``'s dtype). Everything C++ needs to know (the Python kernels, the exact fallback,
 the eps default, the kernel signatures, ``LAYERNORM_BACKEND``) is handed to it by
 :func:`_use` from its one home here in Python.
 
