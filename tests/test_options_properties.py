@@ -29,7 +29,7 @@ from layernorm import ops, options
 pytest.importorskip("numba")
 
 from test_dropout_add import oracle as dropout_add_oracle
-from test_options import reference_cast_rms_norm
+from test_options import _bits_t, reference_cast_rms_norm
 from test_out_dtype import _assert_correctly_rounded
 from test_residual_dtype import _round_fraction
 
@@ -136,8 +136,7 @@ def _assert_rows_rounded_once(c: Call, y, h, w, b, rms, eps=1e-5):
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return a.dtype == b.dtype and torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+    return a.dtype == b.dtype and torch.equal(_bits_t(a), _bits_t(b))
 
 
 @EXAMPLES
@@ -255,13 +254,13 @@ def _grads(op, c: Call, w, b, dy, dh=None, **kw):
     w, b = (None if t is None else t.detach().clone().requires_grad_() for t in (w, b))
     fn = getattr(layernorm, op)
     add = op.startswith("add")
+    slots = (x, r if add else None, w, None if rms else b)  # (the gradients' order)
     with fast_paths(c):
         out = fn(*((x, r) if add else (x,)), c.normalized, w, *(() if rms else (b,)), **kw)
         outputs, cotangents = ((out[0], out[1]), (dy, dh)) if add else ((out,), (dy,))
-        leaves = [t for t in (x, r if add else None, w, None if rms else b) if t is not None]
+        leaves = [t for t in slots if t is not None]
         grads = iter(torch.autograd.grad(outputs, leaves, cotangents, allow_unused=True))
-    return outputs[0], [None if t is None else next(grads) for t in (x, r if add else None, w,
-                                                                      None if rms else b)]  # fmt: skip
+    return outputs[0], [None if t is None else next(grads) for t in slots]
 
 
 def _cotangent(c: Call, seed: int, dtype: torch.dtype) -> torch.Tensor:

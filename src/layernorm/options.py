@@ -528,7 +528,7 @@ def residual_stream(
         h = x.to(rdtype) + residual.to(rdtype)
     # without a gradient the -0.0 residual changes nothing (h + -0.0 = h): the norm of h
     # (a gradient under torch.func's transforms too: their inputs require grad there)
-    zero = None if not _op.records_gradient(x, residual, weight, bias) else torch.full_like(h, -0.0)
+    zero = torch.full_like(h, -0.0) if _op.records_gradient(x, residual, weight, bias) else None
     options: dict[str, Any] = {
         "offset": offset,
         "out_dtype": x.dtype if out_dtype is None else out_dtype,

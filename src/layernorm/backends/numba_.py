@@ -46,10 +46,9 @@ stores them in the on-disk cache, which later processes load (:func:`build`,
 forward whose ``y`` has another dtype than ``x`` (``out_dtype``: float32 from float64 or
 a 16-bit dtype, a 16-bit dtype from a wider or the other 16-bit one) has entries of its
 own per (x's dtype, y's dtype), compiled (or loaded) on their first use only, so the
-build and the
-same-dtype calls' cold start do not grow, except those of :data:`BUILT_PAIRS` (apex's
-mixed case, and a 16-bit output from a float32 residual stream), which :func:`build`
-compiles too; the compiled front door asks for them
+build and the same-dtype calls' cold start do not grow, except those of
+:data:`BUILT_PAIRS` (apex's mixed case, and a 16-bit output from a float32 residual
+stream), which :func:`build` compiles too; the compiled front door asks for them
 (:func:`entry_address`) on their first use too, as for the fused dropout-add's C entries
 (:data:`DROPOUT_ENTRIES`, whose Python path compiles its kernels on first use as well).
 The memory-efficient backward's (:data:`RECOMPUTE_ENTRIES`, a few seconds) are built
@@ -345,8 +344,7 @@ def build(processes: int = 1) -> list[str]:
     """Compiles every entry of every dtype into the on-disk cache now (or checks that it
     is there), the forward entries of :data:`BUILT_PAIRS`, the dropout-add's entries
     (:data:`DROPOUT_ENTRIES`, of one dtype and of :data:`STREAM_PAIRS`), the
-    memory-efficient backward's entries and the exact
-    fallback's loops
+    memory-efficient backward's entries and the exact fallback's loops
     (:mod:`layernorm.backends._numba_exact`) too: a later process's first call of each
     then costs a cache load, not a compile. Processes that build at once share the work: each takes the next entry
     that no other is compiling, and waits only when every entry left is taken; with
