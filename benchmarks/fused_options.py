@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from small_calls import rr
 
 import layernorm
+from layernorm.compat import apex, flash_attn, liger, quack
 
 #: a case: (x, r, w, b, n) -> (torch's call, ours, the leaves a gradient is asked of,
 #: whether it has a backward)
@@ -177,6 +178,112 @@ def two_weights(x, r, w, b, n):
     return theirs, ours, (x, x1, r, w, b, w1, b1), True
 
 
+def rowscale(x, r, w, b, n):
+    """flash-attn's drop-path: ``x`` scaled per row, then dropped out, then added."""
+    rs = torch.rand(x.shape[:-1], dtype=x.dtype) + 0.5
+
+    def theirs():
+        h = F.dropout(x * rs.unsqueeze(-1), 0.1) + r
+        return F.layer_norm(h, (n,), w, b), h
+
+    def ours():
+        out = layernorm.fused_norm(x, (n,), w, b, residual=r, dropout_p=0.1, rowscale=rs)
+        return out.y, out.residual_out
+
+    return theirs, ours, (x, r, w, b), True
+
+
+def generator(x, r, w, b, n):
+    """Dropout drawn from a ``torch.Generator`` of the user's."""
+    g0, g1 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+
+    def theirs():
+        keep = torch.empty_like(x).bernoulli_(0.9, generator=g0)
+        h = x * keep / 0.9 + r
+        return F.layer_norm(h, (n,), w, b), h
+
+    def ours():
+        out = layernorm.fused_norm(x, (n,), w, b, residual=r, dropout_p=0.1, generator=g1)
+        return out.y, out.residual_out
+
+    return theirs, ours, (x, r, w, b), True
+
+
+def flash_stream_start(x, r, w, b, n):
+    """flash-attn's first block of a float32 stream: ``rms_norm_fn(x, w, None,
+    prenorm=True, residual_in_fp32=True)``, no residual yet, no dropout."""
+
+    def theirs():
+        h = x.float()
+        return F.rms_norm(h, (n,), w.float(), 1e-6).to(x.dtype), h
+
+    return (
+        theirs,
+        lambda: flash_attn.rms_norm_fn(x, w, None, eps=1e-6, prenorm=True, residual_in_fp32=True),
+        (x, w),
+        True,
+    )
+
+
+def flash_stream(x, r, w, b, n):
+    """flash-attn's later blocks: ``layer_norm_fn`` adding into the float32 stream."""
+    r32 = r.detach().float().requires_grad_(r.requires_grad)
+
+    def theirs():
+        h = x.float() + r32
+        return F.layer_norm(h, (n,), w.float(), b.float()).to(x.dtype), h
+
+    return (
+        theirs,
+        lambda: flash_attn.layer_norm_fn(
+            x, w, b, residual=r32, prenorm=True, residual_in_fp32=True
+        ),
+        (x, r32, w, b),
+        True,
+    )
+
+
+def liger_add(x, r, w, b, n):
+    """Liger's ``LigerFusedAddRMSNorm`` (llama casting) against its composition."""
+    module = liger.LigerFusedAddRMSNorm(n)
+    with torch.no_grad():
+        module.weight.copy_(w)
+    module.weight.requires_grad_(w.requires_grad)
+
+    def theirs():
+        h = x + r
+        return _llama(h, module.weight, 1e-6), h
+
+    return theirs, lambda: module(x, r), (x, r, module.weight), True
+
+
+def quack_prenorm(x, r, w, b, n):
+    """quack's ``rmsnorm(x, w, residual=r, prenorm=True)``."""
+
+    def theirs():
+        h = x + r
+        return F.rms_norm(h, (n,), w, 1e-6), h
+
+    return (
+        theirs,
+        lambda: quack.rmsnorm(x, w, residual=r, prenorm=True),
+        (x, r, w),
+        True,
+    )
+
+
+def apex_mixed(x, r, w, b, n):
+    """apex's ``MixedFusedRMSNorm``: float32 parameters, the output in their dtype."""
+    module = apex.MixedFusedRMSNorm(n, eps=1e-6).float()
+    w32 = module.weight.requires_grad_(w.requires_grad)
+    return (
+        lambda: F.rms_norm(x.float(), (n,), w32, 1e-6),
+        lambda: module(x),
+        (x, w32),
+        True,
+    )
+
+
 CASES: dict[str, Case] = {
     "offset": offset,
     "casting_gemma": casting_gemma,
@@ -190,6 +297,13 @@ CASES: dict[str, Case] = {
     "dropout": dropout,
     "dropout_stream": dropout_stream,
     "two_weights": two_weights,
+    "rowscale": rowscale,
+    "generator": generator,
+    "flash_stream_start": flash_stream_start,
+    "flash_stream": flash_stream,
+    "liger_add": liger_add,
+    "quack_prenorm": quack_prenorm,
+    "apex_mixed": apex_mixed,
 }
 
 
