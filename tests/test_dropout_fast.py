@@ -1,7 +1,8 @@
 """The dropout-add's fast paths give the bits of the general ones and decline what they
 were not built for: the numba kernels' three-piece sum (no x1, no rowscale) and
-two-piece backward against their general path (a rowscale of ones: the same exact sum),
-and fused_norm's direct calls (no custom op in eager inference, ``EagerDropoutAdd`` in
+two-piece backward against the torch version and their rowscale path (a rowscale of
+ones: the same exact sum; the general path for float64 terms, whose products with a
+rowscale are not exact, else the rowscale's own decided pass), and fused_norm's direct calls (no custom op in eager inference, ``EagerDropoutAdd`` in
 eager training, dresidual passed on) against the op's path (``ops.FAST_PATHS`` off)."""
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def near_midpoints(dtype: torch.dtype, rdtype: torch.dtype, p: float, seed: int)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_three_piece_sum_is_the_general_path(dtype, p):
     # no x1 and no rowscale: the three-piece kernel; a rowscale of ones takes the general
-    # seven-piece one with the same exact sum, so the same bits; the torch version too
+    # seven-piece one for float64 x (else the decided pass of x·1, then the general
+    # one) with the same exact sum, so the same bits; the torch version too
     ones = torch.ones(16, dtype=torch.float64)
     for rdtype in {dtype, torch.float32, torch.float64}:
         x, res = near_midpoints(dtype, rdtype, p, 3)
@@ -170,7 +172,7 @@ def _settled(x, keep, res, p, h_dtype) -> torch.Tensor:
     one = nd._flat(torch.empty(1, 1, dtype=h_dtype))[0]
     s = philox.dropout_scale(p)
     return torch.tensor([
-        nd._h1_row_decided(one, wide0[k : k + 1], keep[k : k + 1], wide_r[k : k + 1], s, 1)
+        nd._h1_row_decided(one, wide0[k : k + 1], keep[k : k + 1], wide_r[k : k + 1], 1.0, s, 1)
         for k in range(x.numel())
     ])  # fmt: skip
 
@@ -248,7 +250,7 @@ def test_the_decided_pass_settles_random_rows(h_dtype):
         row = torch.empty(4096, dtype=h_dtype)
         assert nd._h1_row_decided(
             nd._flat(row.view(1, -1))[0], x[i].double().numpy(), keep[i].numpy(),
-            res[i].double().numpy(), s, 4096,
+            res[i].double().numpy(), 1.0, s, 4096,
         )  # fmt: skip
     h = nd.dropout_add(x, None, res.to(h_dtype), None, 3, 0.1, h_dtype, False)[0]
     same_bits(h, td.dropout_add(x, None, res.to(h_dtype), None, 3, 0.1, h_dtype, False)[0])

@@ -280,6 +280,31 @@ def test_numba_fuzz_near_midpoints():
             check_forward(x0, x1, r, None, 17, p, rdtype)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "rdtype"),
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+     (torch.float16, torch.float32), (torch.float32, torch.bfloat16)],
+    ids=str,
+)  # fmt: skip
+def test_numba_rowscale_rows_decided_without_the_exact_sum(dtype, rdtype):
+    # Rows without zeros or cancellation, so that the decided pass settles them: with a
+    # float32 rowscale x0·rs is exact and the pass takes it; a rowscale of 53 bits
+    # (float64 1/3, 0.1) is not, and its rows must take the exact sum. Near-midpoint
+    # residuals then push the pass to hand elements on. Forward and backward.
+    g = torch.Generator().manual_seed(8)
+    x0 = (torch.rand(6, 64, generator=g) + 0.5).to(dtype)
+    res = (torch.randn(6, 64, generator=g) * 0.25).to(rdtype)
+    rs32 = torch.tensor([0.75, -3.0, 2.0**-20, 1e3, 0.1, 1.5]).float()
+    rs64 = torch.tensor([1 / 3, 0.1, -7 / 3, 1.0, 2.0**-20 / 3, 1e3 / 7], dtype=torch.float64)
+    for p in (0.0, 0.1, 1 / 3):
+        s = philox.dropout_scale(p)
+        for rs in (rs32, rs64):
+            check_forward(x0, None, res, rs, 21, p, rdtype)
+            near = (-(x0.double() * rs.double()[:, None] * s) * (1 + 2.0**-30)).to(rdtype)
+            check_forward(x0, None, near, rs, 21, p, rdtype)
+            check_backward(res, rs, 21, p, dtype, None, rdtype)
+
+
 def test_numba_special_values():
     f32 = torch.float32
     inf, nan = math.inf, math.nan

@@ -44,11 +44,14 @@ unless they span more than about 14; float16 terms span at most 40 binades, so t
 float32 sums may miss more often (a row then pays both). The fast sum is an
 optimization: the exact path below is the definition.
 
-**The decided pass.** Without ``x1`` or rowscale and with ``h`` narrower than float64,
-a row is first rounded from ``t + lo`` (``TwoProd(x0, s)``, then ``TwoSum`` with the
+**The decided pass.** Without ``x1`` and with ``h`` narrower than float64, a row is
+first rounded from ``t + lo`` (``TwoProd(x0·rs, s)``, then ``TwoSum`` with the
 residual: ``t`` and a low part within a float64 rounding of the rest) with a midpoint
 test per element (:func:`_settled`), in one vectorized loop; a row with an element that
-test leaves open runs the exact pass. The same bits, by the test's argument there.
+test leaves open runs the exact pass. The same bits, by the test's argument there. A
+row's rowscale takes this pass only where ``x0·rs`` is exact in float64
+(:func:`_exact_product`: ``x0`` narrower than float64 and ``rs`` a float32 value, as
+flash-attn's drop-path scales are); other rows run the exact pass.
 
 **Special values.** A dropped term is +0.0 whatever ``x`` is (NaN, Inf). When a kept
 term or the residual is Inf or NaN, ``h`` is the IEEE float64 sum
@@ -56,7 +59,8 @@ term or the residual is Inf or NaN, ``h`` is the IEEE float64 sum
 An exact sum of zero is +0.0, unless every present term is a zero and all of them are
 -0.0 (IEEE's rule for a sum), then -0.0.
 
-**Backward.** ``dx0 = RN_x0dtype(dh·k0·s·rs)`` (four pieces, the same rounding),
+**Backward.** ``dx0 = RN_x0dtype(dh·k0·s·rs)`` (four pieces, the same rounding; two,
+``TwoProd(dh·rs, s)``, where ``dh·rs`` is exact as above),
 ``dx1 = RN_x1dtype(dh·k1·s)``, ``dresidual = RN_residualdtype(dh)`` (``dh``'s copy
 when the dtypes agree, as the torch version: NaN payloads kept); rowscale gets no
 gradient.
@@ -479,14 +483,31 @@ def _settled(t, lo, like):  # pragma: no cover - compiled
     return v, decided
 
 
+def _exact_product(x, scale):
+    """Whether ``v·scale`` is exact in float64 for every value ``v`` that array ``x``
+    stores: ``x`` of a dtype narrower than float64 (24 significant bits or fewer) and
+    ``scale`` a float32 value (as many), so the product has at most 48 bits, and its
+    magnitude lies within [2^-298, 2^256] or is zero: no underflow or overflow. Not for
+    NaN (never equal to itself) nor a scale outside float32's range."""
+
+
+@overload(_exact_product, inline="always")
+def _exact_product_impl(x, scale):
+    if x.dtype not in _STORED:  # float64 values: 53 bits
+        return lambda x, scale: False
+    return lambda x, scale: np.float64(np.float32(scale)) == scale
+
+
 @_jit(inline="always")
-def _h1_row_decided(h_i, wide0, keep0, wide_r, s, n_cols):  # pragma: no cover - compiled
+def _h1_row_decided(h_i, wide0, keep0, wide_r, scale, s, n_cols):  # pragma: no cover
     """:func:`_exact_h1`'s row for a ``h`` narrower than float64 where the rounding is
     decided without the exact sum, in one vectorized loop: returns whether every element
-    was (else the caller redoes the row: ``h_i`` then holds nothing to keep).
+    was (else the caller redoes the row: ``h_i`` then holds nothing to keep). ``scale``:
+    the row's rowscale (1.0 without one), which the caller has checked makes
+    ``x0·scale`` exact (:func:`_exact_product`).
 
-    ``(c0, c1) = TwoProd(x0, s)`` (zeros where dropped) and ``(t, e) = TwoSum(c0, r)``
-    are exact, so the sum is ``t + e + c1 = t + lo + δ`` with ``lo = RN(e + c1)``,
+    ``(c0, c1) = TwoProd(x0·scale, s)`` (zeros where dropped) and ``(t, e) = TwoSum(c0,
+    r)`` are exact, so the sum is ``t + e + c1 = t + lo + δ`` with ``lo = RN(e + c1)``,
     ``|δ| <= 2^-53·|lo|``: :func:`_settled`, stored rounded once (``_stored``), the exact
     path's bits. What this does not decide (a zero or tiny sum, its signed zeros,
     specials, cancellation, near-midpoints) the exact path settles. (For float64 ``x0``
@@ -494,7 +515,7 @@ def _h1_row_decided(h_i, wide0, keep0, wide_r, s, n_cols):  # pragma: no cover -
     docstring says.)"""
     open_ = np.int64(0)
     for c in range(n_cols):
-        c0, c1 = two_prod(wide0[c], s)
+        c0, c1 = two_prod(wide0[c] * scale, s)
         kept = keep0[c]
         t, e = two_sum(c0 if kept else 0.0, wide_r[c])
         v, decided = _settled(t, e + (c1 if kept else 0.0), h_i)
@@ -551,13 +572,20 @@ def _forward_rows(
             res_i = res[i * sres : i * sres + n_cols]
             for c in range(n_cols):
                 wide_r[c] = _wide(res_i[c])
-        if has_x1 or has_rs:
+        decided = (
+            not (has_x1 or nearest)
+            and (not has_rs or _exact_product(x0, scale))
+            and _h1_row_decided(h_i, wide0, keep0, wide_r, scale, s, n_cols)
+        )
+        if decided:
+            pass
+        elif has_x1 or has_rs:
             for c in range(n_cols):
                 v = _exact_h(
                     wide0[c], keep0[c], scale, wide1[c], keep1[c], has_x1, wide_r[c], s, nearest
                 )
                 h_i[c] = _stored(v, h)
-        elif nearest or not _h1_row_decided(h_i, wide0, keep0, wide_r, s, n_cols):
+        else:
             for c in range(n_cols):
                 h_i[c] = _stored(_exact_h1(wide0[c], keep0[c], wide_r[c], s, nearest), h)
         if want_masks:
@@ -660,13 +688,13 @@ def _backward_rows(
         for c in range(n_cols):
             wide[c] = _wide(dh_i[c])
         dx0_i = dx0[base : base + n_cols]
-        if has_rs:
+        if has_rs and not _exact_product(dh, scale):
             for c in range(n_cols):
                 v = _exact_h(wide[c], keep0[c], scale, 0.0, False, False, -0.0, s, nearest0)
                 dx0_i[c] = _stored(v, dx0)
-        else:
+        else:  # dh·scale exact: the same pieces, hence the same bits, as _exact_h's
             for c in range(n_cols):
-                dx0_i[c] = _stored(_exact_prod(wide[c], keep0[c], s, nearest0), dx0)
+                dx0_i[c] = _stored(_exact_prod(wide[c] * scale, keep0[c], s, nearest0), dx0)
         if has_x1:
             dx1_i = dx1[base : base + n_cols]
             for c in range(n_cols):
