@@ -968,7 +968,7 @@ def python_dropout_adds(monkeypatch):
 
 def _fused_both_ways(monkeypatch, seen, x, n, weight, bias, **kw):
     """``fused_norm`` with the fast paths on, then off, from one generator state (the
-    default one's and a given one's): each output's bits, the generator's next draws, and
+    default one's and a given one's): each output's bits, the generators' next draws, and
     whether Python's dropout-add ran."""
     from layernorm import ops
 
@@ -982,7 +982,10 @@ def _fused_both_ways(monkeypatch, seen, x, n, weight, bias, **kw):
         out = layernorm.fused_norm(x, (n,), weight, bias, **kw)
         outs = [None if t is None else t.view(torch.uint8) if t.dtype == torch.bool else _bits(t)
                 for t in out]  # fmt: skip
-        runs.append((outs, torch.randint(1 << 30, (4,)), bool(seen)))
+        draws = torch.randint(1 << 30, (4,))
+        if kw.get("generator") is not None:
+            draws = torch.cat([draws, torch.randint(1 << 30, (4,), generator=kw["generator"])])
+        runs.append((outs, draws, bool(seen)))
     return runs
 
 
@@ -1140,6 +1143,92 @@ def test_fused_front_door_takes_a_float32_stream(in_use, monkeypatch, python_dro
                 assert (a is None) == (c is None) and (a is None or torch.equal(a, c)), case
 
 
+def _rowscales(shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """Rowscales for ``shape``'s rows: float32 values as ``(M,)`` (the decided pass),
+    53-bit float64 values in the leading shape (the exact pass), and bfloat16 ones."""
+    lead = shape[:-1]
+    m = math.prod(lead)
+    return [
+        torch.rand(m) + 0.5,
+        (torch.rand(lead, dtype=torch.float64) + 0.5) / 3,
+        (torch.rand(m) * 4 - 2).bfloat16(),
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_front_door_takes_a_rowscale_and_a_generator(
+    in_use, monkeypatch, python_dropout_adds, dtype
+):
+    """A rowscale (flash-attn's drop-path: ``(M,)`` or x's leading shape, any floating
+    dtype) and a CPU generator of the user's go through the front door: every output,
+    mask and gradient bitwise the Python path's (the fast paths off), the default and the
+    given generator left in the same state (``_fused_both_ways``); 1-D, 3-D and 4-D
+    inputs, with and without dropout, residual, x1, a seed and (16-bit x) a float32
+    stream, and with a gradient of every leaf (the rowscale saved by the C++ node, handed
+    to Python's formula for a graph of the backward)."""
+    for shape, x, r, _ in _front_door_inputs("layer_norm", dtype):
+        n = shape[-1]
+        x1 = torch.randn(shape).to(dtype)
+        w, b = torch.randn(n).to(dtype), torch.randn(n).to(dtype)
+        streams = [None, torch.float32] if dtype in (torch.bfloat16, torch.float16) else [None]
+        for rowscale, p, residual, second, seed, generator, stream in itertools.product(
+            [None, *_rowscales(shape)], [0.0, 0.3], [False, True], [False, True], [None, 77],
+            [None, torch.Generator()], streams,
+        ):  # fmt: skip
+            if rowscale is None and (generator is None or (p == 0.0 and not second)):
+                continue  # (the other front door tests' calls)
+            kw = {"dropout_p": p, "return_dropout_mask": True, "seed": seed}
+            kw.update(rowscale=rowscale, generator=generator, residual_dtype=stream)
+            if residual:
+                kw["residual"] = r if stream is None else r.to(stream)
+            if second:
+                kw["x1"] = x1
+            case = (shape, kw.keys(), None if rowscale is None else rowscale.dtype, p, seed)
+            fast, slow = _fused_both_ways(monkeypatch, python_dropout_adds, x, n, w, b, **kw)
+            # taken by C++ but the exact three-term sum into a stream (float32 stream test)
+            sum3 = stream is not None and rowscale is None and p == 0.0 and not residual
+            assert fast[2] == sum3 and slow[2], case  # (run by Python)
+            _assert_same_run(fast, slow, case)
+        base = {"x": x, "r": r, "x1": x1, "w": w, "b": b}
+        for rowscale, p, second, leaves, create_graph in itertools.product(
+            _rowscales(shape), [0.0, 0.3], [False, True], [("x", "r", "x1", "w"), ("x",), ("r",)],
+            [False, True],
+        ):  # fmt: skip
+            kw = {"dropout_p": p, "residual": True, "x1": second, "rowscale": rowscale}
+            case = (shape, rowscale.dtype, p, second, leaves, create_graph)
+            runs = [
+                _fused_gradients(monkeypatch, python_dropout_adds, fast, base, leaves, n,
+                                 create_graph, **dict(kw))
+                for fast in (True, False)
+            ]  # fmt: skip
+            # (a graph of the backward: its transpose is the Python dropout-add)
+            assert runs[0][1] == create_graph and runs[1][1], case
+            for a, c in zip(runs[0][0], runs[1][0], strict=True):
+                assert (a is None) == (c is None) and (a is None or torch.equal(a, c)), case
+
+
+def test_fused_front_door_saves_the_rowscale_as_python_does(in_use, monkeypatch):
+    """The C++ node saves the rowscale as ``EagerDropoutAdd`` does: changed in place
+    after the forward, the backward raises autograd's error, on either path; a rowscale
+    that requires grad raises Python's error in grad mode and is taken without it."""
+    from layernorm import ops
+
+    for fast in (True, False):
+        monkeypatch.setattr(ops, "FAST_PATHS", fast)
+        x = torch.randn(4, 16, requires_grad=True)
+        rowscale = torch.rand(4)
+        out = layernorm.fused_norm(x, 16, dropout_p=0.1, rowscale=rowscale, seed=1)
+        assert (out.residual_out.grad_fn.name() == "layernorm::DropoutAddBackward") == fast
+        rowscale.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.y.sum().backward()
+        with pytest.raises(RuntimeError, match="rowscale gets no gradient"):
+            layernorm.fused_norm(x, 16, dropout_p=0.1, rowscale=rowscale.requires_grad_())
+        with torch.no_grad():
+            layernorm.fused_norm(x, 16, dropout_p=0.1, rowscale=rowscale)
+        rowscale.requires_grad_(False)
+
+
 def test_fused_front_door_node_hands_python_what_it_was_not_built_for(
     in_use, monkeypatch, python_dropout_adds
 ):
@@ -1196,8 +1285,6 @@ def test_fused_front_door_leaves_other_calls_to_python(in_use, monkeypatch, pyth
     x, r, x1 = (torch.randn(3, 4, 16) for _ in range(3))
     w, b = torch.randn(16), torch.randn(16)
     cases = {
-        "rowscale": {"dropout_p": 0.2, "rowscale": torch.rand(12)},
-        "generator": {"dropout_p": 0.2, "generator": torch.Generator().manual_seed(1)},
         "residual_dtype": {"dropout_p": 0.2, "residual_dtype": torch.float64},
         "out_dtype": {"dropout_p": 0.2, "out_dtype": torch.bfloat16},
         "residual_dtype of the residual's": {

@@ -39,9 +39,9 @@
 // value), with the kernels writing into `out` and `residual_out` (options.write_into's
 // rule); it declines every other call, options.norm then answers it (or raises).
 // fused(...) is the front door of layernorm.fused_norm (its arguments, in its order) for
-// the call with dropout or x1: the seed draw, the numba dropout-add entry (with a C++
-// autograd node, DropoutAddBackward) and the norm of h per weight set, as fused_norm
-// runs them; every other call gets None.
+// the call with dropout, x1 or a rowscale: the seed draw, the numba dropout-add entry
+// (with a C++ autograd node, DropoutAddBackward) and the norm of h per weight set, as
+// fused_norm runs them; every other call gets None.
 // norm_linear(...) is the front door of layernorm.layer_norm_linear with a gradient: the
 // norm's forward kernel and at::linear, recorded by a NormLinearBackward node in the
 // place of Python's NormLinear; every other call gets None.
@@ -56,6 +56,7 @@
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/Generator.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -1199,6 +1200,21 @@ bool plain_like(PyObject* o, const Tensor& x, Tensor* out,
     return true;
 }
 
+// A rowscale fused_norm takes for the rows of x (n its last dim): a plain CPU tensor
+// (or Parameter) of a floating dtype and of shape (m,) or x's leading shape, or None
+// (undefined).
+bool plain_rowscale(PyObject* o, const Tensor& x, Tensor* out) {
+    if (o == Py_None) return true;
+    if (!tensor_or_parameter(o)) return false;
+    const Tensor& t = THPVariable_Unpack(o);
+    const int64_t m = x.numel() / x.size(-1);
+    if (!(t.is_cpu() && t.is_floating_point() &&
+          (t.sizes() == x.sizes().slice(0, x.dim() - 1) || (t.dim() == 1 && t.size(0) == m))))
+        return false;
+    *out = t;
+    return true;
+}
+
 PyObject* wrap_or_none(const Tensor& t) {
     if (!t.defined()) Py_RETURN_NONE;
     return THPVariable_Wrap(t);
@@ -1389,12 +1405,21 @@ void run_rows(int64_t m, int64_t n, const std::function<void(int64_t, int64_t)>&
         run_spans(ranges, lent, rows);
 }
 
-// The autograd of fused's dropout-add h = RN(k0·s·x + k1·s·x1 + residual), every tensor
-// of one dtype: fused.gradients' formula (EagerDropoutAdd's backward), the masks
-// regenerated from the key. Its inputs are (x, x1, residual), an absent one without an
-// edge. The numba entry computes dx and dx1, the residual's gradient is dh itself; a
-// backward that builds a graph (create_graph), that a mechanism would see, or that the
-// entry was not built for goes to Python's fused.gradients.
+// A rowscale as the dropout-add's kernels read it: (m,) float64 values, contiguous (the
+// conversion is exact: _numba_dropout._rowscale); undefined stays undefined.
+Tensor rows_as_float64(const Tensor& rowscale) {
+    if (!rowscale.defined()) return rowscale;
+    return rowscale.reshape({-1}).to(at::kDouble).contiguous();
+}
+
+// The autograd of fused's dropout-add h = RN(k0·s·x·rowscale + k1·s·x1 + residual), x
+// and x1 of one dtype, residual and h of it or of a float32 stream: fused.gradients'
+// formula (EagerDropoutAdd's backward), the masks regenerated from the key, the rowscale
+// saved as EagerDropoutAdd saves it (an in-place change of it raises here as there). Its
+// inputs are (x, x1, residual), an absent one without an edge. The numba entry computes
+// dx and dx1, the residual's gradient is dh itself; a backward that builds a graph
+// (create_graph), that a mechanism would see, or that the entry was not built for goes
+// to Python's fused.gradients.
 struct DropoutAddBackward : public torch::autograd::Node {
     int64_t seed = 0, k0 = 0, k1 = 0;
     double p = 0, s = 1, p32 = 0;
@@ -1402,13 +1427,17 @@ struct DropoutAddBackward : public torch::autograd::Node {
     int d = 0;   // the terms' dtype index (x, x1)
     int hd = 0;  // the stream's (residual, h): d, or float32's for 16-bit terms
     std::vector<int64_t> sizes;
+    torch::autograd::SavedVariable rowscale;  // (m,) or x's leading shape; none: undefined
 
     std::string name() const override { return "layernorm::DropoutAddBackward"; }
+
+    void release_variables() override { rowscale.reset_data(); }
 
     variable_list apply(variable_list&& grads) override {
         variable_list out(3);
         const Tensor& dh = grads[0];
         if (!dh.defined()) return out;
+        const Tensor rs = rowscale.unpack();
         const int64_t entry = dropout_kernel(d, hd, DROPOUT_ADD_BACKWARD);
         Tensor dx, dx1;
         if (torch::GradMode::is_enabled() || at::hasCallbacks() || entry < 0 ||
@@ -1416,11 +1445,12 @@ struct DropoutAddBackward : public torch::autograd::Node {
             mechanism_active({&dh})) {
             const auto [gx, gx1, gresidual] =
                 call_python<std::tuple<Tensor, OptionalTensor, OptionalTensor>>(
-                    state.dropout_gradients, dh, seed, p, d, has_x1, has_residual, hd);
+                    state.dropout_gradients, dh, as_optional(rs), seed, p, d, has_x1,
+                    has_residual, hd);
             dx = gx;
             dx1 = value(gx1);
             out[2] = value(gresidual);
-        } else if (p == 0 && hd == d) {
+        } else if (p == 0 && hd == d && !rs.defined()) {
             // every element kept with s = 1 (fused.gradients' rule): dx = RN(dh) and
             // dx1 = RN(dh) are dh, passed on as torch's add passes its gradient
             dx = dh;
@@ -1429,13 +1459,14 @@ struct DropoutAddBackward : public torch::autograd::Node {
         } else {
             const Tensor g = dh.contiguous();
             const int64_t n = sizes.back(), m = g.numel() / n;
+            const Tensor scale = rows_as_float64(rs);
             dx = empty(g.sizes(), state.dtypes[d]);
             if (has_x1) dx1 = empty(g.sizes(), state.dtypes[d]);
             run_rows(m, n, [&](int64_t lo, int64_t hi) {
                 reinterpret_cast<DropoutAddBackwardKernel>(entry)(
-                    address(g), n, address(g) /* rowscale: none */, address(dx),
+                    address(g), n, address(scale.defined() ? scale : g), address(dx),
                     address(has_x1 ? dx1 : dx), address(dx) /* dresidual: dh itself */, m, n,
-                    k0, k1, p32, s, false, has_x1, false, lo, hi);
+                    k0, k1, p32, s, scale.defined(), has_x1, false, lo, hi);
             });
             if (has_residual) out[2] = dh;  // (RN to dh's own dtype: dh, as Python passes it)
         }
@@ -1449,17 +1480,19 @@ struct DropoutAddBackward : public torch::autograd::Node {
 // fused(x, normalized_shape, weight, bias, eps, rms, residual, x1, weight1, bias1,
 // dropout_p, rowscale, seed, generator, residual_dtype, out_dtype, offset,
 // return_dropout_mask, backend), layernorm.fused_norm's arguments in its order, is its
-// front door for the call with dropout or x1: plain contiguous CPU tensors of x's dtype
-// and shape (x1, residual) and plain (N,) parameters, an int or 1-tuple
+// front door for the call with dropout, x1 or a rowscale: plain contiguous CPU tensors
+// of x's dtype and shape (x1, residual) and plain (N,) parameters, an int or 1-tuple
 // normalized_shape, a float dropout_p in [0, 1), an int64 seed or None, a float or None
 // eps, bools rms and return_dropout_mask, out_dtype None or x's own, residual_dtype None
 // or x's own or, for 16-bit x, float32 (then a residual is float32: the stream's dtype;
 // the dropout-add's entries of that pair, y and y1 by the kernels of the (float32, x)
 // pair),
-// offset 0.0, no rowscale, generator or backend, and no mechanism that would see the
-// call (forward AD and the transforms are Python's). It runs what
-// fused_norm runs, in its order: the seed drawn (one torch.randint of the default CPU
-// generator, fused.py's _seed_tensor), the numba backend's dropout-add entry on h (the
+// offset 0.0, a rowscale of (m,) or x's leading shape (a plain CPU tensor of a floating
+// dtype, not requiring grad where grad mode is on: fused_norm raises) or None, a CPU
+// torch.Generator or None, no backend, and no mechanism that would see the call
+// (forward AD and the transforms are Python's). It runs what fused_norm runs, in its
+// order: the seed drawn (one torch.randint of the generator, by default torch's default
+// CPU generator: fused.py's _seed_tensor), the numba backend's dropout-add entry on h (the
 // same kernel as _numba_dropout.dropout_add, in spans over the threads as _threads lends
 // them), recorded by a DropoutAddBackward node when x, x1 or residual requires grad
 // (EagerDropoutAdd's place), then the norm of h once per weight set, as the norm's front
@@ -1474,10 +1507,9 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     }
     PyObject *x_object = args[0], *eps_object = args[4], *rms_object = args[5];
     PyObject *p_object = args[10], *seed_object = args[12], *offset_object = args[16];
-    PyObject* masks_object = args[17];
-    // rowscale, generator and backend are Python's; offset 0.0
-    if (state.resolve == nullptr || args[11] != Py_None || args[13] != Py_None ||
-        args[18] != Py_None ||
+    PyObject *masks_object = args[17], *generator_object = args[13];
+    // a backend is Python's; offset 0.0
+    if (state.resolve == nullptr || args[18] != Py_None ||
         !PyFloat_CheckExact(offset_object) || PyFloat_AS_DOUBLE(offset_object) != 0 ||
         !PyFloat_CheckExact(p_object) || !PyBool_Check(rms_object) ||
         !PyBool_Check(masks_object) ||
@@ -1492,6 +1524,12 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
         if (!PyLong_CheckExact(seed_object)) Py_RETURN_NONE;
         seed = PyLong_AsLongLongAndOverflow(seed_object, &overflow);
         if (overflow != 0) Py_RETURN_NONE;
+    }
+    std::optional<at::Generator> generator;  // (None: torch's default CPU generator)
+    if (generator_object != Py_None) {
+        if (!THPGenerator_Check(generator_object)) Py_RETURN_NONE;
+        generator = THPGenerator_Unwrap(generator_object);
+        if (!generator->device().is_cpu()) Py_RETURN_NONE;
     }
     const int64_t n = last_dim(args[1]);
     if (n <= 0) Py_RETURN_NONE;
@@ -1516,23 +1554,24 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     const bool half = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
     if (!(stream == x.scalar_type() || (half && stream == at::kFloat))) Py_RETURN_NONE;
     const int hd = dtype_index(stream);
-    Tensor residual, x1, weight, bias, weight1, bias1;
+    Tensor residual, x1, weight, bias, weight1, bias1, rowscale;
     if (!plain_like(args[6], x, &residual, stream) || !plain_like(args[7], x, &x1) ||
         !plain_param(args[2], n, &weight) || !plain_param(args[3], n, &bias) ||
-        !plain_param(args[8], n, &weight1) || !plain_param(args[9], n, &bias1))
+        !plain_param(args[8], n, &weight1) || !plain_param(args[9], n, &bias1) ||
+        !plain_rowscale(args[11], x, &rowscale))
         Py_RETURN_NONE;
     const bool rms = rms_object == Py_True, want_masks = masks_object == Py_True;
+    const bool grad_mode = torch::GradMode::is_enabled();
     if ((rms && (bias.defined() || bias1.defined())) ||  // fused_norm raises
-        (bias1.defined() && !weight1.defined()) ||
-        (p == 0 && !x1.defined()))  // h = x + residual: fused_norm calls add_*
+        (bias1.defined() && !weight1.defined()) || (grad_mode && requires_grad(rowscale)) ||
+        (p == 0 && !x1.defined() && !rowscale.defined()))  // h = x + residual: add_*
         Py_RETURN_NONE;
     const double eps = eps_object != Py_None ? PyFloat_AS_DOUBLE(eps_object)
                        : rms                 ? state.default_eps[d]
                                              : state.layer_norm_eps;
     if (!(eps >= 0)) Py_RETURN_NONE;
-    if (mechanism_active({&x, &residual, &x1, &weight, &bias, &weight1, &bias1}))
+    if (mechanism_active({&x, &residual, &x1, &weight, &bias, &weight1, &bias1, &rowscale}))
         Py_RETURN_NONE;
-    const bool grad_mode = torch::GradMode::is_enabled();
     // whether autograd records the dropout-add (fused's _op.records_gradient(x, x1, residual))
     const bool record_h =
         grad_mode && (x.requires_grad() || requires_grad(residual) || requires_grad(x1));
@@ -1544,14 +1583,15 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     const int64_t norm_address = entry_for(h, "", FORWARD_SERIAL, yd);
     if (norm_address < 0) Py_RETURN_NONE;
     const auto [s, p32] = dropout_constants(p);
-    // every element kept and s = 1: the exact three-term sum (_numba_dropout's rule; of
-    // another stream, with a residual: _numba_dropout._sum3's choice of kernel)
-    const bool sum3 = x1.defined() && p32 == 0 && s == 1;
+    // every element kept, s = 1 and no rowscale: the exact three-term sum
+    // (_numba_dropout's rule; of another stream, with a residual: _numba_dropout._sum3's
+    // choice of kernel)
+    const bool sum3 = x1.defined() && !rowscale.defined() && p32 == 0 && s == 1;
     if (sum3 && yd >= 0 && !residual.defined()) Py_RETURN_NONE;
     const int64_t add_address = dropout_kernel(d, hd, sum3 ? SUM3 : DROPOUT_ADD);
     if (add_address < 0) Py_RETURN_NONE;
     if (seed_object == Py_None && p != 0)  // fused._seed_tensor's draw
-        seed = at::randint(state.seed_draw_high, {}, std::optional<at::Generator>(),
+        seed = at::randint(state.seed_draw_high, {}, generator,
                            at::TensorOptions().dtype(at::kLong))
                    .item<int64_t>();
     const auto key = static_cast<uint64_t>(seed);  // _philox.seed_key
@@ -1579,11 +1619,13 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
         }
         // (an absent tensor is not read: any valid address)
         auto address_or_h = [&](const Tensor& t) { return address(t.defined() ? t : h); };
-        rows = [&](int64_t lo, int64_t hi) {
+        const Tensor scale = rows_as_float64(rowscale);
+        rows = [&, scale](int64_t lo, int64_t hi) {
             reinterpret_cast<DropoutAddKernel>(add_address)(
-                address(x), n, address_or_h(x1), n, address_or_h(residual), n, address(h),
-                address(h), address_or_h(mask0), address_or_h(mask1), m, n, k0, k1, p32, s,
-                x1.defined(), residual.defined(), false /* rowscale */, want_masks, lo, hi);
+                address(x), n, address_or_h(x1), n, address_or_h(residual), n,
+                address_or_h(scale), address(h), address_or_h(mask0), address_or_h(mask1), m,
+                n, k0, k1, p32, s, x1.defined(), residual.defined(), scale.defined(),
+                want_masks, lo, hi);
         };
     }
     run_rows(m, n, rows);
@@ -1601,6 +1643,7 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
         node->d = d;
         node->hd = hd;
         node->sizes = x.sizes().vec();
+        if (rowscale.defined()) node->rowscale = torch::autograd::SavedVariable(rowscale, false);
         torch::autograd::set_history(h, node);
     }
     // the norm of h per weight set: with a gradient the norm's front door records

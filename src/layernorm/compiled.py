@@ -29,7 +29,8 @@ autocast, forward AD); with a gradient it calls the op through the dispatcher, w
 one the CPU kernel's own function (without statistics). Any other call gets None and
 goes through Python. The kernels are the ones the Python path calls, so the bits are the
 same either way. Its ``fused`` is the front door of :func:`layernorm.fused_norm` in the
-same way, for the call with dropout or ``x1``: the seed drawn as Python draws it, the
+same way, for the call with dropout, ``x1`` or a rowscale: the seed drawn as Python
+draws it (from the user's CPU generator, if given), the
 dropout-add's numba entry (:func:`layernorm.backends.numba_.entry_address`; of the
 (terms, stream) pair for a float32 stream of 16-bit ``x``) with a C++ autograd node in
 ``EagerDropoutAdd``'s place, the norm of ``h`` per weight set (into ``x``'s dtype). Everything C++ needs to know (the Python kernels, the exact fallback,
@@ -356,6 +357,7 @@ def _dropout_constants(p: float) -> tuple[float, float]:
 
 def _dropout_gradients(
     dh: torch.Tensor,
+    rowscale: torch.Tensor | None,
     seed: int,
     p: float,
     index: int,
@@ -365,15 +367,16 @@ def _dropout_gradients(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """:func:`layernorm.fused.gradients` for ``fused``'s autograd node where it hands a
     backward back to Python (a graph of it, a mechanism): x and x1 of ``DTYPES[index]``,
-    the residual of the stream's ``DTYPES[stream_index]``, no rowscale, the automatic
-    backend; ``dh`` and the gradients in the input's shape (the formula's rows are its
-    last dim)."""
+    the residual of the stream's ``DTYPES[stream_index]``, the rowscale as the forward
+    took it (or None), the automatic backend; ``dh`` and the gradients in the input's
+    shape (the formula's rows are its last dim)."""
     from . import fused
 
     dtype, stream = DTYPES[index], DTYPES[stream_index]
     grads = fused.gradients(
-        dh.reshape(-1, dh.shape[-1]), None, torch.tensor(seed, dtype=torch.int64), p, "",
-        dtype, dtype if has_x1 else None, stream if has_residual else None,
+        dh.reshape(-1, dh.shape[-1]), None if rowscale is None else rowscale.reshape(-1),
+        torch.tensor(seed, dtype=torch.int64), p, "", dtype, dtype if has_x1 else None,
+        stream if has_residual else None,
     )  # fmt: skip
     dx, dx1, dresidual = (None if g is None else g.reshape(dh.shape) for g in grads)
     assert dx is not None
