@@ -1229,6 +1229,72 @@ def test_fused_front_door_saves_the_rowscale_as_python_does(in_use, monkeypatch)
         rowscale.requires_grad_(False)
 
 
+@pytest.fixture
+def python_fused_norms(monkeypatch):
+    """The calls of ``fused._norm`` (fused_norm's Python path to the norm of h) during a
+    test: none where the compiled front door took a ``fused_norm`` call."""
+    from layernorm import fused
+
+    seen = []
+    python_norm = fused._norm
+    monkeypatch.setattr(fused, "_norm", lambda *a, **k: seen.append(1) or python_norm(*a, **k))
+    return seen
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_front_door_takes_the_call_without_a_dropout_add(
+    in_use, monkeypatch, python_fused_norms, dtype
+):
+    """Without dropout, x1 or a rowscale (flash-attn's ``layer_norm_fn`` as most models
+    call it) ``fused_norm`` is the norm of x, or add_*'s of x and the residual, or for
+    16-bit x in a float32 stream (``residual_in_fp32``) the norm of x + residual (or x
+    widened) rounded into x's dtype: the front door hands it to the norm's, and every
+    output (y, residual_out or None, the masks of ones) and gradient is bitwise the
+    Python path's; 1-D, 3-D and 4-D inputs, layer norm and RMSNorm, eps given or not, the
+    dtype options given as x's own. It leaves to Python a second weight set and a
+    float64 stream."""
+    half = dtype in (torch.bfloat16, torch.float16)
+    for shape, x, r, _ in _front_door_inputs("layer_norm", dtype):
+        n = shape[-1]
+        w, b = torch.randn(n).to(dtype), torch.randn(n).to(dtype)
+        for rms, residual, masks, eps, own, stream in itertools.product(
+            [False, True], [False, True], [False, True], [None, 1e-3], [False, True],
+            [None, torch.float32] if half else [None],
+        ):  # fmt: skip
+            kw = {"rms": rms, "return_dropout_mask": masks, "eps": eps, "residual_dtype": stream}
+            if residual:
+                kw["residual"] = r if stream is None else r.to(stream)
+            if own:
+                kw["out_dtype"] = dtype
+                kw["residual_dtype"] = stream or dtype
+            case = (shape, rms, residual, masks, eps, own, stream)
+            fast, slow = _fused_both_ways(
+                monkeypatch, python_fused_norms, x, n, w, None if rms else b, **kw
+            )
+            assert not fast[2] and slow[2], case  # taken by C++ / run by Python
+            _assert_same_run(fast, slow, case)
+        base = {"x": x, "r": r, "w": w, "b": b}
+        for rms, leaves, stream in itertools.product(
+            [False, True], [("x", "r", "w", "b"), ("x",), ("r",), ("w",)],
+            [None, torch.float32] if half else [None],
+        ):  # fmt: skip
+            inputs = {k: v for k, v in base.items() if not (rms and k == "b")}
+            if stream is not None:
+                inputs["r"] = inputs["r"].to(stream)
+            kw = {"rms": rms, "residual": True}
+            runs = [_fused_gradients(monkeypatch, python_fused_norms, fast, inputs, leaves, n,
+                                     **dict(kw)) for fast in (True, False)]  # fmt: skip
+            assert not runs[0][1] and runs[1][1], (shape, rms, leaves)
+            for a, c in zip(runs[0][0], runs[1][0], strict=True):
+                assert (a is None) == (c is None) and (a is None or torch.equal(a, c)), leaves
+    x = torch.randn(3, 16).to(dtype)
+    wider = {torch.float64: (), torch.float32: (torch.float64,)}.get(dtype, (torch.float64,))
+    for kw in [{"weight1": torch.randn(16).to(dtype)}, *({"residual_dtype": t} for t in wider)]:
+        fast, slow = _fused_both_ways(monkeypatch, python_fused_norms, x, 16, None, None, **kw)
+        assert fast[2] and slow[2], kw.keys()
+        _assert_same_run(fast, slow, kw.keys())
+
+
 def test_fused_front_door_node_hands_python_what_it_was_not_built_for(
     in_use, monkeypatch, python_dropout_adds
 ):

@@ -41,7 +41,8 @@
 // fused(...) is the front door of layernorm.fused_norm (its arguments, in its order) for
 // the call with dropout, x1 or a rowscale: the seed draw, the numba dropout-add entry
 // (with a C++ autograd node, DropoutAddBackward) and the norm of h per weight set, as
-// fused_norm runs them; every other call gets None.
+// fused_norm runs them; without them, the norm's front door on x (and the residual);
+// every other call gets None.
 // norm_linear(...) is the front door of layernorm.layer_norm_linear with a gradient: the
 // norm's forward kernel and at::linear, recorded by a NormLinearBackward node in the
 // place of Python's NormLinear; every other call gets None.
@@ -54,6 +55,7 @@
 #include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Generator.h>
@@ -1477,10 +1479,68 @@ struct DropoutAddBackward : public torch::autograd::Node {
     }
 };
 
+// fused_norm's call without a dropout-add (dropout_p 0, no x1 or rowscale) and one weight
+// set, through the norm's front door (the same checks, kernels and autograd), as
+// fused_norm makes it: h = x + residual by add_*, or x itself (residual_out None), in x's
+// dtype; in a float32 stream of 16-bit x (options.residual_stream), h = x + residual,
+// one IEEE addition of exact terms (autograd records it), or x converted, and y the norm
+// of h rounded into x's dtype, with a -0.0 residual where autograd records the call (h +
+// -0.0 = h: the stream's gradient inside the kernel's rounding); the masks all True
+// where asked. None where that door declines (fused_norm then runs the call).
+PyObject* fused_as_norm(PyObject* const* args, const Tensor& x, const Tensor& residual,
+                        const Tensor& weight, const Tensor& bias, at::ScalarType stream,
+                        double eps, bool want_masks) {
+    using Ref = std::unique_ptr<PyObject, decltype(&Py_DecRef)>;
+    Ref eps_object(PyFloat_FromDouble(eps), Py_DecRef);  // (None resolved as fused_norm does)
+    if (!eps_object) return nullptr;
+    Tensor h;  // the stream's, formed here
+    Ref done(nullptr, Py_DecRef);
+    if (stream == x.scalar_type()) {
+        PyObject* norm_args[8] = {args[0], args[6], args[1], args[2], args[3],
+                                  eps_object.get(), args[5], Py_None};
+        done.reset(norm(nullptr, norm_args, 8));
+    } else {
+        h = residual.defined() ? at::add(x, residual) : x.to(stream);
+        Tensor zero;
+        if (residual.defined() && torch::GradMode::is_enabled() &&
+            (x.requires_grad() || residual.requires_grad() || requires_grad(weight) ||
+             requires_grad(bias)))  // (_op.records_gradient)
+            zero = at::full_like(h, -0.0);
+        Ref h_object(THPVariable_Wrap(h), Py_DecRef), zero_object(wrap_or_none(zero), Py_DecRef);
+        Ref offset(PyFloat_FromDouble(0.0), Py_DecRef), mode(PyLong_FromLong(0), Py_DecRef);
+        if (!h_object || !zero_object || !offset || !mode) return nullptr;
+        PyObject* y_dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(x.scalar_type()));
+        PyObject* norm_args[14] = {h_object.get(), zero_object.get(), args[1], args[2],
+                                   args[3], eps_object.get(), args[5], Py_None, offset.get(),
+                                   mode.get(), Py_None, Py_None, y_dtype, Py_False};
+        done.reset(norm(nullptr, norm_args, 14));
+    }
+    if (!done || done.get() == Py_None) return done.release();
+    PyObject* residual_out = PyTuple_GET_ITEM(done.get(), 1);
+    Tensor mask0;  // p = 0 keeps every element
+    if (want_masks) mask0 = at::ones(x.sizes(), at::TensorOptions().dtype(at::kBool));
+    PyObject* result = PyTuple_New(5);
+    if (result == nullptr) return nullptr;
+    PyObject* y = PyTuple_GET_ITEM(done.get(), 0);
+    Py_INCREF(y);
+    PyTuple_SET_ITEM(result, 0, y);
+    PyTuple_SET_ITEM(result, 1, wrap_or_none(Tensor()));  // y1: no weight1
+    if (residual_out == Py_None && h.defined()) {
+        PyTuple_SET_ITEM(result, 2, THPVariable_Wrap(h));  // (the stream without -0.0 added)
+    } else {
+        Py_INCREF(residual_out);
+        PyTuple_SET_ITEM(result, 2, residual_out);
+    }
+    PyTuple_SET_ITEM(result, 3, wrap_or_none(mask0));
+    PyTuple_SET_ITEM(result, 4, wrap_or_none(Tensor()));  // mask1: no x1
+    return result;
+}
+
 // fused(x, normalized_shape, weight, bias, eps, rms, residual, x1, weight1, bias1,
 // dropout_p, rowscale, seed, generator, residual_dtype, out_dtype, offset,
 // return_dropout_mask, backend), layernorm.fused_norm's arguments in its order, is its
-// front door for the call with dropout, x1 or a rowscale: plain contiguous CPU tensors
+// front door for the call with dropout, x1 or a rowscale (and, by fused_as_norm, for
+// the call without them): plain contiguous CPU tensors
 // of x's dtype and shape (x1, residual) and plain (N,) parameters, an int or 1-tuple
 // normalized_shape, a float dropout_p in [0, 1), an int64 seed or None, a float or None
 // eps, bools rms and return_dropout_mask, out_dtype None or x's own, residual_dtype None
@@ -1563,13 +1623,18 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     const bool rms = rms_object == Py_True, want_masks = masks_object == Py_True;
     const bool grad_mode = torch::GradMode::is_enabled();
     if ((rms && (bias.defined() || bias1.defined())) ||  // fused_norm raises
-        (bias1.defined() && !weight1.defined()) || (grad_mode && requires_grad(rowscale)) ||
-        (p == 0 && !x1.defined() && !rowscale.defined()))  // h = x + residual: add_*
+        (bias1.defined() && !weight1.defined()) || (grad_mode && requires_grad(rowscale)))
         Py_RETURN_NONE;
     const double eps = eps_object != Py_None ? PyFloat_AS_DOUBLE(eps_object)
                        : rms                 ? state.default_eps[d]
                                              : state.layer_norm_eps;
     if (!(eps >= 0)) Py_RETURN_NONE;
+    if (p == 0 && !x1.defined() && !rowscale.defined()) {
+        // no dropout-add: h is x + residual (or x itself), as add_* (the norm) makes it
+        if (weight1.defined() || mechanism_active({&x, &residual, &weight, &bias}))
+            Py_RETURN_NONE;  // (y1: Python's)
+        return fused_as_norm(args, x, residual, weight, bias, stream, eps, want_masks);
+    }
     if (mechanism_active({&x, &residual, &x1, &weight, &bias, &weight1, &bias1, &rowscale}))
         Py_RETURN_NONE;
     // whether autograd records the dropout-add (fused's _op.records_gradient(x, x1, residual))
