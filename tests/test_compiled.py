@@ -943,11 +943,13 @@ def test_options_front_door_takes_the_norm_of_a_wider_residual_stream(
                     loss = sum((o.double() * torch.randn(o.shape, dtype=torch.float64)).sum()
                                for o in got)  # fmt: skip
                     got += torch.autograd.grad(loss, (x_in, r_in))
-                # options.norm runs the stream (once); again for its norm unless C++ did
-                results.append(([_bits(g.detach()).clone() for g in got], len(seen) == 1))
-            (fast_out, fast_taken), (slow_out, _) = results
+                # options.norm runs the stream (once); again for its norm unless C++ did;
+                # not at all where C++ runs the whole call (a float32 stream of 16-bit x)
+                results.append(([_bits(g.detach()).clone() for g in got], len(seen)))
+            (fast_out, fast_calls), (slow_out, _) = results
             case = (shape, rdtype, extra, grad)
-            assert fast_taken, case
+            whole = rdtype == torch.float32 and dtype != torch.float32 and not extra
+            assert fast_calls == (0 if whole else 1), case
             for a, c in zip(fast_out, slow_out, strict=True):
                 assert torch.equal(a, c), case
 
@@ -1293,6 +1295,64 @@ def test_fused_front_door_takes_the_call_without_a_dropout_add(
         fast, slow = _fused_both_ways(monkeypatch, python_fused_norms, x, 16, None, None, **kw)
         assert fast[2] and slow[2], kw.keys()
         _assert_same_run(fast, slow, kw.keys())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("op", ["add_layer_norm", "add_rms_norm"])
+def test_add_front_door_takes_a_float32_stream(in_use, monkeypatch, op, dtype):
+    """add_*'s float32 residual of 16-bit x (flash-attn's and quack's stream), with
+    ``residual_dtype=torch.float32`` or without options, goes to C++
+    (``options._stream_front_door``: ``compiled.fused`` without a dropout-add) instead of
+    ``options.residual_stream``: y, residual_out and every gradient bitwise the Python
+    path's, on 1-D, 3-D and 4-D inputs, with and without parameters; with other options
+    Python runs it."""
+    from layernorm import ops, options
+
+    seen = []
+    python_stream = options.residual_stream
+    monkeypatch.setattr(
+        options, "residual_stream", lambda *a, **k: seen.append(1) or python_stream(*a, **k)
+    )
+    function = getattr(layernorm, op)
+    rms = op == "add_rms_norm"
+    for shape, x, _, params in _front_door_inputs(op.removeprefix("add_"), dtype):
+        n = shape[-1]
+        r32 = torch.randn(shape)
+        for kw, affine, grad in itertools.product(
+            [{}, {"residual_dtype": torch.float32}, {"out_dtype": dtype}], [False, True],
+            [False, True],
+        ):  # fmt: skip
+            runs = []
+            for fast in (True, False):
+                monkeypatch.setattr(ops, "FAST_PATHS", fast)
+                leaves = [t.clone().requires_grad_(grad) for t in (x, r32, *params)]
+                p = leaves[2:] if affine else [None] * len(params)
+                del seen[:]
+                y, h = function(leaves[0], leaves[1], (n,), *p, **kw)
+                outs = [y, h]
+                if grad:
+                    used = leaves if affine else leaves[:2]
+                    g = torch.Generator().manual_seed(2)
+                    loss = (
+                        y.double() * torch.randn(y.shape, generator=g, dtype=torch.float64)
+                    ).sum()
+                    loss = (
+                        loss
+                        + (
+                            h.double() * torch.randn(h.shape, generator=g, dtype=torch.float64)
+                        ).sum()
+                    )
+                    outs += torch.autograd.grad(loss, used)
+                runs.append(([_bits(t.detach()) for t in outs], bool(seen)))
+            case = (shape, kw, affine, grad, rms)
+            assert not runs[0][1] and runs[1][1], case  # taken by C++ / run by Python
+            for a, b in zip(runs[0][0], runs[1][0], strict=True):
+                assert torch.equal(a, b), case
+    monkeypatch.setattr(ops, "FAST_PATHS", True)
+    x, r32 = torch.randn(3, 8).to(dtype), torch.randn(3, 8)
+    del seen[:]
+    function(x, r32, 8, torch.ones(8), offset=1.0)
+    assert seen  # (an option the stream's door does not take)
 
 
 def test_fused_front_door_node_hands_python_what_it_was_not_built_for(

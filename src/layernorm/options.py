@@ -161,16 +161,20 @@ def _front_door(
     kernel call, where each is one IEEE operation (an offset that is a float32 value, and
     for the one rounding and "gemma" a weight of float32 values or a float64
     computation), the kernels writing into ``out`` and ``residual_out`` where
-    :func:`write_into` would (not with "llama"). None for every other call, before any
+    :func:`write_into` would (not with "llama"); a residual of another dtype than
+    ``x``'s: :func:`_stream_front_door`. None for every other call, before any
     work (or with the fast paths off, ``ops.FAST_PATHS``, or under ``torch.compile``):
     :func:`norm` then runs it, or raises."""
     if not ops.FAST_PATHS or torch.compiler.is_compiling():
         return None
+    if isinstance(residual, Tensor) and isinstance(x, Tensor) and residual.dtype != x.dtype:
+        return _stream_front_door(x, residual, normalized_shape, weight, bias, eps, rms,
+                                  backend, options)  # fmt: skip
     mode = options.get("casting_mode")
     if not (_FRONT_DOOR_OPTIONS.issuperset(options) and isinstance(x, Tensor)):
         return None
-    if residual is not None and not (isinstance(residual, Tensor) and residual.dtype == x.dtype):
-        return None  # (a stream of its own dtype: norm's residual_stream, which comes back)
+    if residual is not None and not isinstance(residual, Tensor):
+        return None
     if not (mode is None or type(mode) is str) or mode not in _FRONT_DOOR_MODES:
         return None
     memory_efficient = options.get("memory_efficient", False)
@@ -203,6 +207,42 @@ def _front_door(
         return norm(op, x, residual, normalized_shape, weight, bias, eps, rms, backend, **options)
     return out
 
+
+def _stream_front_door(
+    x: Tensor,
+    residual: Tensor,
+    normalized_shape: ops.ShapeLike,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float | None,
+    rms: bool,
+    backend: str | None,
+    options: dict[str, Any],
+) -> tuple[Tensor, Tensor | None] | None:
+    """:func:`residual_stream`'s call in C++ for a float32 residual of 16-bit ``x``
+    (flash-attn's ``residual_in_fp32``), its only options a ``residual_dtype`` of None or
+    float32 and an ``out_dtype`` of None or ``x``'s: ``compiled.fused`` without a
+    dropout-add runs the same composition (``h = x + residual``, one IEEE addition, then
+    the norm of ``h`` rounded into ``x``'s dtype, with a ``-0.0`` residual where a
+    gradient is recorded) through the norm's front door; ``eps=None`` by ``x``'s rule,
+    as here. None for every other call (:func:`norm` then runs it, or raises)."""
+    rdtype, y_dtype = options.get("residual_dtype"), options.get("out_dtype")
+    if not (
+        _STREAM_FRONT_DOOR_OPTIONS.issuperset(options)
+        and residual.dtype == torch.float32
+        and rdtype in (None, torch.float32)
+        and y_dtype in (None, x.dtype)
+    ):
+        return None
+    done = _compiled.fused(
+        x, normalized_shape, weight, bias, eps, rms, residual, None, None, None, 0.0, None,
+        None, None, torch.float32, None, 0.0, False, backend,
+    )  # fmt: skip
+    return None if done is None else (done[0], done[2])
+
+
+#: the options :func:`_stream_front_door` takes
+_STREAM_FRONT_DOOR_OPTIONS = frozenset(("residual_dtype", "out_dtype"))
 
 #: the options :func:`_front_door` takes
 _FRONT_DOOR_OPTIONS = frozenset(
