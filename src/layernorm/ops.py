@@ -207,8 +207,12 @@ def _norm(
     if FAST_PATHS and not compiling and out_dtype is None:
         # the common call, when no mechanism would see it: checked and run in C++
         out = _compiled.norm(x, residual, normalized_shape, weight, bias, eps, rms, backend)
-        stream = isinstance(residual, Tensor) and isinstance(x, Tensor)
-        if out is None and stream and residual.dtype != x.dtype:  # a float32 one: C++ too
+        if (
+            out is None
+            and isinstance(residual, Tensor)
+            and isinstance(x, Tensor)
+            and residual.dtype != x.dtype
+        ):  # a residual stream of its own dtype: a float32 one in C++ too
             out = _options._stream_front_door(
                 x, residual, normalized_shape, weight, bias, eps, rms, backend, {}
             )  # fmt: skip
