@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import layernorm
 from layernorm.report import benchmark
@@ -126,6 +127,25 @@ def test_small_calls_script_measures_both_providers():
     assert (args.dtype, args.threads, args.rounds, args.breakdown) == ("bfloat16", 1, 31, True)
     with pytest.raises(SystemExit):  # an unknown flag stops before any timing
         small_calls.parse_args(["--rows", "3"])
+
+
+def test_fused_options_script_measures_every_case(monkeypatch):
+    # every case of benchmarks/fused_options.py runs both calls (and their backward) on a
+    # tiny shape and prints its ratio line; a broken case would only show when someone
+    # benchmarks
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(
+        "fused_options", ROOT / "benchmarks" / "fused_options.py"
+    )
+    fused_options = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fused_options)
+    for name in fused_options.CASES:
+        for dtype in (torch.float32, torch.bfloat16):
+            line = fused_options.measure(name, (2, 8), dtype, rounds=1)
+            assert line.startswith(f"{name} (2, 8) {str(dtype)[6:]}: inference torch"), line
+            assert line.endswith("x)") and ("forward+backward" in line) == (name != "out")
+    args = fused_options.parse_args(["--cases", "rowscale", "--clock", "cpu"])
+    assert (args.cases, args.clock, args.dtype) == ("rowscale", "cpu", "float32")
 
 
 def test_kernel_ab_script_compares_two_revisions(capsys):
