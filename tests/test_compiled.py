@@ -1355,6 +1355,83 @@ def test_add_front_door_takes_a_float32_stream(in_use, monkeypatch, op, dtype):
     assert seen  # (an option the stream's door does not take)
 
 
+@pytest.fixture
+def python_fused_checks(monkeypatch):
+    """The calls of ``fused._check_same`` (the first of fused_norm's Python checks) during
+    a test: none where the compiled front door took a ``fused_norm`` call."""
+    from layernorm import fused
+
+    seen = []
+    check = fused._check_same
+    monkeypatch.setattr(fused, "_check_same", lambda *a, **k: seen.append(1) or check(*a, **k))
+    return seen
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_front_door_takes_an_offset_and_an_out_dtype(
+    in_use, monkeypatch, python_fused_checks, dtype
+):
+    """An ``offset`` (flash-attn's ``zero_centered_weight``, quack's ``weight_offset``) or
+    another ``out_dtype`` than x's: the front door runs the dropout-add and the norm of h
+    with those options through the norm's door (an offset that is a float32 value, y as
+    narrow as h or narrower) or fused_norm's own ``_norm`` (an offset of 0.1, a wider
+    float32 y: ``compiled._norm_of_h``). Every output, mask and
+    gradient bitwise the Python path's, the generator in the same state; 1-D, 3-D and 4-D
+    inputs, with dropout, x1, a rowscale or none of them, a residual, a second weight set,
+    narrower and wider out_dtypes; an option's error is Python's, after the dropout-add
+    as there."""
+    for shape, x, r, _ in _front_door_inputs("layer_norm", dtype):
+        n = shape[-1]
+        x1, rs = torch.randn(shape).to(dtype), torch.rand(shape[:-1]) + 0.5
+        w, b, w1 = (torch.randn(n).to(dtype) for _ in range(3))
+        for block, residual, weights1, offset, out_dtype, rms in itertools.product(
+            ["dropout", "x1", "rowscale", None], [False, True], [False, True], [0.0, 1.0, 0.1],
+            [None, torch.bfloat16, torch.float32], [False, True],
+        ):  # fmt: skip
+            if (offset == 0.0 and out_dtype in (None, dtype)) or (weights1 and block is None):
+                continue  # (the other front door tests' calls; y1 without a block: Python's)
+            kw = {"rms": rms, "offset": offset, "out_dtype": out_dtype, "return_dropout_mask": True}
+            kw.update(
+                dropout_p=0.2 if block == "dropout" else 0.0,
+                x1=x1 if block == "x1" else None,
+                rowscale=rs if block == "rowscale" else None,
+                residual=r if residual else None,
+                weight1=w1 if weights1 else None,
+            )
+            case = (shape, block, residual, weights1, offset, out_dtype, rms)
+            fast, slow = _fused_both_ways(
+                monkeypatch, python_fused_checks, x, n, w, None if rms else b, **kw
+            )
+            assert not fast[2] and slow[2], case  # taken by C++ / run by Python
+            _assert_same_run(fast, slow, case)
+        base = {"x": x, "r": r, "x1": x1, "w": w, "b": b, "w1": w1}
+        for block, offset, out_dtype, leaves in itertools.product(
+            ["dropout", "x1", None], [0.0, 1.0], [None, torch.bfloat16],
+            [("x", "r", "x1", "w", "b", "w1"), ("x",), ("w",)],
+        ):  # fmt: skip
+            if offset == 0.0 and out_dtype in (None, dtype):
+                continue
+            kw = {"dropout_p": 0.2 if block == "dropout" else 0.0, "residual": True,
+                  "x1": block == "x1", "weight1": block is not None, "offset": offset,
+                  "out_dtype": out_dtype}  # fmt: skip
+            case = (shape, block, offset, out_dtype, leaves)
+            runs = [_fused_gradients(monkeypatch, python_fused_checks, fast, base, leaves, n,
+                                     **dict(kw)) for fast in (True, False)]  # fmt: skip
+            assert not runs[0][1] and runs[1][1], case
+            for a, c in zip(runs[0][0], runs[1][0], strict=True):
+                assert (a is None) == (c is None) and (a is None or torch.equal(a, c)), case
+    from layernorm import ops
+
+    x, draws = torch.randn(3, 16).to(dtype), []
+    for fast in (True, False):
+        monkeypatch.setattr(ops, "FAST_PATHS", fast)
+        torch.manual_seed(3)
+        with pytest.raises(ValueError, match=r"offset=1.0 needs a weight"):
+            layernorm.fused_norm(x, 16, dropout_p=0.2, offset=1.0)
+        draws.append(torch.randint(1 << 30, (2,)))
+    assert torch.equal(*draws)  # the seed drawn before the error, on either path
+
+
 def test_fused_front_door_node_hands_python_what_it_was_not_built_for(
     in_use, monkeypatch, python_dropout_adds
 ):
@@ -1412,13 +1489,12 @@ def test_fused_front_door_leaves_other_calls_to_python(in_use, monkeypatch, pyth
     w, b = torch.randn(16), torch.randn(16)
     cases = {
         "residual_dtype": {"dropout_p": 0.2, "residual_dtype": torch.float64},
-        "out_dtype": {"dropout_p": 0.2, "out_dtype": torch.bfloat16},
         "residual_dtype of the residual's": {
             "dropout_p": 0.2,
             "residual": r.double(),
             "residual_dtype": torch.float64,
         },
-        "offset": {"dropout_p": 0.2, "offset": 1.0},
+        "int offset": {"dropout_p": 0.2, "offset": 1},
         "backend": {"dropout_p": 0.2, "backend": "numba"},
         "int p": {"x1": x1, "dropout_p": 0},
         "p = 1": {"dropout_p": 1.0},

@@ -205,6 +205,7 @@ struct State {
     int64_t seed_draw_high = 0;  // _philox.SEED_DRAW_HIGH: a seed drawn is below it
     PyObject* dropout_constants = nullptr;  // compiled._dropout_constants: p -> (s, p32)
     PyObject* dropout_gradients = nullptr;  // compiled._dropout_gradients: Python's backward
+    PyObject* norm_of_h = nullptr;  // compiled._norm_of_h: fused_norm's norm with options
     double layer_norm_eps = 0;              // _op.LAYER_NORM_EPS: fused_norm's eps=None
     PyObject* memory_efficient_gradients = nullptr;  // recompute.gradients: torch's ops
     PyObject* norm_linear_gradients = nullptr;       // recompute.norm_linear_gradients
@@ -1479,6 +1480,65 @@ struct DropoutAddBackward : public torch::autograd::Node {
     }
 };
 
+// Whether every value of `narrow` is one of `wide` (options.holds: _WIDER's table).
+bool holds(at::ScalarType wide, at::ScalarType narrow) {
+    return wide == narrow || wide == at::kDouble ||
+           (wide == at::kFloat && (narrow == at::kHalf || narrow == at::kBFloat16));
+}
+
+using PyRef = std::unique_ptr<PyObject, decltype(&Py_DecRef)>;
+
+// fused_norm's norm of h with an offset or y in another dtype than x's (fused._norm: the
+// public function with those options), as (y, h), h the add's residual_out with a
+// residual (the parameters, shape and rms as fused_norm's arguments): through the norm's
+// front door where options._front_door would hand the call to it (an offset that is a
+// float32 value, y in h's dtype or a narrower one: the same arguments), else, or where
+// that door declines, compiled._norm_of_h (fused._norm itself).
+std::tuple<Tensor, Tensor> norm_with_options(const Tensor& h, const Tensor& residual,
+                                             PyObject* shape, int64_t n, PyObject* weight,
+                                             PyObject* bias, double eps, PyObject* rms,
+                                             double offset, PyObject* out_dtype_object) {
+    const auto out_dtype = reinterpret_cast<THPDtype*>(out_dtype_object)->scalar_type;
+    if (float32_value(offset) &&
+        (out_dtype == h.scalar_type() || !holds(out_dtype, h.scalar_type()))) {
+        PyRef h_object(THPVariable_Wrap(h), Py_DecRef);
+        PyRef residual_object(wrap_or_none(residual), Py_DecRef);
+        PyRef eps_object(PyFloat_FromDouble(eps), Py_DecRef);
+        PyRef offset_object(PyFloat_FromDouble(offset), Py_DecRef);
+        PyRef mode(PyLong_FromLong(ONE_ROUNDING), Py_DecRef);
+        if (!h_object || !residual_object || !eps_object || !offset_object || !mode)
+            throw python_error();
+        PyObject* y_dtype = out_dtype == h.scalar_type() ? Py_None : out_dtype_object;
+        PyObject* norm_args[14] = {h_object.get(), residual_object.get(), shape, weight, bias,
+                                   eps_object.get(), rms, Py_None, offset_object.get(),
+                                   mode.get(), Py_None, Py_None, y_dtype, Py_False};
+        PyRef done(norm(nullptr, norm_args, 14), Py_DecRef);
+        if (!done) throw python_error();
+        if (done.get() != Py_None) {
+            PyObject* residual_out = PyTuple_GET_ITEM(done.get(), 1);
+            return {THPVariable_Unpack(PyTuple_GET_ITEM(done.get(), 0)),
+                    residual_out == Py_None ? h : THPVariable_Unpack(residual_out)};
+        }
+    }
+    return call_python<std::tuple<Tensor, Tensor>>(
+        state.norm_of_h, h, n, pybind11::handle(weight), pybind11::handle(bias), eps,
+        rms == Py_True, offset, pybind11::handle(out_dtype_object), as_optional(residual));
+}
+
+// fused's result, FusedNorm's fields: (y, y1, residual_out, dropout_mask, dropout_mask1),
+// an undefined tensor None.
+PyObject* fused_result(const Tensor& y, const Tensor& y1, const Tensor& residual_out,
+                       const Tensor& mask0, const Tensor& mask1) {
+    PyObject* result = PyTuple_New(5);
+    if (result == nullptr) return nullptr;
+    PyTuple_SET_ITEM(result, 0, THPVariable_Wrap(y));
+    PyTuple_SET_ITEM(result, 1, wrap_or_none(y1));
+    PyTuple_SET_ITEM(result, 2, wrap_or_none(residual_out));
+    PyTuple_SET_ITEM(result, 3, wrap_or_none(mask0));
+    PyTuple_SET_ITEM(result, 4, wrap_or_none(mask1));
+    return result;
+}
+
 // fused_norm's call without a dropout-add (dropout_p 0, no x1 or rowscale) and one weight
 // set, through the norm's front door (the same checks, kernels and autograd), as
 // fused_norm makes it: h = x + residual by add_*, or x itself (residual_out None), in x's
@@ -1490,7 +1550,7 @@ struct DropoutAddBackward : public torch::autograd::Node {
 PyObject* fused_as_norm(PyObject* const* args, const Tensor& x, const Tensor& residual,
                         const Tensor& weight, const Tensor& bias, at::ScalarType stream,
                         double eps, bool want_masks) {
-    using Ref = std::unique_ptr<PyObject, decltype(&Py_DecRef)>;
+    using Ref = PyRef;
     Ref eps_object(PyFloat_FromDouble(eps), Py_DecRef);  // (None resolved as fused_norm does)
     if (!eps_object) return nullptr;
     Tensor h;  // the stream's, formed here
@@ -1519,46 +1579,36 @@ PyObject* fused_as_norm(PyObject* const* args, const Tensor& x, const Tensor& re
     PyObject* residual_out = PyTuple_GET_ITEM(done.get(), 1);
     Tensor mask0;  // p = 0 keeps every element
     if (want_masks) mask0 = at::ones(x.sizes(), at::TensorOptions().dtype(at::kBool));
-    PyObject* result = PyTuple_New(5);
-    if (result == nullptr) return nullptr;
-    PyObject* y = PyTuple_GET_ITEM(done.get(), 0);
-    Py_INCREF(y);
-    PyTuple_SET_ITEM(result, 0, y);
-    PyTuple_SET_ITEM(result, 1, wrap_or_none(Tensor()));  // y1: no weight1
-    if (residual_out == Py_None && h.defined()) {
-        PyTuple_SET_ITEM(result, 2, THPVariable_Wrap(h));  // (the stream without -0.0 added)
-    } else {
-        Py_INCREF(residual_out);
-        PyTuple_SET_ITEM(result, 2, residual_out);
-    }
-    PyTuple_SET_ITEM(result, 3, wrap_or_none(mask0));
-    PyTuple_SET_ITEM(result, 4, wrap_or_none(Tensor()));  // mask1: no x1
-    return result;
+    // (the stream's h without -0.0 added where the norm returned none)
+    return fused_result(THPVariable_Unpack(PyTuple_GET_ITEM(done.get(), 0)), Tensor(),
+                        residual_out != Py_None ? THPVariable_Unpack(residual_out) : h, mask0,
+                        Tensor());
 }
 
 // fused(x, normalized_shape, weight, bias, eps, rms, residual, x1, weight1, bias1,
 // dropout_p, rowscale, seed, generator, residual_dtype, out_dtype, offset,
 // return_dropout_mask, backend), layernorm.fused_norm's arguments in its order, is its
-// front door for the call with dropout, x1 or a rowscale (and, by fused_as_norm, for
-// the call without them): plain contiguous CPU tensors
-// of x's dtype and shape (x1, residual) and plain (N,) parameters, an int or 1-tuple
-// normalized_shape, a float dropout_p in [0, 1), an int64 seed or None, a float or None
-// eps, bools rms and return_dropout_mask, out_dtype None or x's own, residual_dtype None
-// or x's own or, for 16-bit x, float32 (then a residual is float32: the stream's dtype;
-// the dropout-add's entries of that pair, y and y1 by the kernels of the (float32, x)
-// pair),
-// offset 0.0, a rowscale of (m,) or x's leading shape (a plain CPU tensor of a floating
-// dtype, not requiring grad where grad mode is on: fused_norm raises) or None, a CPU
-// torch.Generator or None, no backend, and no mechanism that would see the call
+// front door for the call with dropout, x1 or a rowscale (and, by fused_as_norm, for the
+// call without them): plain contiguous CPU tensors of x's dtype and shape (x1,
+// residual) and plain (N,) parameters, an int or 1-tuple normalized_shape, a float
+// dropout_p in [0, 1), an int64 seed or None, a float or None eps, bools rms and
+// return_dropout_mask, residual_dtype None or x's own or, for 16-bit x, float32 (then a
+// residual is float32: the stream's dtype; the dropout-add's entries of that pair, y and
+// y1 by the kernels of the (float32, x) pair), a rowscale of (m,) or x's leading shape
+// (a plain CPU tensor of a floating dtype, not requiring grad where grad mode is on:
+// fused_norm raises) or None, a CPU torch.Generator or None, a float offset and a
+// floating out_dtype or None, no backend, and no mechanism that would see the call
 // (forward AD and the transforms are Python's). It runs what fused_norm runs, in its
 // order: the seed drawn (one torch.randint of the generator, by default torch's default
-// CPU generator: fused.py's _seed_tensor), the numba backend's dropout-add entry on h (the
-// same kernel as _numba_dropout.dropout_add, in spans over the threads as _threads lends
-// them), recorded by a DropoutAddBackward node when x, x1 or residual requires grad
-// (EagerDropoutAdd's place), then the norm of h once per weight set, as the norm's front
-// door runs it (NormBackward recorded with a gradient); so the bits, the masks, the
-// gradients and the generator's state are the same. Any other call gets None before any
-// work.
+// CPU generator: fused.py's _seed_tensor), the numba backend's dropout-add entry on h
+// (the same kernel as _numba_dropout.dropout_add, in spans over the threads as _threads
+// lends them), recorded by a DropoutAddBackward node when x, x1 or residual requires
+// grad (EagerDropoutAdd's place), then the norm of h once per weight set, as the norm's
+// front door runs it (NormBackward recorded with a gradient), or with an offset or
+// another out_dtype than x's as fused_norm's own _norm does it (compiled._norm_of_h: the
+// public functions' options, which check and may raise there, after the dropout-add, as
+// in fused_norm); so the bits, the masks, the gradients and the generator's state are
+// the same. Any other call gets None before any work.
 PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     HANDLE_TH_ERRORS
     if (nargs != 19) {
@@ -1568,9 +1618,9 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     PyObject *x_object = args[0], *eps_object = args[4], *rms_object = args[5];
     PyObject *p_object = args[10], *seed_object = args[12], *offset_object = args[16];
     PyObject *masks_object = args[17], *generator_object = args[13];
-    // a backend is Python's; offset 0.0
+    // a backend is Python's
     if (state.resolve == nullptr || args[18] != Py_None ||
-        !PyFloat_CheckExact(offset_object) || PyFloat_AS_DOUBLE(offset_object) != 0 ||
+        !PyFloat_CheckExact(offset_object) ||
         !PyFloat_CheckExact(p_object) || !PyBool_Check(rms_object) ||
         !PyBool_Check(masks_object) ||
         !(eps_object == Py_None || PyFloat_CheckExact(eps_object)) ||
@@ -1596,12 +1646,18 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     const Tensor& x = THPVariable_Unpack(x_object);
     if (!(x.is_cpu() && x.dim() > 0 && x.size(-1) == n && x.is_contiguous())) Py_RETURN_NONE;
     const int d = dtype_index(x.scalar_type());
-    // out_dtype: None or x's own (what None gives here)
-    auto none_or_x_dtype = [&x](PyObject* o) {
-        return o == Py_None ||
-               (THPDtype_Check(o) && reinterpret_cast<THPDtype*>(o)->scalar_type == x.scalar_type());
-    };
-    if (d < 0 || !none_or_x_dtype(args[15])) Py_RETURN_NONE;
+    if (d < 0) Py_RETURN_NONE;
+    // out_dtype: None (x's), or a floating dtype (fused_norm raises for another)
+    PyObject* out_dtype_object = args[15];
+    if (out_dtype_object == Py_None)
+        out_dtype_object = reinterpret_cast<PyObject*>(torch::getTHPDtype(x.scalar_type()));
+    else if (!THPDtype_Check(out_dtype_object) ||
+             !c10::isFloatingType(reinterpret_cast<THPDtype*>(out_dtype_object)->scalar_type))
+        Py_RETURN_NONE;
+    const auto out_dtype = reinterpret_cast<THPDtype*>(out_dtype_object)->scalar_type;
+    const double offset = PyFloat_AS_DOUBLE(offset_object);
+    // an offset, or y in another dtype than x's: the norm of h is Python's (_norm_of_h)
+    const bool options = offset != 0 || out_dtype != x.scalar_type();
     // the stream's dtype (residual_dtype, else the residual's, else x's): x's own, or
     // float32 for 16-bit terms (flash-attn's residual_in_fp32), a residual of it
     at::ScalarType stream = x.scalar_type();
@@ -1631,9 +1687,18 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     if (!(eps >= 0)) Py_RETURN_NONE;
     if (p == 0 && !x1.defined() && !rowscale.defined()) {
         // no dropout-add: h is x + residual (or x itself), as add_* (the norm) makes it
-        if (weight1.defined() || mechanism_active({&x, &residual, &weight, &bias}))
-            Py_RETURN_NONE;  // (y1: Python's)
-        return fused_as_norm(args, x, residual, weight, bias, stream, eps, want_masks);
+        if (weight1.defined() || (options && hd != d) ||
+            mechanism_active({&x, &residual, &weight, &bias}))
+            Py_RETURN_NONE;  // (y1, options in a wider stream: Python's)
+        if (!options)
+            return fused_as_norm(args, x, residual, weight, bias, stream, eps, want_masks);
+        // fused_norm's own norm of h = x, the residual added by add_* (h its residual_out)
+        const auto [y, h] = norm_with_options(x, residual, args[1], n, args[2], args[3], eps,
+                                              rms_object, offset, out_dtype_object);
+        return fused_result(y, Tensor(), residual.defined() ? h : Tensor(),
+                            want_masks ? at::ones(x.sizes(), at::TensorOptions().dtype(at::kBool))
+                                       : Tensor(),
+                            Tensor());
     }
     if (mechanism_active({&x, &residual, &x1, &weight, &bias, &weight1, &bias1, &rowscale}))
         Py_RETURN_NONE;
@@ -1643,7 +1708,8 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     const Tensor h = empty(x.sizes(), stream);
     // y (and y1) in x's dtype: of another stream, by the kernels of the (stream, x) pair,
     // with a gradient recorded here where no profiler would look for the op (as norm)
-    const int yd = hd == d ? -1 : d;
+    // (with options Python's: its entry says whether numba is the automatic backend)
+    const int yd = hd == d || options ? -1 : d;
     if (yd >= 0 && grad_mode && at::hasCallbacks()) Py_RETURN_NONE;
     const int64_t norm_address = entry_for(h, "", FORWARD_SERIAL, yd);
     if (norm_address < 0) Py_RETURN_NONE;
@@ -1713,7 +1779,11 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     }
     // the norm of h per weight set: with a gradient the norm's front door records
     // NormBackward (record_forward), without one it runs the kernel alone
-    auto norm_of_h = [&](const Tensor& w, const Tensor& b) {
+    auto norm_of_h = [&](const Tensor& w, const Tensor& b, PyObject* w_object,
+                         PyObject* b_object) {
+        if (options)  // fused_norm's own norm of h
+            return std::get<0>(norm_with_options(h, Tensor(), args[1], n, w_object, b_object,
+                                                 eps, rms_object, offset, out_dtype_object));
         if (grad_mode && (h.requires_grad() || requires_grad(w) || requires_grad(b)))
             return std::get<0>(record_forward(h, OptionalTensor(), as_optional(w),
                                               as_optional(b), eps, rms, "", at::hasCallbacks(),
@@ -1722,17 +1792,10 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
                            yd)
             .y;
     };
-    const Tensor y = norm_of_h(weight, bias);
+    const Tensor y = norm_of_h(weight, bias, args[2], args[3]);
     Tensor y1;
-    if (weight1.defined()) y1 = norm_of_h(weight1, bias1);
-    PyObject* result = PyTuple_New(5);
-    if (result == nullptr) return nullptr;
-    PyTuple_SET_ITEM(result, 0, THPVariable_Wrap(y));
-    PyTuple_SET_ITEM(result, 1, wrap_or_none(y1));
-    PyTuple_SET_ITEM(result, 2, THPVariable_Wrap(h));
-    PyTuple_SET_ITEM(result, 3, wrap_or_none(mask0));
-    PyTuple_SET_ITEM(result, 4, wrap_or_none(mask1));
-    return result;
+    if (weight1.defined()) y1 = norm_of_h(weight1, bias1, args[8], args[9]);
+    return fused_result(y, y1, h, mask0, mask1);
     END_HANDLE_TH_ERRORS
 }
 
@@ -1969,6 +2032,7 @@ void set_up(pybind11::dict rules) {
     state.seed_draw_high = rules["seed_draw_high"].cast<int64_t>();
     replace(&state.dropout_constants, rules["dropout_constants"]);
     replace(&state.dropout_gradients, rules["dropout_gradients"]);
+    replace(&state.norm_of_h, rules["norm_of_h"]);
     state.layer_norm_eps = rules["layer_norm_eps"].cast<double>();
     replace(&state.memory_efficient_gradients, rules["memory_efficient_gradients"]);
     replace(&state.norm_linear_gradients, rules["norm_linear_gradients"]);

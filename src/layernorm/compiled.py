@@ -323,6 +323,7 @@ def _use(module: ModuleType) -> None:
             "max_bytes": numba_.STREAM_BYTES,
             "dropout_constants": _dropout_constants,
             "dropout_gradients": _dropout_gradients,
+            "norm_of_h": _norm_of_h,
             "layer_norm_eps": _op.LAYER_NORM_EPS,
             "memory_efficient_gradients": recompute.gradients,
             "norm_linear_gradients": recompute.norm_linear_gradients,
@@ -381,6 +382,26 @@ def _dropout_gradients(
     dx, dx1, dresidual = (None if g is None else g.reshape(dh.shape) for g in grads)
     assert dx is not None
     return dx, dx1, dresidual
+
+
+def _norm_of_h(
+    h: torch.Tensor,
+    n: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+    offset: float,
+    out_dtype: torch.dtype,
+    residual: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused``'s norm of ``h`` with an ``offset`` or another ``out_dtype`` than x's:
+    :func:`layernorm.fused._norm` (fused_norm's own, with the public functions' options),
+    over the last dim ``n``, the automatic backend; ``(y, h)``, ``h`` the add's
+    ``residual_out`` with ``residual``."""
+    from . import fused
+
+    return fused._norm(h, (n,), weight, bias, eps, rms, offset, out_dtype, None, residual)
 
 
 def _fix_forward_rows(
