@@ -209,6 +209,22 @@ def generator(x, r, w, b, n):
     return theirs, ours, (x, r, w, b), True
 
 
+def flash_zero_centered(x, r, w, b, n):
+    """flash-attn's ``layer_norm_fn`` with ``zero_centered_weight=True`` (the gain is
+    ``1 + weight``) and dropout, into the residual stream."""
+
+    def theirs():
+        h = F.dropout(x, 0.1) + r
+        return F.layer_norm(h, (n,), w + 1.0, b), h
+
+    def ours():
+        return flash_attn.layer_norm_fn(
+            x, w, b, residual=r, dropout_p=0.1, zero_centered_weight=True, prenorm=True
+        )
+
+    return theirs, ours, (x, r, w, b), True
+
+
 def flash_stream_start(x, r, w, b, n):
     """flash-attn's first block of a float32 stream: ``rms_norm_fn(x, w, None,
     prenorm=True, residual_in_fp32=True)``, no residual yet, no dropout."""
@@ -299,6 +315,7 @@ CASES: dict[str, Case] = {
     "two_weights": two_weights,
     "rowscale": rowscale,
     "generator": generator,
+    "flash_zero_centered": flash_zero_centered,
     "flash_stream_start": flash_stream_start,
     "flash_stream": flash_stream,
     "liger_add": liger_add,
