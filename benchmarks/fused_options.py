@@ -120,15 +120,17 @@ def out_dtype_narrower(x, r, w, b, n):
     )
 
 
+def _stream(x, r32, w, b, n):
+    """Torch's composition of an add into a float32 stream and its layer norm in x's
+    dtype: ``(y, h)``."""
+    h = x.float() + r32
+    return F.layer_norm(h, (n,), w.float(), b.float()).to(x.dtype), h
+
+
 def residual_dtype(x, r, w, b, n):
     r32 = r.detach().float().requires_grad_(r.requires_grad)
-
-    def theirs():
-        h = x.float() + r32
-        return F.layer_norm(h, (n,), w.float(), b.float()).to(x.dtype), h
-
     return (
-        theirs,
+        lambda: _stream(x, r32, w, b, n),
         lambda: layernorm.add_layer_norm(x, r32, (n,), w, b, residual_dtype=torch.float32),
         (x, r32, w, b),
         True,
@@ -244,13 +246,8 @@ def flash_stream_start(x, r, w, b, n):
 def flash_stream(x, r, w, b, n):
     """flash-attn's later blocks: ``layer_norm_fn`` adding into the float32 stream."""
     r32 = r.detach().float().requires_grad_(r.requires_grad)
-
-    def theirs():
-        h = x.float() + r32
-        return F.layer_norm(h, (n,), w.float(), b.float()).to(x.dtype), h
-
     return (
-        theirs,
+        lambda: _stream(x, r32, w, b, n),
         lambda: flash_attn.layer_norm_fn(
             x, w, b, residual=r32, prenorm=True, residual_in_fp32=True
         ),

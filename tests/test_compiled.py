@@ -398,9 +398,15 @@ def options_norm_calls(monkeypatch):
     each: none where the compiled front door took a call."""
     from layernorm import options
 
-    seen = []
-    python_norm = options.norm
-    monkeypatch.setattr(options, "norm", lambda *a, **k: seen.append(1) or python_norm(*a, **k))
+    return _calls_of(monkeypatch, options, "norm")
+
+
+def _calls_of(monkeypatch, module, name: str) -> list[int]:
+    """A list that gets an entry at each call of ``module.name`` during the test (the
+    function wrapped, its results unchanged)."""
+    seen: list[int] = []
+    function = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: seen.append(1) or function(*a, **k))
     return seen
 
 
@@ -960,12 +966,7 @@ def python_dropout_adds(monkeypatch):
     none where the compiled front door took a ``fused_norm`` call."""
     from layernorm import fused
 
-    seen = []
-    python_dropout_add = fused.dropout_add
-    monkeypatch.setattr(
-        fused, "dropout_add", lambda *a, **k: seen.append(1) or python_dropout_add(*a, **k)
-    )
-    return seen
+    return _calls_of(monkeypatch, fused, "dropout_add")
 
 
 def _fused_both_ways(monkeypatch, seen, x, n, weight, bias, **kw):
@@ -1232,20 +1233,17 @@ def test_fused_front_door_saves_the_rowscale_as_python_does(in_use, monkeypatch)
 
 
 @pytest.fixture
-def python_fused_norms(monkeypatch):
-    """The calls of ``fused._norm`` (fused_norm's Python path to the norm of h) during a
-    test: none where the compiled front door took a ``fused_norm`` call."""
+def python_fused_checks(monkeypatch):
+    """The calls of ``fused._check_same`` (the first of fused_norm's Python checks) during
+    a test: none where the compiled front door took a ``fused_norm`` call."""
     from layernorm import fused
 
-    seen = []
-    python_norm = fused._norm
-    monkeypatch.setattr(fused, "_norm", lambda *a, **k: seen.append(1) or python_norm(*a, **k))
-    return seen
+    return _calls_of(monkeypatch, fused, "_check_same")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fused_front_door_takes_the_call_without_a_dropout_add(
-    in_use, monkeypatch, python_fused_norms, dtype
+    in_use, monkeypatch, python_fused_checks, dtype
 ):
     """Without dropout, x1 or a rowscale (flash-attn's ``layer_norm_fn`` as most models
     call it) ``fused_norm`` is the norm of x, or add_*'s of x and the residual, or for
@@ -1271,7 +1269,7 @@ def test_fused_front_door_takes_the_call_without_a_dropout_add(
                 kw["residual_dtype"] = stream or dtype
             case = (shape, rms, residual, masks, eps, own, stream)
             fast, slow = _fused_both_ways(
-                monkeypatch, python_fused_norms, x, n, w, None if rms else b, **kw
+                monkeypatch, python_fused_checks, x, n, w, None if rms else b, **kw
             )
             assert not fast[2] and slow[2], case  # taken by C++ / run by Python
             _assert_same_run(fast, slow, case)
@@ -1284,7 +1282,7 @@ def test_fused_front_door_takes_the_call_without_a_dropout_add(
             if stream is not None:
                 inputs["r"] = inputs["r"].to(stream)
             kw = {"rms": rms, "residual": True}
-            runs = [_fused_gradients(monkeypatch, python_fused_norms, fast, inputs, leaves, n,
+            runs = [_fused_gradients(monkeypatch, python_fused_checks, fast, inputs, leaves, n,
                                      **dict(kw)) for fast in (True, False)]  # fmt: skip
             assert not runs[0][1] and runs[1][1], (shape, rms, leaves)
             for a, c in zip(runs[0][0], runs[1][0], strict=True):
@@ -1292,7 +1290,7 @@ def test_fused_front_door_takes_the_call_without_a_dropout_add(
     x = torch.randn(3, 16).to(dtype)
     wider = {torch.float64: (), torch.float32: (torch.float64,)}.get(dtype, (torch.float64,))
     for kw in [{"weight1": torch.randn(16).to(dtype)}, *({"residual_dtype": t} for t in wider)]:
-        fast, slow = _fused_both_ways(monkeypatch, python_fused_norms, x, 16, None, None, **kw)
+        fast, slow = _fused_both_ways(monkeypatch, python_fused_checks, x, 16, None, None, **kw)
         assert fast[2] and slow[2], kw.keys()
         _assert_same_run(fast, slow, kw.keys())
 
@@ -1353,18 +1351,6 @@ def test_add_front_door_takes_a_float32_stream(in_use, monkeypatch, op, dtype):
     del seen[:]
     function(x, r32, 8, torch.ones(8), offset=1.0)
     assert seen  # (an option the stream's door does not take)
-
-
-@pytest.fixture
-def python_fused_checks(monkeypatch):
-    """The calls of ``fused._check_same`` (the first of fused_norm's Python checks) during
-    a test: none where the compiled front door took a ``fused_norm`` call."""
-    from layernorm import fused
-
-    seen = []
-    check = fused._check_same
-    monkeypatch.setattr(fused, "_check_same", lambda *a, **k: seen.append(1) or check(*a, **k))
-    return seen
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
