@@ -1361,30 +1361,35 @@ def test_fused_front_door_takes_an_offset_and_an_out_dtype(
     another ``out_dtype`` than x's: the front door runs the dropout-add and the norm of h
     with those options through the norm's door (an offset that is a float32 value, y as
     narrow as h or narrower) or fused_norm's own ``_norm`` (an offset of 0.1, a wider
-    float32 y: ``compiled._norm_of_h``). Every output, mask and
-    gradient bitwise the Python path's, the generator in the same state; 1-D, 3-D and 4-D
-    inputs, with dropout, x1, a rowscale or none of them, a residual, a second weight set,
-    narrower and wider out_dtypes; an option's error is Python's, after the dropout-add
-    as there."""
+    float32 y: ``compiled._norm_of_h``). Every output, mask and gradient bitwise the
+    Python path's, the generator in the same state; 1-D, 3-D and 4-D inputs, with
+    dropout, x1, a rowscale or none of them, a residual, a second weight set, narrower
+    and wider out_dtypes, (16-bit x) a float32 stream; an option's error is Python's,
+    after the dropout-add as there."""
     for shape, x, r, _ in _front_door_inputs("layer_norm", dtype):
         n = shape[-1]
         x1, rs = torch.randn(shape).to(dtype), torch.rand(shape[:-1]) + 0.5
         w, b, w1 = (torch.randn(n).to(dtype) for _ in range(3))
-        for block, residual, weights1, offset, out_dtype, rms in itertools.product(
+        half = dtype in (torch.bfloat16, torch.float16)
+        for block, residual, weights1, offset, out_dtype, rms, stream in itertools.product(
             ["dropout", "x1", "rowscale", None], [False, True], [False, True], [0.0, 1.0, 0.1],
             [None, torch.bfloat16, torch.float32], [False, True],
+            [None, torch.float32] if half else [None],
         ):  # fmt: skip
             if (offset == 0.0 and out_dtype in (None, dtype)) or (weights1 and block is None):
                 continue  # (the other front door tests' calls; y1 without a block: Python's)
+            if stream is not None and (block is None or (block == "x1" and not residual)):
+                continue  # (Python's: the options in a stream without a dropout-add, sum3)
             kw = {"rms": rms, "offset": offset, "out_dtype": out_dtype, "return_dropout_mask": True}
             kw.update(
                 dropout_p=0.2 if block == "dropout" else 0.0,
                 x1=x1 if block == "x1" else None,
                 rowscale=rs if block == "rowscale" else None,
-                residual=r if residual else None,
+                residual=None if not residual else r if stream is None else r.to(stream),
                 weight1=w1 if weights1 else None,
+                residual_dtype=stream,
             )
-            case = (shape, block, residual, weights1, offset, out_dtype, rms)
+            case = (shape, block, residual, weights1, offset, out_dtype, rms, stream)
             fast, slow = _fused_both_ways(
                 monkeypatch, python_fused_checks, x, n, w, None if rms else b, **kw
             )
