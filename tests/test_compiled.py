@@ -1378,8 +1378,8 @@ def test_fused_front_door_takes_an_offset_and_an_out_dtype(
         ):  # fmt: skip
             if (offset == 0.0 and out_dtype in (None, dtype)) or (weights1 and block is None):
                 continue  # (the other front door tests' calls; y1 without a block: Python's)
-            if stream is not None and (block is None or (block == "x1" and not residual)):
-                continue  # (Python's: the options in a stream without a dropout-add, sum3)
+            if stream is not None and block == "x1" and not residual:
+                continue  # (Python's: the exact three-term sum into a stream)
             kw = {"rms": rms, "offset": offset, "out_dtype": out_dtype, "return_dropout_mask": True}
             kw.update(
                 dropout_p=0.2 if block == "dropout" else 0.0,

@@ -1540,49 +1540,32 @@ PyObject* fused_result(const Tensor& y, const Tensor& y1, const Tensor& residual
 }
 
 // fused_norm's call without a dropout-add (dropout_p 0, no x1 or rowscale) and one weight
-// set, through the norm's front door (the same checks, kernels and autograd), as
-// fused_norm makes it: h = x + residual by add_*, or x itself (residual_out None), in x's
-// dtype; in a float32 stream of 16-bit x (options.residual_stream), h = x + residual,
-// one IEEE addition of exact terms (autograd records it), or x converted, and y the norm
-// of h rounded into x's dtype, with a -0.0 residual where autograd records the call (h +
-// -0.0 = h: the stream's gradient inside the kernel's rounding); the masks all True
-// where asked. None where that door declines (fused_norm then runs the call).
+// set, as fused_norm makes it: h = x + residual by add_*, or x itself (residual_out
+// None), in x's dtype; in a float32 stream of 16-bit x (options.residual_stream), h = x +
+// residual, one IEEE addition of exact terms (autograd records it), or x converted, and
+// y the norm of h rounded into x's dtype (or out_dtype), with a -0.0 residual where
+// autograd records the call (h + -0.0 = h: the stream's gradient inside the kernel's
+// rounding); the norm by norm_with_options, the offset and out_dtype included; the masks
+// all True where asked.
 PyObject* fused_as_norm(PyObject* const* args, const Tensor& x, const Tensor& residual,
                         const Tensor& weight, const Tensor& bias, at::ScalarType stream,
-                        double eps, bool want_masks) {
-    using Ref = PyRef;
-    Ref eps_object(PyFloat_FromDouble(eps), Py_DecRef);  // (None resolved as fused_norm does)
-    if (!eps_object) return nullptr;
-    Tensor h;  // the stream's, formed here
-    Ref done(nullptr, Py_DecRef);
-    if (stream == x.scalar_type()) {
-        PyObject* norm_args[8] = {args[0], args[6], args[1], args[2], args[3],
-                                  eps_object.get(), args[5], Py_None};
-        done.reset(norm(nullptr, norm_args, 8));
-    } else {
+                        double eps, bool want_masks, double offset, PyObject* out_dtype_object) {
+    Tensor h = x, added = residual;
+    if (stream != x.scalar_type()) {
         h = residual.defined() ? at::add(x, residual) : x.to(stream);
-        Tensor zero;
+        added = Tensor();
         if (residual.defined() && torch::GradMode::is_enabled() &&
             (x.requires_grad() || residual.requires_grad() || requires_grad(weight) ||
              requires_grad(bias)))  // (_op.records_gradient)
-            zero = at::full_like(h, -0.0);
-        Ref h_object(THPVariable_Wrap(h), Py_DecRef), zero_object(wrap_or_none(zero), Py_DecRef);
-        Ref offset(PyFloat_FromDouble(0.0), Py_DecRef), mode(PyLong_FromLong(0), Py_DecRef);
-        if (!h_object || !zero_object || !offset || !mode) return nullptr;
-        PyObject* y_dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(x.scalar_type()));
-        PyObject* norm_args[14] = {h_object.get(), zero_object.get(), args[1], args[2],
-                                   args[3], eps_object.get(), args[5], Py_None, offset.get(),
-                                   mode.get(), Py_None, Py_None, y_dtype, Py_False};
-        done.reset(norm(nullptr, norm_args, 14));
+            added = at::full_like(h, -0.0);
     }
-    if (!done || done.get() == Py_None) return done.release();
-    PyObject* residual_out = PyTuple_GET_ITEM(done.get(), 1);
+    const auto [y, residual_out] =
+        norm_with_options(h, added, args[1], x.size(-1), args[2], args[3], eps, args[5],
+                          offset, out_dtype_object);
     Tensor mask0;  // p = 0 keeps every element
     if (want_masks) mask0 = at::ones(x.sizes(), at::TensorOptions().dtype(at::kBool));
-    // (the stream's h without -0.0 added where the norm returned none)
-    return fused_result(THPVariable_Unpack(PyTuple_GET_ITEM(done.get(), 0)), Tensor(),
-                        residual_out != Py_None ? THPVariable_Unpack(residual_out) : h, mask0,
-                        Tensor());
+    const bool is_x = stream == x.scalar_type() && !residual.defined();  // (fused_norm's)
+    return fused_result(y, Tensor(), is_x ? Tensor() : residual_out, mask0, Tensor());
 }
 
 // fused(x, normalized_shape, weight, bias, eps, rms, residual, x1, weight1, bias1,
@@ -1605,10 +1588,11 @@ PyObject* fused_as_norm(PyObject* const* args, const Tensor& x, const Tensor& re
 // lends them), recorded by a DropoutAddBackward node when x, x1 or residual requires
 // grad (EagerDropoutAdd's place), then the norm of h once per weight set, as the norm's
 // front door runs it (NormBackward recorded with a gradient), or with an offset or
-// another out_dtype than x's as fused_norm's own _norm does it (compiled._norm_of_h: the
-// public functions' options, which check and may raise there, after the dropout-add, as
-// in fused_norm); so the bits, the masks, the gradients and the generator's state are
-// the same. Any other call gets None before any work.
+// another out_dtype than x's as fused_norm's own _norm does it (norm_with_options: the
+// norm's front door with those options, else the public functions' options in Python,
+// which check and may raise there, after the dropout-add, as in fused_norm); so the
+// bits, the masks, the gradients and the generator's state are the same. Any other call
+// gets None before any work.
 PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     HANDLE_TH_ERRORS
     if (nargs != 19) {
@@ -1656,7 +1640,7 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
         Py_RETURN_NONE;
     const auto out_dtype = reinterpret_cast<THPDtype*>(out_dtype_object)->scalar_type;
     const double offset = PyFloat_AS_DOUBLE(offset_object);
-    // an offset, or y in another dtype than x's: the norm of h is Python's (_norm_of_h)
+    // an offset, or y in another dtype than x's: the norm of h by norm_with_options
     const bool options = offset != 0 || out_dtype != x.scalar_type();
     // the stream's dtype (residual_dtype, else the residual's, else x's): x's own, or
     // float32 for 16-bit terms (flash-attn's residual_in_fp32), a residual of it
@@ -1687,18 +1671,10 @@ PyObject* fused(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     if (!(eps >= 0)) Py_RETURN_NONE;
     if (p == 0 && !x1.defined() && !rowscale.defined()) {
         // no dropout-add: h is x + residual (or x itself), as add_* (the norm) makes it
-        if (weight1.defined() || (options && hd != d) ||
-            mechanism_active({&x, &residual, &weight, &bias}))
-            Py_RETURN_NONE;  // (y1, options in a wider stream: Python's)
-        if (!options)
-            return fused_as_norm(args, x, residual, weight, bias, stream, eps, want_masks);
-        // fused_norm's own norm of h = x, the residual added by add_* (h its residual_out)
-        const auto [y, h] = norm_with_options(x, residual, args[1], n, args[2], args[3], eps,
-                                              rms_object, offset, out_dtype_object);
-        return fused_result(y, Tensor(), residual.defined() ? h : Tensor(),
-                            want_masks ? at::ones(x.sizes(), at::TensorOptions().dtype(at::kBool))
-                                       : Tensor(),
-                            Tensor());
+        if (weight1.defined() || mechanism_active({&x, &residual, &weight, &bias}))
+            Py_RETURN_NONE;  // (y1: Python's)
+        return fused_as_norm(args, x, residual, weight, bias, stream, eps, want_masks, offset,
+                             out_dtype_object);
     }
     if (mechanism_active({&x, &residual, &x1, &weight, &bias, &weight1, &bias1, &rowscale}))
         Py_RETURN_NONE;
