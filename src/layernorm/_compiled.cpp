@@ -219,6 +219,8 @@ struct State {
     double default_eps[DTYPES] = {};        // eps=None per dtype: _op.default_eps's values
     at::ScalarType dtypes[DTYPES] = {};      // compiled.DTYPES
     at::ScalarType acc_dtypes[DTYPES] = {};  // their accumulation dtypes (torch_'s rule)
+    // narrower[x][y]: y is an out_dtype narrower than x (options._NARROWER), by index
+    bool narrower[DTYPES][DTYPES] = {};
 };
 State state;
 
@@ -1480,10 +1482,10 @@ struct DropoutAddBackward : public torch::autograd::Node {
     }
 };
 
-// Whether every value of `narrow` is one of `wide` (options.holds: _WIDER's table).
-bool holds(at::ScalarType wide, at::ScalarType narrow) {
-    return wide == narrow || wide == at::kDouble ||
-           (wide == at::kFloat && (narrow == at::kHalf || narrow == at::kBFloat16));
+// Whether out_dtype y is narrower than x (options._NARROWER, handed over by set_up).
+bool narrower(at::ScalarType x, at::ScalarType y) {
+    const int d = dtype_index(x), yd = dtype_index(y);
+    return d >= 0 && yd >= 0 && state.narrower[d][yd];
 }
 
 using PyRef = std::unique_ptr<PyObject, decltype(&Py_DecRef)>;
@@ -1500,7 +1502,7 @@ std::tuple<Tensor, Tensor> norm_with_options(const Tensor& h, const Tensor& resi
                                              double offset, PyObject* out_dtype_object) {
     const auto out_dtype = reinterpret_cast<THPDtype*>(out_dtype_object)->scalar_type;
     if (float32_value(offset) &&
-        (out_dtype == h.scalar_type() || !holds(out_dtype, h.scalar_type()))) {
+        (out_dtype == h.scalar_type() || narrower(h.scalar_type(), out_dtype))) {
         PyRef h_object(THPVariable_Wrap(h), Py_DecRef);
         PyRef residual_object(wrap_or_none(residual), Py_DecRef);
         PyRef eps_object(PyFloat_FromDouble(eps), Py_DecRef);
@@ -1512,7 +1514,9 @@ std::tuple<Tensor, Tensor> norm_with_options(const Tensor& h, const Tensor& resi
         PyObject* norm_args[14] = {h_object.get(), residual_object.get(), shape, weight, bias,
                                    eps_object.get(), rms, Py_None, offset_object.get(),
                                    mode.get(), Py_None, Py_None, y_dtype, Py_False};
-        PyRef done(norm(nullptr, norm_args, 14), Py_DecRef);
+        // (no option: the plain call's 8 arguments, the same path without its checks)
+        const bool plain = offset == 0 && y_dtype == Py_None;
+        PyRef done(norm(nullptr, norm_args, plain ? 8 : 14), Py_DecRef);
         if (!done) throw python_error();
         if (done.get() != Py_None) {
             PyObject* residual_out = PyTuple_GET_ITEM(done.get(), 1);
@@ -1983,6 +1987,12 @@ void set_up(pybind11::dict rules) {
                     acc_dtypes.size() == DTYPES,
                 "set_up: ", DTYPES, " dtypes, their accumulation dtypes and default eps");
     std::copy(default_eps.begin(), default_eps.end(), state.default_eps);
+    const auto narrower = rules["narrower"].cast<std::vector<std::vector<bool>>>();
+    TORCH_CHECK(narrower.size() == DTYPES, "set_up: narrower is ", DTYPES, " x ", DTYPES);
+    for (int d = 0; d < DTYPES; ++d) {
+        TORCH_CHECK(narrower[d].size() == DTYPES, "set_up: narrower is ", DTYPES, " x ", DTYPES);
+        std::copy(narrower[d].begin(), narrower[d].end(), state.narrower[d]);
+    }
     for (int d = 0; d < DTYPES; ++d) {
         TORCH_CHECK(THPDtype_Check(dtypes[d].ptr()) && THPDtype_Check(acc_dtypes[d].ptr()),
                     "set_up: dtypes must be torch.dtype");

@@ -295,7 +295,7 @@ def _load() -> ModuleType | None:
 
 def _use(module: ModuleType) -> None:
     global _extension, _reason, norm, fused, norm_linear
-    from . import _op, backends, recompute
+    from . import _op, backends, options, recompute
     from .backends import _kernel_abi, _numba_recompute, _philox, _threads, numba_
     from .backends.torch_ import accumulation_dtype
 
@@ -333,6 +333,7 @@ def _use(module: ModuleType) -> None:
             "default_eps": [_op.default_eps(dtype) for dtype in DTYPES],
             "dtypes": list(DTYPES),
             "acc_dtypes": [accumulation_dtype(dtype) for dtype in DTYPES],
+            "narrower": [[y in options._NARROWER[x] for y in DTYPES] for x in DTYPES],
         }
     )
     if _extension is None:
